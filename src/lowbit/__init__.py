@@ -1,0 +1,26 @@
+"""lowbit: run Hugging Face causal LMs in low bits (weights, activations, KV cache at 2-8 bits).
+
+The top-level names are imported lazily so that `import lowbit` stays cheap, never imports
+Triton and never initialises CUDA.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LowbitError": "lowbit.errors",
+    "load_model": "lowbit.models.loader",
+    "quantize": "lowbit.quantize",
+    "get_recipe": "lowbit.recipes.registry",
+    "list_recipes": "lowbit.recipes.registry",
+    "evaluate": "lowbit.eval.evaluate",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
