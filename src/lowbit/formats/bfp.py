@@ -1,0 +1,205 @@
+"""Block floating point (BFP) / microscaling integers (MXINT): one 8-bit shared exponent per block.
+
+Format: blocks of ``block_size`` contiguous values along ``axis`` (``None`` = the whole axis;
+it must divide the axis, so a block never straddles rows, tokens or — with ``axis=-1`` on
+``[.., heads, head_dim]`` and a block dividing ``head_dim`` — attention heads). Each value is
+``m * 2**E`` with a signed ``p``-bit mantissa ``m`` in ``[-(2**(p-1) - 1), 2**(p-1) - 1]``
+(symmetric; the code ``-2**(p-1)`` is unused) and a shared exponent ``E``.
+
+Shared exponent rule (``exponent_rule="floor"``, the OCP MX v1.0 reference for MXINT): with
+``amax`` the block's largest magnitude, ``E = floor(log2(amax)) - (p - 2)``, i.e. the
+mantissa is a fixed-point number with one integer bit and ``p - 2`` fraction bits scaled by
+``2**floor(log2(amax))``. ``amax / 2**E`` lies in ``[2**(p-2), 2**(p-1))``, so the largest
+value can round up to ``2**(p-1)`` and saturates to ``2**(p-1) - 1``.
+``exponent_rule="fit"`` instead raises ``E`` by one when that happens (no saturation, at the
+cost of one bit of resolution for the block). Mantissas are rounded half to even.
+
+``E`` is stored as an 8-bit biased code ``E + 127`` in ``[0, 254]``, clamped to that range (so
+an all-zero block, and FP32 subnormals below ``2**-127 * 2**(p-2)``, get ``E = -127``; tiny
+subnormals then round to 0). Code 255 means NaN: a block holding any NaN or ±Inf decodes to NaN
+in every element (integer mantissas cannot express Inf; this is OCP MX's conversion rule).
+
+Members: BFP12 = ``(p=4)``, BFP16 = ``(p=8)`` (seed 001, block size free, e.g. 64);
+MXINT8 = ``(p=8, block 32)``, MXINT4 = ``(p=4, block 32)``: see :data:`BFP_FORMATS`.
+Storage: ``p`` bits per element plus 8 bits per block (BFP12, block 64: 4.125 bits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lowbit.errors import LowbitError
+from lowbit.formats.packing import pack_bits, unpack_bits
+
+__all__ = ["BFP_FORMATS", "BFPQuantized", "bfp_quantize", "bfp_dequantize", "fake_quant_bfp"]
+
+#: name → (mantissa_bits, block_size)
+BFP_FORMATS = {
+    "bfp12": (4, 64),
+    "bfp16": (8, 64),
+    "mxint8": (8, 32),
+    "mxint4": (4, 32),
+}
+
+_EXP_BIAS = 127
+_EXP_NAN = 255
+
+
+def _check(x: Tensor, mantissa_bits: int, exponent_rule: str) -> None:
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+        raise LowbitError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.numel() == 0 or x.dim() == 0:
+        raise LowbitError(f"x is empty or 0-d (shape {tuple(x.shape)}); nothing to quantize")
+    if not isinstance(mantissa_bits, int) or not 2 <= mantissa_bits <= 8:
+        raise LowbitError(f"mantissa_bits must be an integer in 2..8, got {mantissa_bits!r}")
+    if exponent_rule not in ("floor", "fit"):
+        raise LowbitError(f"exponent_rule must be 'floor' or 'fit', got {exponent_rule!r}")
+
+
+def _blocks(x: Tensor, block_size: int | None, axis: int) -> Tensor:
+    """x → [..., n_blocks, block] with ``axis`` moved last."""
+    if not -x.dim() <= axis < x.dim():
+        raise LowbitError(f"axis={axis} is out of range for a {x.dim()}-d tensor")
+    moved = x.movedim(axis, -1)  # [..., L]
+    length = moved.shape[-1]
+    n = length if block_size is None else block_size
+    if not isinstance(n, int) or n < 1 or length % n:
+        raise LowbitError(
+            f"block_size={block_size!r} must be a positive integer dividing the axis length {length}"
+        )
+    return moved.reshape(*moved.shape[:-1], length // n, n)
+
+
+def _unblocks(xb: Tensor, shape: torch.Size, axis: int) -> Tensor:
+    moved = list(shape)
+    moved.append(moved.pop(axis % len(shape)))
+    return xb.reshape(moved).movedim(-1, axis)
+
+
+def bfp_quantize(
+    x: Tensor,
+    mantissa_bits: int,
+    block_size: int | None,
+    *,
+    axis: int = -1,
+    exponent_rule: str = "floor",
+) -> tuple[Tensor, Tensor]:
+    """Mantissas and shared-exponent codes.
+
+    Args:
+        x: float tensor, any shape.
+        mantissa_bits: ``p``, 2..8 (sign included).
+        block_size: values per block along ``axis`` (None = the whole axis).
+        axis: the axis blocks run along.
+        exponent_rule: ``"floor"`` (OCP MX) or ``"fit"`` (see module doc).
+
+    Returns:
+        ``(mantissas, exp_codes)``: int8 ``[..., n_blocks, block]`` (axis moved last) and
+        uint8 ``[..., n_blocks]`` biased exponents (255 = NaN block).
+    """
+    _check(x, mantissa_bits, exponent_rule)
+    xb = _blocks(x.float(), block_size, axis)  # [..., B, n]
+    mmax = 2 ** (mantissa_bits - 1) - 1
+    amax = xb.abs().amax(-1)  # [..., B]; NaN if the block has a NaN, inf if an Inf
+    bad = ~torch.isfinite(amax)
+    _, exp2 = torch.frexp(amax.masked_fill(bad, 0.0))  # amax = f * 2**exp2, f in [0.5, 1)
+    exp = exp2 - 1 - (mantissa_bits - 2)  # floor(log2 amax) - (p - 2)
+    exp = exp.masked_fill_(amax == 0, -_EXP_BIAS).clamp_(-_EXP_BIAS, _EXP_BIAS)
+    if exponent_rule == "fit":
+        top = torch.round(torch.ldexp(amax.masked_fill(bad, 0.0), -exp))
+        exp = torch.where(top > mmax, exp + 1, exp).clamp_(-_EXP_BIAS, _EXP_BIAS)
+    inv = torch.ldexp(torch.ones_like(amax), -exp).unsqueeze(-1)  # [..., B, 1], exact 2**-E
+    mant = torch.round(xb * inv).clamp_(-mmax, mmax)  # [..., B, n]
+    mant = mant.masked_fill_(bad.unsqueeze(-1), 0.0).to(torch.int8)  # NaN/Inf blocks: m = 0
+    codes = (exp + _EXP_BIAS).to(torch.uint8).masked_fill_(bad, _EXP_NAN)
+    return mant, codes
+
+
+def bfp_dequantize(mant: Tensor, exp_codes: Tensor) -> Tensor:
+    """fp32 values ``[..., n_blocks, block]`` from :func:`bfp_quantize`'s outputs."""
+    exp = exp_codes.to(torch.int32) - _EXP_BIAS  # [..., B]
+    scale = torch.ldexp(torch.ones(exp.shape, device=mant.device), exp)
+    scale = scale.masked_fill_(exp_codes == _EXP_NAN, float("nan")).unsqueeze(-1)
+    return mant.float() * scale
+
+
+def fake_quant_bfp(
+    x: Tensor,
+    mantissa_bits: int,
+    block_size: int | None,
+    axis: int = -1,
+    *,
+    exponent_rule: str = "floor",
+) -> Tensor:
+    """BFP quantize then dequantize; same shape and dtype as ``x``; equals
+    ``BFPQuantized.from_float(...).dequantize()`` bit for bit."""
+    mant, codes = bfp_quantize(x, mantissa_bits, block_size, axis=axis, exponent_rule=exponent_rule)
+    return _unblocks(bfp_dequantize(mant, codes), x.shape, axis).to(x.dtype)
+
+
+@dataclass
+class BFPQuantized:
+    """Packed BFP tensor.
+
+    Fields:
+        qdata: uint8 stream of ``p``-bit mantissas offset by ``2**(p-1)``, in the blocked layout
+            ``[..., n_blocks, block]`` (axis moved last) flattened row-major.
+        exponents: uint8 ``[..., n_blocks]`` biased shared exponents (255 = NaN block).
+    """
+
+    qdata: Tensor
+    exponents: Tensor
+    mantissa_bits: int
+    block_size: int | None
+    axis: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @classmethod
+    def from_float(
+        cls,
+        x: Tensor,
+        mantissa_bits: int,
+        block_size: int | None,
+        axis: int = -1,
+        *,
+        exponent_rule: str = "floor",
+    ) -> BFPQuantized:
+        """Quantize and pack ``x`` (arguments as for :func:`bfp_quantize`)."""
+        mant, codes = bfp_quantize(
+            x, mantissa_bits, block_size, axis=axis, exponent_rule=exponent_rule
+        )
+        offset = 2 ** (mantissa_bits - 1)
+        unsigned = (mant.to(torch.int16) + offset).to(torch.uint8).reshape(-1)
+        return cls(
+            qdata=pack_bits(unsigned, mantissa_bits),
+            exponents=codes,
+            mantissa_bits=mantissa_bits,
+            block_size=block_size,
+            axis=axis,
+            shape=x.shape,
+            dtype=x.dtype,
+        )
+
+    def mantissas(self) -> Tensor:
+        """int8 mantissas ``[..., n_blocks, block]``."""
+        n = math.prod(self.shape)
+        unsigned = unpack_bits(self.qdata, self.mantissa_bits, n).to(torch.int16)
+        mant = (unsigned - 2 ** (self.mantissa_bits - 1)).to(torch.int8)
+        return mant.reshape(*self.exponents.shape, -1)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """Values with the original shape; dtype defaults to the input's."""
+        out = _unblocks(bfp_dequantize(self.mantissas(), self.exponents), self.shape, self.axis)
+        return out.to(self.dtype if dtype is None else dtype)
+
+    def storage_bits(self) -> int:
+        """``numel * p`` mantissa bits + 8 bits per shared exponent."""
+        return math.prod(self.shape) * self.mantissa_bits + 8 * self.exponents.numel()
+
+    def bits_per_element(self) -> float:
+        return self.storage_bits() / math.prod(self.shape)
