@@ -67,7 +67,7 @@ def test_construction_used_for_order(order, recipe):
     assert hadamard._base_construction(order) == recipe
 
 
-@pytest.mark.parametrize("order", [264, 300, 396, 400, 512, 576, 1000, 1536])
+@pytest.mark.parametrize("order", [260, 264, 292, 300, 396, 400, 512, 576, 1000, 1536])
 def test_spot_check_orders_above_256(order):
     if not has_hadamard(order):
         pytest.fail(f"expected a construction for {order}")

@@ -5,10 +5,10 @@ Conventions (used everywhere in lowbit):
 * ``hadamard_matrix(n)`` returns an *unnormalized* Hadamard matrix ``H``: entries exactly
   ``±1`` and ``H @ H.T == n * I``. The orthonormal version is ``H / sqrt(n)``.
 * For ``n = K * 2**m`` (``(K, 2**m) = hadamard_factorization(n)``)
-  ``H_n = kron(H_K, S_{2**m})`` where ``S`` is the Sylvester matrix
-  (``S_1 = [1]``, ``S_{2h} = [[S_h, S_h], [S_h, -S_h]]``) and ``H_K`` the explicitly built
-  matrix of order K. Index ``i`` of a length-n vector is ``i = k * 2**m + p``: the K-factor
-  mixes the slow (outer) axis, the butterfly the fast (inner) axis.
+  ``H_n = kron(S_{2**m}, H_K)`` (QuaRot's ``H_{2^n} ⊗ H_m``) where ``S`` is the Sylvester
+  matrix (``S_1 = [1]``, ``S_{2h} = [[S_h, S_h], [S_h, -S_h]]``) and ``H_K`` the explicitly
+  built matrix of order K. Index ``i`` of a length-n vector is ``i = p * K + k``: the
+  butterfly mixes the slow (outer) axis of size 2^m, the K×K factor the fast (inner) axis.
 * ``fast_hadamard_transform(x)`` computes ``x @ H_n.T / sqrt(n)`` along the last axis of
   ``x`` (``normalize=True``), i.e. the orthonormal transform ``y = H x / sqrt(n)`` applied
   to every row. Since ``H_n / sqrt(n)`` is orthogonal, applying it to ``y`` with
@@ -300,7 +300,7 @@ def has_hadamard(n: int) -> bool:
 def hadamard_matrix(n: int, *, dtype=torch.float64, device=None) -> Tensor:
     """Hadamard matrix of order n: entries ±1, ``H @ H.T == n * I``.
 
-    ``H = kron(H_K, Sylvester_{2**m})`` with ``(K, 2**m) = hadamard_factorization(n)``;
+    ``H = kron(Sylvester_{2**m}, H_K)`` with ``(K, 2**m) = hadamard_factorization(n)``;
     ``fast_hadamard_transform`` applies exactly this matrix.
 
     Args:
@@ -314,7 +314,7 @@ def hadamard_matrix(n: int, *, dtype=torch.float64, device=None) -> Tensor:
         LowbitError: if lowbit knows no construction for n.
     """
     k, power = hadamard_factorization(n)
-    matrix = np.kron(_base_matrix_numpy(k), _sylvester(power))  # [n, n]
+    matrix = np.kron(_sylvester(power), _base_matrix_numpy(k))  # [n, n]
     return torch.as_tensor(matrix, dtype=dtype, device=device)
 
 
@@ -388,17 +388,37 @@ def random_hadamard_matrix(
 # ---------------------------------------------------------------------------
 
 
-def _sylvester_butterfly(x: Tensor) -> Tensor:
-    """``x @ Sylvester_P.T`` along the last axis by log2(P) add/sub stages. x: [..., P]."""
-    size = x.shape[-1]
-    rows = x.reshape(-1, size)  # [R, P]
-    half = 1
+def _sylvester_butterfly(x: Tensor, inner: int) -> Tensor:
+    """Sylvester transform on the axis of size P in ``x`` viewed as [R, P, inner].
+
+    log2(P) add/sub stages that ping-pong between two buffers (no allocation per stage);
+    each stage pairs blocks ``half * inner`` apart. Never writes into x.
+
+    Args:
+        x: [..., P * inner] contiguous.
+        inner: size of the untouched inner axis (the K axis of ``kron(S_P, H_K)``).
+
+    Returns:
+        tensor of x's shape: ``y[r, p, i] = sum_q S_P[p, q] x[r, q, i]``.
+    """
+    width = x.shape[-1]
+    size = width // inner
+    source = x.reshape(-1, width)  # [R, P * inner]
+    if size == 1:
+        return x.clone()
+    buffers = [torch.empty_like(source), None]
+    half, stage = 1, 0
     while half < size:
-        pairs = rows.view(-1, size // (2 * half), 2, half)  # [R, blocks, 2, half]
-        first, second = pairs[:, :, 0, :], pairs[:, :, 1, :]
-        rows = torch.stack((first + second, first - second), dim=2)  # [R, blocks, 2, half]
-        half *= 2
-    return rows.reshape(x.shape)
+        target = buffers[stage % 2]
+        if target is None:
+            target = buffers[stage % 2] = torch.empty_like(source)
+        pairs = source.view(-1, size // (2 * half), 2, half * inner)  # [R, blocks, 2, half*inner]
+        out = target.view(pairs.shape)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        source = target
+        half, stage = half * 2, stage + 1
+    return source.view(x.shape)
 
 
 def fast_hadamard_transform(
@@ -411,15 +431,16 @@ def fast_hadamard_transform(
     """Apply ``H_n`` along the last axis of x without ever forming an n×n matrix.
 
     Equals ``x @ hadamard_matrix(n).T / sqrt(n)`` (``normalize=True``) with
-    ``H_n = kron(H_K, Sylvester_{2**m})``: a Sylvester butterfly on the inner 2^m axis
-    (O(n log n) adds) and one K×K matmul on the outer K axis.
+    ``H_n = kron(Sylvester_{2**m}, H_K)``: x is viewed as [..., 2**m, K], a butterfly mixes
+    the outer 2^m axis (O(n log n) adds) and one [.., K] @ [K, K] GEMM the inner K axis.
 
     Args:
         x: [..., n], any leading shape.
         normalize: divide by sqrt(n) so the transform is orthonormal. The scale is applied
             before the butterfly so float16 intermediate sums stay in range.
         K_matrix: the [K, K] factor, e.g. a module buffer; built from
-            ``hadamard_factorization(n)`` when None.
+            ``hadamard_factorization(n)`` when None. Passing ``H_K.T`` applies ``H_n.T``,
+            the inverse of the orthonormal transform.
         compute_dtype: dtype for the arithmetic (default: x's dtype); the result is cast back
             to x's dtype. QuaRot runs its online transforms in float32.
 
@@ -427,12 +448,12 @@ def fast_hadamard_transform(
         [..., n] tensor of x's dtype.
     """
     n = x.shape[-1]
-    k, power = hadamard_factorization(n)
+    k, _ = hadamard_factorization(n)
     work_dtype = compute_dtype or x.dtype
-    y = x.to(work_dtype)
+    y = x.to(work_dtype).contiguous()
     if normalize:
         y = y * (1.0 / math.sqrt(n))
-    y = _sylvester_butterfly(y.reshape(*x.shape[:-1], k, power))  # [..., K, P]
+    y = _sylvester_butterfly(y, inner=k)  # [..., n] = [..., P * K]
     if k > 1:
         if K_matrix is None:
             K_matrix = _base_matrix_tensor(k, work_dtype, x.device)
@@ -440,7 +461,7 @@ def fast_hadamard_transform(
             raise LowbitError(
                 f"K_matrix has shape {tuple(K_matrix.shape)} but order {n} needs a {k}x{k} factor"
             )
-        y = torch.matmul(K_matrix.to(work_dtype), y)  # [K, K] @ [..., K, P] -> [..., K, P]
+        y = y.view(-1, k) @ K_matrix.to(work_dtype).T  # [R * P, K] @ [K, K] -> [R * P, K]
     return y.reshape(x.shape).to(x.dtype)
 
 
