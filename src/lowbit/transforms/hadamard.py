@@ -11,13 +11,12 @@ Conventions (used everywhere in lowbit):
   butterfly mixes the slow (outer) axis of size 2^m, the K×K factor the fast (inner) axis.
 * ``fast_hadamard_transform(x)`` computes ``x @ H_n.T / sqrt(n)`` along the last axis of
   ``x`` (``normalize=True``), i.e. the orthonormal transform ``y = H x / sqrt(n)`` applied
-  to every row. Since ``H_n / sqrt(n)`` is orthogonal, applying it to ``y`` with
-  ``H_n.T`` (the transform of the transposed matrix) inverts it; ``H_n`` is symmetric when
-  ``H_K`` is (Sylvester, Paley II), not in general.
-* ``random_hadamard_matrix(n, seed=s)`` is QuaRot's randomized Hadamard ``H diag(s) / sqrt(n)``
-  (orthonormal); ``x @ Q == fast_hadamard_transform(x * signs)`` is not implied, but
-  ``x @ Q.T == fast_hadamard_transform(x * signs)`` is, with
-  ``signs = random_hadamard_signs(n, seed=s)``.
+  to every row. ``H_n / sqrt(n)`` is orthogonal, so its inverse is its transpose:
+  ``fast_hadamard_transform(y, K_matrix=H_K.T)`` applies ``kron(S, H_K.T) = H_n.T`` and
+  undoes it. ``H_n`` is symmetric only when ``H_K`` is (Sylvester, Paley II).
+* ``random_hadamard_matrix(n, seed=seed)`` is QuaRot's randomized Hadamard
+  ``Q = H_n diag(s) / sqrt(n)`` (orthonormal, ``Q @ Q.T == I``). Online, with
+  ``s = random_hadamard_signs(n, seed=seed)``: ``x @ Q.T == fast_hadamard_transform(x * s)``.
 
 Constructions for the explicit factor K (all checked orthogonal in the tests):
 
