@@ -17,9 +17,9 @@ on the rounded remaining spectral values. Each match is verified exactly (H H^T 
 Subgroups are tried from large (few orbits, fast) to small (many orbits, slow).
 
 Result on 2 CPU cores (seconds each): found t = 23, 29, 39, 43, 65, 73 (orders 92, 116, 156,
-172, 260, 292); nothing for t = 47, 59 (orders 188, 236): their only subgroups with few
-enough orbits are {±1} (Williamson type, known not to exist for 47 and 59) and larger ones
-that give no solution.
+172, 260, 292); nothing for t = 47, 59 (orders 188, 236): their subgroups of index 1 and
+2 give no solution, {±1} (24 / 30 orbits, beyond max_orbits) would be Williamson type,
+which does not exist for 47 and 59, and the trivial subgroup is the full 2^(4t) search.
 """
 
 from __future__ import annotations
