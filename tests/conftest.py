@@ -12,3 +12,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny llama with a locally trained tokenizer, saved as a Hugging Face directory."""
+    from lowbit.models.tiny import save_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model(directory, "llama")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The real embedded model (SmolLM2-135M-Instruct), loaded once per session."""
+    from lowbit.models.loader import load_model
+
+    return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def wikitext_path():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+    if not path.is_file():
+        pytest.skip(f"{path} is not present")
+    return path

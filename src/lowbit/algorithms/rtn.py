@@ -1,0 +1,52 @@
+"""Round-to-nearest weight quantization: the uncalibrated baseline every method is measured by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.formats.intq import IntQuantized
+
+
+@dataclass(frozen=True)
+class IntWeightSpec:
+    """How a weight matrix is quantized to integers.
+
+    Groups run along the input dimension (each output row is split into groups of
+    ``group_size`` input channels); ``group_size=None`` means one scale per output channel.
+    """
+
+    bits: int
+    group_size: int | None = None
+    symmetric: bool = True
+    mse_clip: bool = False
+
+    def check(self, weight: torch.Tensor, name: str = "weight") -> None:
+        in_features = weight.shape[-1]
+        if self.group_size is not None and in_features % self.group_size:
+            raise LowbitError(
+                f"group size {self.group_size} does not divide the input width {in_features} "
+                f"of {name}"
+            )
+
+    def describe(self) -> str:
+        group = f"g{self.group_size}" if self.group_size else "per-channel"
+        kind = "sym" if self.symmetric else "asym"
+        clip = ", mse-clip" if self.mse_clip else ""
+        return f"int{self.bits} {group} {kind}{clip}"
+
+
+def rtn_quantize(weight: torch.Tensor, spec: IntWeightSpec) -> IntQuantized:
+    """Quantize a [out, in] weight by rounding to nearest, with fp16 scales (and integer zeros)."""
+    spec.check(weight)
+    return IntQuantized.from_float(
+        weight.float(),
+        spec.bits,
+        symmetric=spec.symmetric,
+        axis=-1,
+        group_size=spec.group_size,
+        mse_search=spec.mse_clip,
+        scale_dtype=torch.float16,  # what packed formats store; codes are chosen to match it
+    )

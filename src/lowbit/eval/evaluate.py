@@ -1,0 +1,124 @@
+"""Perplexity, KL divergence and top-1 agreement over token windows.
+
+For every window of S tokens the model predicts tokens 1..S-1 from the positions 0..S-2; those
+S-1 next-token distributions per window are what all three measures use:
+- perplexity = exp(mean next-token NLL over all windows and positions);
+- KL = mean over the same positions of KL(p_ref || p_model), p_ref from the float model;
+- top-1 = fraction of those positions where both models' most likely token agree.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+
+@dataclass
+class EvalResult:
+    ppl: float
+    nll: float  # mean next-token negative log-likelihood (nats)
+    kl: float | None  # mean KL(p_ref || p_model) in nats; None without a reference
+    top1: float | None  # top-1 agreement with the reference; None without one
+    windows: int
+    tokens: int  # tokens evaluated (windows x seqlen)
+    seconds: float
+
+
+def window_logits(model: torch.nn.Module, window: torch.Tensor, chunk: int | None = None):
+    """Logits of one window: [S] -> [S, V] in fp32.
+
+    With ``chunk`` the window is fed in pieces of that many tokens through the model's KV
+    cache, so later tokens attend to cached (possibly quantized) earlier ones.
+    """
+    ids = window.unsqueeze(0)  # [1, S]
+    if chunk is None or chunk >= ids.shape[1]:
+        return model(ids, use_cache=False).logits[0].float()
+    from transformers import DynamicCache
+
+    cache = getattr(model, "lowbit_make_cache", None)
+    past = cache() if cache is not None else DynamicCache()
+    pieces = []
+    for start in range(0, ids.shape[1], chunk):
+        out = model(ids[:, start : start + chunk], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        pieces.append(out.logits[0].float())
+    return torch.cat(pieces, dim=0)
+
+
+class FloatReference:
+    """Next-token log-probabilities of the unquantized model, computed once per window.
+
+    Caches fp32 log-probs [S-1, V] per window up to ``max_cache_bytes``; windows past the
+    budget are recomputed when asked for again.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_cache_bytes: int = 4 << 30):
+        self.model = model
+        self.max_cache_bytes = max_cache_bytes
+        self._cache: dict[bytes, torch.Tensor] = {}
+        self._cached_bytes = 0
+
+    def logprobs(self, window: torch.Tensor) -> torch.Tensor:
+        key = window.cpu().numpy().tobytes()  # keyed by content: 8 bytes per token
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        with torch.no_grad():
+            logprobs = F.log_softmax(window_logits(self.model, window)[:-1], dim=-1)
+        size = logprobs.numel() * logprobs.element_size()
+        if self._cached_bytes + size <= self.max_cache_bytes:
+            self._cache[key] = logprobs
+            self._cached_bytes += size
+        return logprobs
+
+
+def evaluate(
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    *,
+    reference: FloatReference | None = None,
+    chunk: int | None = None,
+    progress: bool = True,
+    desc: str = "eval",
+) -> EvalResult:
+    """Evaluate ``model`` on token windows.
+
+    Args:
+        model: causal LM.
+        windows: [N, S] token ids.
+        reference: the float model's log-probs, for KL and top-1.
+        chunk: feed each window in chunks of this many tokens through the KV cache.
+        progress: show a progress bar.
+    """
+    start = time.perf_counter()
+    total_nll = total_kl = 0.0
+    agree = count = 0
+    with torch.no_grad():
+        for window in tqdm(windows, desc=desc, disable=not progress, leave=False):
+            if reference is not None and reference.model is model and chunk is None:
+                logprobs = reference.logprobs(window)  # the reference itself: one pass, not two
+            else:
+                logits = window_logits(model, window, chunk)  # [S, V]
+                logprobs = F.log_softmax(logits[:-1], dim=-1)  # [S-1, V]
+            targets = window[1:]  # [S-1]
+            total_nll -= logprobs.gather(1, targets[:, None]).sum().item()
+            count += targets.numel()
+            if reference is not None:
+                ref = reference.logprobs(window)  # [S-1, V]
+                total_kl += F.kl_div(logprobs, ref, log_target=True, reduction="sum").item()
+                agree += (logprobs.argmax(-1) == ref.argmax(-1)).sum().item()
+    nll = total_nll / count
+    return EvalResult(
+        ppl=math.exp(nll),
+        nll=nll,
+        kl=None if reference is None else total_kl / count,
+        top1=None if reference is None else agree / count,
+        windows=windows.shape[0],
+        tokens=windows.numel(),
+        seconds=time.perf_counter() - start,
+    )

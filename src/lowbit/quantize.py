@@ -1,0 +1,72 @@
+"""The one entry point: ``lowbit.quantize(model, recipe, calibration=...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.models.adapter import adapter_for
+from lowbit.recipes.base import QuantizeContext, Recipe
+from lowbit.recipes.registry import get_recipe
+
+
+def quantize(
+    model: torch.nn.Module,
+    recipe: Recipe | str,
+    *,
+    calibration: torch.Tensor | None = None,
+    filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    progress: bool = True,
+) -> torch.nn.Module:
+    """Quantize ``model`` in place with ``recipe`` and return it.
+
+    Args:
+        model: a Hugging Face causal LM of a supported family.
+        recipe: a Recipe, or a method/preset name (``"rtn"``, ``"w4a16-g64"``, ...).
+        calibration: [n_samples, seqlen] token ids for methods that calibrate.
+        filter_fn: ``filter_fn(module, fqn) -> bool``; block linears for which it is False are
+            left in float. None quantizes every block linear the method targets.
+        overrides: per-layer settings, ``{fnmatch pattern on the layer's name: {setting:
+            value}}``, e.g. ``{"model.layers.0.*": {"w_bits": 8}}``.
+        progress: show progress bars.
+
+    The recipe is recorded on the model as ``model.lowbit_recipe``.
+    """
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    recipe.validate()
+    if getattr(model, "lowbit_recipe", None) is not None:
+        raise LowbitError(
+            f"this model is already quantized with {model.lowbit_recipe.method!r}; "
+            "load a fresh copy to apply another recipe"
+        )
+    adapter = adapter_for(model)
+    if recipe.needs_calibration and calibration is None:
+        raise LowbitError(f"recipe {recipe.method!r} needs calibration data (calibration=...)")
+    if calibration is not None and (calibration.ndim != 2 or calibration.dtype != torch.long):
+        raise LowbitError("calibration must be a [n_samples, seqlen] tensor of token ids")
+    context = QuantizeContext(
+        adapter=adapter,
+        calibration=calibration,
+        includes=filter_fn,
+        overrides=overrides or {},
+        progress=progress,
+    )
+    for pattern, values in context.overrides.items():
+        recipe.with_settings(**values)  # reject unknown settings before any work is done
+        if not any(_matches(name, pattern) for name in adapter.linear_names()):
+            raise LowbitError(f"override pattern {pattern!r} matches no layer of this model")
+    with torch.no_grad():
+        recipe.apply(model, context)
+    model.lowbit_recipe = recipe
+    return model
+
+
+def _matches(name: str, pattern: str) -> bool:
+    from fnmatch import fnmatchcase
+
+    return fnmatchcase(name, pattern)

@@ -1,0 +1,179 @@
+"""The recipe base class: one versioned, JSON-serialisable config dataclass per method.
+
+A recipe is data. ``to_dict()`` goes into checkpoints and ``--json`` reports; ``from_dict()``
+rebuilds it; ``with_settings()`` applies ``--set key=value`` overrides with the field's type.
+``apply()`` runs the method on a model in place; it is the only part that does work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, ClassVar, Union
+
+import torch
+
+from lowbit.errors import LowbitError
+
+OFF_BITS = 16  # a bit width of 16 means "not quantized" throughout lowbit
+
+
+def check_bits(name: str, bits: int, *, allow_off: bool = True) -> None:
+    """Bits must be 2-8 (or 16 for off where allowed)."""
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise LowbitError(f"{name} must be an integer, not {bits!r}")
+    if 2 <= bits <= 8 or (allow_off and bits == OFF_BITS):
+        return
+    off = " or 16 for off" if allow_off else ""
+    raise LowbitError(f"{name} must be between 2 and 8{off}, not {bits}")
+
+
+def check_group(name: str, group: int | None) -> None:
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise LowbitError(f"{name} must be a positive integer or none, not {group!r}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use true or false)")
+
+
+def _coerce(text: Any, annotation: Any) -> Any:
+    """Turn a --set value (a string) into the field's declared type."""
+    if not isinstance(text, str):
+        return text
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if type(None) in options and text.strip().lower() in ("none", "null", ""):
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(text, option)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError("; ".join(errors))
+    if origin is typing.Literal:
+        if text not in typing.get_args(annotation):
+            raise ValueError(f"{text!r} is not one of {list(typing.get_args(annotation))}")
+        return text
+    if annotation is bool:
+        return _parse_bool(text)
+    if annotation is int:
+        return int(text)
+    if annotation is float:
+        return float(text)
+    if annotation is str:
+        return text
+    raise ValueError(f"cannot read a value of type {annotation} from text")
+
+
+@dataclasses.dataclass
+class Recipe:
+    """Base of every method's config. Subclasses are dataclasses registered by name."""
+
+    method: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+    needs_calibration: ClassVar[bool] = False
+
+    # -- validation and (de)serialisation -----------------------------------------------------
+    def validate(self) -> None:
+        """Raise LowbitError when a setting is out of range. Subclasses extend it."""
+
+    def settings(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "version": self.version, "settings": self.settings()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Recipe:
+        if data.get("method") != cls.method:
+            raise LowbitError(f"recipe data is for {data.get('method')!r}, not {cls.method!r}")
+        if data.get("version") != cls.version:
+            raise LowbitError(
+                f"recipe {cls.method!r} version {data.get('version')} cannot be read by this "
+                f"lowbit (it reads version {cls.version})"
+            )
+        recipe = cls(**data.get("settings", {}))
+        recipe.validate()
+        return recipe
+
+    @classmethod
+    def field_types(cls) -> dict[str, Any]:
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+    def with_settings(self, **values: Any) -> Recipe:
+        """A copy with some settings changed; string values are read with the field's type."""
+        types_by_name = self.field_types()
+        changes = {}
+        for key, value in values.items():
+            if key not in types_by_name:
+                raise LowbitError(
+                    f"recipe {self.method!r} has no setting {key!r}; its settings are: "
+                    f"{', '.join(types_by_name)}"
+                )
+            try:
+                changes[key] = _coerce(value, types_by_name[key])
+            except ValueError as err:
+                raise LowbitError(
+                    f"setting {key}={value!r} of recipe {self.method!r}: {err}"
+                ) from err
+        recipe = dataclasses.replace(self, **changes)
+        recipe.validate()
+        return recipe
+
+    # -- work ---------------------------------------------------------------------------------
+    def apply(self, model: torch.nn.Module, context: QuantizeContext) -> None:
+        """Quantize ``model`` in place."""
+        raise NotImplementedError
+
+    def kv_bytes_per_token(self, adapter, context_length: int) -> float | None:
+        """Bytes the KV cache stores per token at ``context_length``; None means unquantized."""
+        return None
+
+    def label(self) -> str:
+        """A short description for tables: the method and the settings that differ from default."""
+        default = type(self)()
+        changed = [f"{k}={v}" for k, v in self.settings().items() if getattr(default, k) != v]
+        return self.method + (f" ({', '.join(changed)})" if changed else "")
+
+
+@dataclasses.dataclass
+class QuantizeContext:
+    """What ``Recipe.apply`` gets besides the model.
+
+    Attributes:
+        adapter: the model's adapter (the only thing that knows layer names).
+        calibration: [n_samples, seqlen] token ids, or None.
+        includes: ``includes(fqn, module)`` says whether a linear is quantized.
+        overrides: per-layer settings, ``{fnmatch pattern: {setting: value}}``, applied in order.
+        progress: show progress bars.
+    """
+
+    adapter: Any
+    calibration: torch.Tensor | None = None
+    includes: Any = None
+    overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    progress: bool = True
+
+    def selected(self, fqn: str, module: torch.nn.Module) -> bool:
+        return self.includes is None or bool(self.includes(module, fqn))
+
+    def recipe_for(self, recipe: Recipe, fqn: str) -> Recipe:
+        """``recipe`` with the overrides whose pattern matches ``fqn`` applied."""
+        from fnmatch import fnmatchcase
+
+        for pattern, values in self.overrides.items():
+            if fnmatchcase(fqn, pattern):
+                recipe = recipe.with_settings(**values)
+        return recipe
