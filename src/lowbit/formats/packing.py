@@ -64,6 +64,16 @@ def interleave_permutation(bits: int, word: str = "int32", order="interleaved") 
 def _bytes_from_codes(codes: Tensor, bits: int) -> Tensor:
     """[rows, n] int64 codes → [rows, ceil(n*bits/8)] uint8 little-endian bit stream."""
     rows, n = codes.shape
+    if 8 % bits == 0:  # fast path: whole codes per byte, stays in uint8
+        k = 8 // bits
+        padded = torch.zeros(rows, math.ceil(n / k) * k, dtype=torch.uint8, device=codes.device)
+        padded[:, :n] = codes
+        padded = padded.view(rows, -1, k)  # [rows, bytes, k]
+        out = padded[..., 0].clone()
+        for j in range(1, k):
+            out |= padded[..., j] << (j * bits)
+        return out
+    codes = codes.to(torch.int64)
     chunk_elems = math.lcm(bits, 8) // bits  # elements per whole-byte chunk (<= 8)
     chunk_bytes = chunk_elems * bits // 8  # <= 7 bytes, fits in int64
     n_chunks = math.ceil(n / chunk_elems)
@@ -114,14 +124,16 @@ def pack_bits(
     if codes.dim() == 0:
         raise LowbitError("codes must have at least one dimension")
     lead, n = codes.shape[:-1], codes.shape[-1]
-    flat = codes.reshape(-1, n).to(torch.int64)  # [rows, n]
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= (1 << bits)):
-        raise LowbitError(f"codes must lie in [0, {(1 << bits) - 1}] for bits={bits}")
+    flat = codes.reshape(-1, n)  # [rows, n]
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        if int(lo) < 0 or int(hi) >= (1 << bits):
+            raise LowbitError(f"codes must lie in [0, {(1 << bits) - 1}] for bits={bits}")
     perm = None if order == "plain" else interleave_permutation(bits, word, order)
     if perm is not None:
         k = word_bits // bits
         n_pad = math.ceil(n / k) * k
-        padded = torch.zeros(flat.shape[0], n_pad, dtype=torch.int64, device=flat.device)
+        padded = torch.zeros(flat.shape[0], n_pad, dtype=flat.dtype, device=flat.device)
         padded[:, :n] = flat
         flat = padded.view(-1, n_pad // k, k)[:, :, perm].reshape(-1, n_pad)
     stream = _bytes_from_codes(flat, bits)  # [rows, n_bytes]
