@@ -1,0 +1,181 @@
+"""The KV quantizer interface: what a quantized KV cache asks of a number format.
+
+A :class:`KVQuantizer` turns a run of keys or values ``[B, H_kv, T, D]`` into a
+:class:`PackedKV` that really holds packed bits; the cache (:mod:`lowbit.kv.cache`) keeps a list
+of those per layer and hands dequantized tensors to attention. One quantizer object serves one
+layer and one of K or V, so calibrated state (codebooks, thresholds, channel orders) lives on it.
+
+Decisions:
+
+* ``token_group``: the cache hands ``quantize`` exactly a multiple of this many tokens (1 for
+  per-token formats; KIVI's per-channel keys use 32). Tokens not yet making a whole group wait
+  in the cache's fp residual buffer. Groups are aligned to the first cached token after the
+  attention sinks, so the same tokens form the same groups however the sequence arrives.
+* Stored tensors are batch-first: every tensor a :class:`PackedKV` stores has the batch as
+  axis 0 and a token-proportional axis 2 (``T`` or ``T / token_group`` rows). That is what lets
+  the cache select batch rows (beam search, ``batch_select_indices``) and append chunks
+  (``concat``) without knowing the format. A format that breaks this overrides ``select_batch``
+  / ``concat``. State shared across tokens (a codebook) stays on the quantizer; a PackedKV may
+  reference it, and it is not counted per token.
+* Two faces, one result: ``fake_quant(x)`` (simulated) equals ``quantize(x).dequantize()`` bit
+  for bit. The default ``fake_quant`` is exactly that; a faster override must keep it.
+* ``nbytes()`` is measured (``numel * element_size`` of the stored tensors), never computed from
+  the format; ``bits_per_element(head_dim)`` is the analytic figure with all metadata counted.
+* Quantizers are ``nn.Module``s so that calibrated tensors are buffers: they move with
+  ``model.to(device)`` and save through ``state_dict()`` (safetensors, no pickle); the
+  settings round-trip through ``to_dict()`` / :func:`kv_quantizer_from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from lowbit.errors import LowbitError
+
+__all__ = [
+    "PackedKV",
+    "KVQuantizer",
+    "register_kv_quantizer",
+    "kv_quantizer_from_dict",
+    "KV_QUANTIZERS",
+    "check_kv",
+]
+
+
+@dataclasses.dataclass
+class PackedKV:
+    """Packed keys or values of ``shape = [B, H_kv, T, D]``.
+
+    Subclasses are dataclasses; their Tensor fields are the stored data (batch-first, axis 2
+    proportional to tokens). Non-tensor fields are format settings, equal across chunks of one
+    quantizer.
+    """
+
+    shape: torch.Size  # [B, H_kv, T, D] of the original tensor
+    dtype: torch.dtype  # dtype ``dequantize()`` returns by default
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The values, ``[B, H_kv, T, D]`` in ``dtype`` (default: the quantized input's)."""
+        raise NotImplementedError
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.shape[2])
+
+    def stored_tensors(self) -> dict[str, Tensor]:
+        """The tensors this object stores, by field name (None fields left out)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors, measured: ``sum(numel * element_size)``."""
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors().values())
+
+    def select_batch(self, index: Tensor) -> PackedKV:
+        """The rows ``index`` of the batch (every stored tensor is batch-first)."""
+        picked = {
+            k: t.index_select(0, index.to(t.device)) for k, t in self.stored_tensors().items()
+        }
+        return dataclasses.replace(self, shape=torch.Size((len(index), *self.shape[1:])), **picked)
+
+    @classmethod
+    def concat(cls, parts: list[PackedKV]) -> PackedKV:
+        """Parts of one stream, in token order, as one object (stored tensors joined on axis 2)."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        joined = {
+            name: torch.cat([p.stored_tensors()[name] for p in parts], dim=2)
+            for name in first.stored_tensors()
+        }
+        tokens = sum(p.num_tokens for p in parts)
+        shape = torch.Size((first.shape[0], first.shape[1], tokens, first.shape[3]))
+        return dataclasses.replace(first, shape=shape, **joined)
+
+
+KV_QUANTIZERS: dict[str, type[KVQuantizer]] = {}
+
+
+def register_kv_quantizer(cls: type[KVQuantizer]) -> type[KVQuantizer]:
+    """Class decorator: make ``cls`` loadable by its ``kind`` in :func:`kv_quantizer_from_dict`."""
+    if not cls.kind:
+        raise LowbitError(f"{cls.__name__} must set a non-empty `kind`")
+    KV_QUANTIZERS[cls.kind] = cls
+    return cls
+
+
+class KVQuantizer(nn.Module):
+    """Quantizes one layer's keys or values. Subclasses set ``kind`` and implement ``quantize``,
+    ``bits_per_element`` and ``settings``; calibrated state goes in buffers.
+
+    Attributes:
+        token_group: the cache calls ``quantize`` with a multiple of this many tokens.
+    """
+
+    kind: ClassVar[str] = ""
+    token_group: int = 1
+
+    def quantize(self, x: Tensor) -> PackedKV:
+        """Pack ``x``: ``[B, H_kv, T, D]`` float, ``T`` a multiple of ``token_group``."""
+        raise NotImplementedError
+
+    def fake_quant(self, x: Tensor) -> Tensor:
+        """Simulated face: ``quantize(x).dequantize()``, bit for bit; same shape and dtype."""
+        return self.quantize(x).dequantize()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fake_quant(x)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Analytic storage per key/value element, every scale, zero and index counted."""
+        raise NotImplementedError
+
+    def check(self, head_dim: int) -> None:
+        """Raise LowbitError if this quantizer cannot serve heads of ``head_dim`` channels."""
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-serialisable constructor arguments (calibrated tensors go in ``state_dict``)."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **self.settings()}
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.settings().items())
+
+
+def kv_quantizer_from_dict(
+    data: dict[str, Any], state: dict[str, Tensor] | None = None
+) -> KVQuantizer:
+    """Rebuild a quantizer from ``to_dict()`` output and, if given, its ``state_dict()``."""
+    data = dict(data)
+    kind = data.pop("kind", None)
+    if kind not in KV_QUANTIZERS:
+        raise LowbitError(
+            f"unknown KV quantizer kind {kind!r}; known kinds: {', '.join(sorted(KV_QUANTIZERS))}"
+        )
+    quantizer = KV_QUANTIZERS[kind](**data)
+    if state is not None:
+        quantizer.load_state_dict(state)
+    return quantizer
+
+
+def check_kv(x: Tensor, token_group: int = 1) -> None:
+    """Raise LowbitError unless ``x`` is a float ``[B, H, T, D]`` tensor with ``T`` a multiple
+    of ``token_group``."""
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
+        raise LowbitError(
+            f"keys/values must be a float [batch, heads, tokens, head_dim] tensor, got "
+            f"{type(x).__name__} {getattr(x, 'dtype', '')} of shape {tuple(getattr(x, 'shape', ()))}"
+        )
+    if x.shape[2] % token_group:
+        raise LowbitError(
+            f"this quantizer takes tokens in groups of {token_group}, got {x.shape[2]} tokens"
+        )
