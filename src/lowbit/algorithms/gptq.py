@@ -1,0 +1,224 @@
+"""GPTQ: quantize a weight column by column, pushing each column's rounding error onto the
+columns not yet quantized so that the layer's output on calibration inputs changes least.
+
+Pure tensor math: a weight ``W [out, in]``, the Hessian ``H = 2/N Σ x xᵀ [in, in]`` of the
+inputs it multiplies, and an :class:`~lowbit.algorithms.rtn.IntWeightSpec`. Nothing here knows
+a model (see :mod:`lowbit.calibrate` for where ``H`` comes from).
+
+Conventions:
+
+* Scales follow :class:`~lowbit.formats.intq.IntQuantized`: codes are chosen with the fp32
+  scale, the scale is stored in fp16, and values are ``q * scale16`` (or ``(q - zero) *
+  scale16``). The error fed back to later columns is that of the stored value, so the returned
+  dequantized weight equals ``result.quantized.dequantize()`` bit for bit.
+* Per channel (``group_size=None``) the row scales come from the whole original row, before any
+  update (as in GPTQ).
+* Groups, ``static_groups=True``: every group's scale is computed up front from the original
+  weight, in original column order. Act-order then only changes the order in which columns are
+  visited, never which scale a column uses, so the result is a plain grouped format (no group
+  index). ``static_groups=False`` (GPTQ's original): a group's scale is computed from the
+  already-updated weights when its first column is reached; only allowed without act-order,
+  because with act-order the groups would follow the permuted order and need an index that the
+  plain grouped format does not store. Default: static with act-order, dynamic without.
+* Dead inputs (``H[j, j] == 0``: the input channel is always zero): the weight column is set to
+  0 and ``H[j, j]`` to 1, as in GPTQ; the output does not depend on that column.
+* Dampening: ``λ = damp · mean(diag H)`` is added to the diagonal; while the Cholesky
+  factorisation fails, ``λ`` is multiplied by 10 (at most ``max_damp_tries`` times), then a
+  :class:`~lowbit.errors.LowbitError`. The factorisation runs in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lowbit.algorithms.rtn import IntWeightSpec
+from lowbit.errors import LowbitError
+from lowbit.formats.intq import IntQuantized, int_qrange, int_scale_zero
+from lowbit.formats.packing import pack_bits
+
+__all__ = ["GPTQResult", "gptq_quantize", "inverse_hessian_factor"]
+
+
+@dataclass
+class GPTQResult:
+    """What :func:`gptq_quantize` returns.
+
+    Attributes:
+        quantized: the packed weight (codes, fp16 scales, integer zeros), a plain per-channel or
+            grouped :class:`IntQuantized` in original column order.
+        weight: [out, in] fp32 dequantized weight; equals ``quantized.dequantize()`` bit for bit.
+        damp: the relative dampening finally used (``damp · 10**retries``).
+        dead_columns: number of input channels with ``H[j, j] == 0``.
+    """
+
+    quantized: IntQuantized
+    weight: Tensor
+    damp: float
+    dead_columns: int
+
+    def storage_bits(self) -> int:
+        return self.quantized.storage_bits()
+
+
+def inverse_hessian_factor(
+    hessian: Tensor, damp: float = 0.01, max_damp_tries: int = 6
+) -> tuple[Tensor, float]:
+    """Upper Cholesky factor ``U`` of the dampened inverse Hessian: ``Uᵀ U = (H + λI)⁻¹``.
+
+    Args:
+        hessian: [n, n] symmetric positive semi-definite, no zero diagonal entries.
+        damp: initial ``λ / mean(diag H)``; multiplied by 10 after each failed factorisation.
+        max_damp_tries: factorisations tried before giving up.
+
+    Returns:
+        ``(U [n, n] float64, damp used)``.
+    """
+    h = hessian.double()
+    mean_diag = h.diagonal().mean().item()
+    if not mean_diag > 0:
+        raise LowbitError("the Hessian has no positive diagonal entry; no calibration input?")
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    relative = damp
+    for _ in range(max_damp_tries):
+        lower, info = torch.linalg.cholesky_ex(h + relative * mean_diag * eye)
+        if info.item() == 0:
+            inverse = torch.cholesky_inverse(lower)  # (H + λI)⁻¹
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if info.item() == 0 and bool(torch.isfinite(upper).all()):
+                return upper, relative
+        relative *= 10.0
+    raise LowbitError(
+        f"the Hessian is not positive definite even with dampening {relative / 10:g} x mean "
+        "diagonal; the calibration data may be degenerate"
+    )
+
+
+def _stats(weight: Tensor, spec: IntWeightSpec, group_size: int | None):
+    """fp32 scale [out, G] (for choosing codes), fp16-rounded scale, zero (or None)."""
+    scale, zero = int_scale_zero(
+        weight,
+        spec.bits,
+        symmetric=spec.symmetric,
+        axis=-1,
+        group_size=group_size,
+        mse_search=spec.mse_clip,
+    )
+    return scale, scale.to(torch.float16).float(), zero
+
+
+def gptq_quantize(
+    weight: Tensor,
+    hessian: Tensor,
+    spec: IntWeightSpec,
+    *,
+    block_size: int = 128,
+    act_order: bool = True,
+    damp: float = 0.01,
+    static_groups: bool | None = None,
+    max_damp_tries: int = 6,
+) -> GPTQResult:
+    """GPTQ-quantize one weight matrix.
+
+    Args:
+        weight: [out, in] float weight (not modified).
+        hessian: [in, in] ``2/N Σ x xᵀ`` of the inputs the weight multiplies (not modified).
+        spec: bits, group size (along ``in``), symmetric, MSE clip search.
+        block_size: columns updated together before the lazy batch update of the rest.
+        act_order: visit columns by decreasing ``H[j, j]`` (largest input energy first).
+        damp: initial dampening relative to ``mean(diag H)``.
+        static_groups: see module docstring; None = ``act_order``.
+        max_damp_tries: factorisations tried (``damp`` x 10 each time) before an error.
+
+    Returns:
+        :class:`GPTQResult`.
+    """
+    spec.check(weight)
+    out_features, in_features = weight.shape
+    if hessian.shape != (in_features, in_features):
+        raise LowbitError(
+            f"the Hessian has shape {tuple(hessian.shape)}; a weight of input width "
+            f"{in_features} needs ({in_features}, {in_features})"
+        )
+    if not bool(torch.isfinite(hessian).all()):
+        raise LowbitError("the Hessian contains NaN or Inf")
+    if block_size < 1:
+        raise LowbitError(f"block_size must be at least 1, not {block_size}")
+    group = spec.group_size
+    static = act_order if static_groups is None else static_groups
+    if act_order and group is not None and not static:
+        raise LowbitError(
+            "act_order with dynamic groups needs a group index that the plain grouped format "
+            "does not store; use static_groups=True"
+        )
+    qmin, qmax = int_qrange(spec.bits, spec.symmetric)
+
+    w = weight.detach().float().clone()  # [out, in]
+    scale, scale16, zero = _stats(w, spec, group)  # [out, G] each (G = 1 per channel)
+    h = hessian.detach().double().clone()  # [in, in]
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        w = w[:, perm]
+        h = h[perm][:, perm]
+    upper, damp_used = inverse_hessian_factor(h, damp, max_damp_tries)
+    upper = upper.float()  # [in, in]
+
+    # column j (in visiting order) -> its group in original column order
+    original = perm if perm is not None else torch.arange(in_features)
+    group_of = original // group if group is not None else torch.zeros_like(original)
+    inv_scale = torch.reciprocal(scale)  # codes are x * (1/scale) in fp32, as in intq
+    codes = torch.empty(out_features, in_features)  # fp32 integer values, visiting order
+    values = torch.empty(out_features, in_features)  # dequantized, visiting order
+
+    for start in range(0, in_features, block_size):
+        end = min(start + block_size, in_features)
+        block = w[:, start:end].clone()  # [out, b]
+        errors = torch.empty_like(block)  # [out, b]
+        block_u = upper[start:end, start:end]  # [b, b]
+        for i in range(end - start):
+            col = start + i
+            if group is not None and not static and col % group == 0:
+                # dynamic group: statistics of the updated weights of this group
+                g = col // group
+                current = torch.cat([block[:, i:], w[:, end:]], 1)[:, :group]  # [out, group]
+                s, s16, z = _stats(current, spec, None)  # [out, 1] each
+                scale[:, g : g + 1], scale16[:, g : g + 1] = s, s16
+                inv_scale[:, g : g + 1] = torch.reciprocal(s)
+                if zero is not None:
+                    zero[:, g : g + 1] = z
+            g = int(group_of[col])
+            x = block[:, i]  # [out]
+            q = torch.round(x * inv_scale[:, g])
+            if zero is not None:
+                q = q + zero[:, g]
+            q = q.clamp_(qmin, qmax)
+            dq = (q - zero[:, g]) * scale16[:, g] if zero is not None else q * scale16[:, g]
+            codes[:, col], values[:, col] = q, dq
+            err = (x - dq) / block_u[i, i]  # [out]
+            block[:, i:] -= err[:, None] * block_u[i, i:][None, :]
+            errors[:, i] = err
+        w[:, end:] -= errors @ upper[start:end, end:]  # lazy batch update of the later columns
+
+    if perm is not None:
+        inverse_perm = torch.argsort(perm)
+        codes, values = codes[:, inverse_perm], values[:, inverse_perm]
+    offset = -qmin  # symmetric codes are stored unsigned, shifted by 2**(b-1)
+    quantized = IntQuantized(
+        qdata=pack_bits((codes + offset).to(torch.uint8).reshape(-1), spec.bits),
+        scale=scale16,
+        zero=zero,
+        bits=spec.bits,
+        symmetric=spec.symmetric,
+        axis=-1,
+        group_size=group,
+        shape=weight.shape,
+        dtype=torch.float32,
+        scale_dtype=torch.float16,
+    )
+    return GPTQResult(quantized, values, damp_used, int(dead.sum()))
