@@ -1,0 +1,251 @@
+"""Layer-by-layer calibration: capture the first block's inputs, then walk the blocks.
+
+For each decoder block in turn: collect the input Hessians of its linears over the calibration
+samples (hooks), let a callback quantize the block (it replaces linears in place), then run the
+block again, now quantized, to produce the next block's inputs (the sequential choice: later
+blocks calibrate on what the quantized earlier blocks really produce).
+
+Only one block and the captured activations are on the compute device at a time: the hidden
+states of all samples live on ``offload_device`` (CPU by default) and move one sample at a
+time; the block moves to ``device`` while it is calibrated and back afterwards. Nothing here
+knows layer names; the adapter says where the blocks and their linears are.
+
+All samples have the same length and no padding, so the keyword arguments the blocks take
+(position embeddings, causal mask, position ids) are the same for every sample and are kept
+once, from the first sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from lowbit.calibrate.hessian import HessianCollector
+from lowbit.errors import LowbitError
+
+__all__ = [
+    "BlockInputs",
+    "capture_first_block_inputs",
+    "run_block",
+    "block_linears",
+    "calibrate_layer_by_layer",
+]
+
+
+@dataclass
+class BlockInputs:
+    """What a decoder block is called with, for every calibration sample.
+
+    Attributes:
+        hidden: [N, S, hidden] hidden states, on the offload device.
+        kwargs: the other keyword arguments of a block call (shared by all samples), on the
+            compute device.
+    """
+
+    hidden: Tensor
+    kwargs: dict[str, Any]
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the forward pass at the first block."""
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _move_outside_blocks(model: nn.Module, blocks: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer that is not inside ``blocks`` to ``device``."""
+    inside = set(blocks.modules())
+    for module in model.modules():
+        if module in inside:
+            continue
+        for param in module.parameters(recurse=False):
+            param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
+
+
+def _model_device(blocks: nn.Module) -> torch.device:
+    return next(blocks.parameters()).device
+
+
+def capture_first_block_inputs(
+    model: nn.Module,
+    adapter,
+    tokens: Tensor,
+    *,
+    offload_device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
+) -> BlockInputs:
+    """Run the model up to its first block for every sample and keep that block's inputs.
+
+    Args:
+        model: the causal LM; its non-block parts (embeddings, rotary) run on ``device``.
+        adapter: the model's adapter.
+        tokens: [N, S] token ids.
+        offload_device: where the [N, S, hidden] hidden states are kept.
+        device: compute device (default: where the first block's parameters are).
+
+    Returns:
+        :class:`BlockInputs`.
+    """
+    if tokens.ndim != 2 or tokens.dtype != torch.long or tokens.shape[0] == 0:
+        raise LowbitError("calibration tokens must be a non-empty [n_samples, seqlen] long tensor")
+    blocks = adapter.blocks_module
+    device = torch.device(device) if device is not None else _model_device(blocks)
+    offload_device = torch.device(offload_device)
+    home = _model_device(blocks)
+    dtype = next(blocks[0].parameters()).dtype
+    hidden = torch.empty(
+        tokens.shape[0], tokens.shape[1], adapter.hidden_size, device=offload_device, dtype=dtype
+    )  # [N, S, hidden]
+    kwargs: dict[str, Any] = {}
+    index = 0
+
+    def catch(_module, args, block_kwargs):
+        x = args[0] if args else block_kwargs["hidden_states"]
+        hidden[index] = x[0].to(offload_device, hidden.dtype)
+        if not kwargs:
+            kept = {k: v for k, v in block_kwargs.items() if k != "hidden_states"}
+            kept.update(past_key_values=None, use_cache=False)
+            kwargs.update(_to(kept, device))
+        raise _Captured
+
+    if device != home:
+        _move_outside_blocks(model, blocks, device)
+    handle = blocks[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for index in range(tokens.shape[0]):
+                try:
+                    model(input_ids=tokens[index : index + 1].to(device), use_cache=False)
+                except _Captured:
+                    continue
+                raise LowbitError("the model never called its first block")
+    finally:
+        handle.remove()
+        if device != home:
+            _move_outside_blocks(model, blocks, home)
+    return BlockInputs(hidden, kwargs)
+
+
+def run_block(
+    block: nn.Module,
+    inputs: BlockInputs,
+    *,
+    device: torch.device | str,
+    samples: range | None = None,
+    out: Tensor | None = None,
+    before_sample: Callable[[int], None] | None = None,
+) -> Tensor | None:
+    """Call ``block`` on every sample, one at a time.
+
+    Args:
+        block: a decoder block (already on ``device``).
+        inputs: the block's inputs.
+        device: compute device.
+        samples: which samples (default: all).
+        out: [N, S, hidden] buffer on the offload device for the outputs, or None to discard.
+        before_sample: called with the sample index before each call (e.g. to route Hessians).
+
+    Returns:
+        ``out``.
+    """
+    samples = range(inputs.hidden.shape[0]) if samples is None else samples
+    with torch.no_grad():
+        for i in samples:
+            if before_sample is not None:
+                before_sample(i)
+            x = inputs.hidden[i : i + 1].to(device)  # [1, S, hidden]
+            y = block(x, **inputs.kwargs)
+            if isinstance(y, tuple):  # older transformers return (hidden, ...)
+                y = y[0]
+            if out is not None:
+                out[i : i + 1] = y.to(out.device)
+    return out
+
+
+def block_linears(model: nn.Module, adapter, index: int) -> dict[str, nn.Module]:
+    """``{fully qualified name: module}`` of the linears of block ``index``, in order."""
+    prefix = adapter.block_prefix(index) + "."
+    return {n: model.get_submodule(n) for n in adapter.linear_names() if n.startswith(prefix)}
+
+
+def calibrate_layer_by_layer(
+    model: nn.Module,
+    adapter,
+    tokens: Tensor,
+    process_block: Callable[[int, HessianCollector], None],
+    *,
+    linears_of: Callable[[int], dict[str, nn.Module]] | None = None,
+    heldout: int = 0,
+    offload_device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
+    propagate_last: bool = False,
+    progress: bool = True,
+) -> BlockInputs | None:
+    """Walk the blocks: collect Hessians, call ``process_block``, propagate.
+
+    Args:
+        model, adapter: the model and its adapter.
+        tokens: [N, S] calibration token ids.
+        process_block: ``process_block(index, collector)``; reads ``collector.accumulators``
+            (``.hessian("train")``, and ``.hessian("heldout")`` when ``heldout > 0``) and may
+            replace the linears of block ``index`` (through the model, by name).
+        linears_of: ``linears_of(index) -> {fqn: module}``: whose Hessians to collect (default:
+            every linear of the block). Blocks with none are only propagated.
+        heldout: the last ``heldout`` samples go to the "heldout" split, the rest to "train".
+        offload_device: where the captured hidden states live.
+        device: compute device (default: where the blocks' parameters are).
+        propagate_last: also run the last block, and return its outputs (else return None).
+        progress: show a progress bar.
+
+    Returns:
+        the last block's outputs as :class:`BlockInputs` if ``propagate_last``, else None.
+    """
+    n_samples = tokens.shape[0]
+    if not 0 <= heldout < n_samples:
+        raise LowbitError(
+            f"{heldout} held-out samples leave no calibration sample for the Hessians "
+            f"(there are {n_samples})"
+        )
+    blocks = adapter.blocks_module
+    device = torch.device(device) if device is not None else _model_device(blocks)
+    linears_of = linears_of or (lambda i: block_linears(model, adapter, i))
+    inputs = capture_first_block_inputs(
+        model, adapter, tokens, offload_device=offload_device, device=device
+    )
+    spare = torch.empty_like(inputs.hidden)
+    first_heldout = n_samples - heldout
+    last = adapter.num_layers - 1
+    for index in tqdm(range(adapter.num_layers), desc="calibrate", disable=not progress):
+        block = blocks[index]
+        home = next(block.parameters()).device
+        block.to(device)
+        try:
+            linears = linears_of(index)
+            if linears:
+                with HessianCollector(linears, device) as collector:
+
+                    def route(i: int, collector=collector) -> None:
+                        collector.new_sample()
+                        collector.split = "heldout" if i >= first_heldout else "train"
+
+                    run_block(block, inputs, device=device, before_sample=route)
+                process_block(index, collector)
+            if index < last or propagate_last:
+                run_block(blocks[index], inputs, device=device, out=spare)
+                inputs.hidden, spare = spare, inputs.hidden
+        finally:
+            blocks[index].to(home)
+    return inputs if propagate_last else None

@@ -1,0 +1,129 @@
+"""Hessians ``H = 2/N Σ x xᵀ`` of the inputs of linear layers, accumulated with hooks.
+
+The Hessian belongs to what the weight multiplies: for a
+:class:`~lowbit.nn.quant_linear.FakeQuantLinear` with an ``input_transform`` (an online
+Hadamard, say) it is taken after the transform; an activation quantizer, if any, is not applied
+(calibration sees float activations). Linears that read the same input tensor through the same
+transform (q/k/v, gate/up) share one accumulator, found from the first forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lowbit.errors import LowbitError
+
+__all__ = ["HessianAccumulator", "HessianCollector"]
+
+
+class HessianAccumulator:
+    """Running ``Σ x xᵀ`` and token count, kept apart per split ("train", "heldout").
+
+    Args:
+        width: input features.
+        device: where the sums live (the compute device).
+    """
+
+    def __init__(self, width: int, device: torch.device | str = "cpu"):
+        self.width = width
+        self.device = torch.device(device)
+        self._sums: dict[str, Tensor] = {}
+        self._tokens: dict[str, int] = {}
+
+    def add(self, x: Tensor, split: str = "train") -> None:
+        """Add the tokens of ``x`` [..., width]."""
+        rows = x.reshape(-1, self.width).float()  # [T, width]
+        total = self._sums.get(split)
+        if total is None:
+            total = self._sums[split] = torch.zeros(
+                self.width, self.width, device=self.device, dtype=torch.float32
+            )
+            self._tokens[split] = 0
+        total.addmm_(rows.T, rows)  # [width, width]
+        self._tokens[split] += rows.shape[0]
+
+    def tokens(self, split: str = "train") -> int:
+        return self._tokens.get(split, 0)
+
+    def hessian(self, split: str = "train") -> Tensor:
+        """``2/N Σ x xᵀ`` over the ``N`` tokens of ``split``: [width, width] fp32."""
+        if not self._tokens.get(split):
+            raise LowbitError(f"no calibration tokens were seen for the {split!r} split")
+        return self._sums[split] * (2.0 / self._tokens[split])
+
+
+class HessianCollector:
+    """Hooks that accumulate the input Hessians of some linear layers while a block runs.
+
+    Use as a context manager (hooks are removed on exit, also after an exception). Call
+    :meth:`new_sample` before each forward pass; set :attr:`split` to route the tokens.
+
+    Args:
+        linears: ``{name: module}``; modules are ``nn.Linear`` or anything with a ``weight``
+            [out, in] and an optional ``input_transform`` module.
+        device: where the sums live (default: each module's weight device).
+    """
+
+    def __init__(self, linears: dict[str, nn.Module], device: torch.device | str | None = None):
+        self.linears = dict(linears)
+        self.device = device
+        self.split = "train"
+        self.accumulators: dict[str, HessianAccumulator] = {}
+        self._seen: dict[tuple[int, int], tuple[Tensor, HessianAccumulator]] = {}
+        self._handles: list = []
+
+    def new_sample(self) -> None:
+        """Forget which inputs were seen (call before each forward pass)."""
+        self._seen.clear()
+
+    def _record(self, name: str, source: Tensor, key_module: nn.Module | None, x: Tensor) -> None:
+        key = (id(source), id(key_module))
+        seen = self._seen.get(key)
+        if seen is not None and seen[0] is source:  # same tensor object: a shared input
+            self.accumulators.setdefault(name, seen[1])
+            return
+        accumulator = self.accumulators.get(name)
+        if accumulator is None:
+            device = self.device or self.linears[name].weight.device
+            accumulator = self.accumulators[name] = HessianAccumulator(x.shape[-1], device)
+        accumulator.add(x.detach(), self.split)
+        self._seen[key] = (source, accumulator)  # holds ``source`` so its id is not reused
+
+    def __enter__(self) -> HessianCollector:
+        try:
+            for name, module in self.linears.items():
+                transform = getattr(module, "input_transform", None)
+                if transform is not None:
+
+                    def after_transform(_mod, args, output, name=name, transform=transform):
+                        self._record(name, args[0], transform, output)
+
+                    self._handles.append(transform.register_forward_hook(after_transform))
+                else:
+
+                    def before_linear(_mod, args, name=name):
+                        self._record(name, args[0], None, args[0])
+
+                    self._handles.append(module.register_forward_pre_hook(before_linear))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._seen.clear()
+
+    def groups(self) -> list[list[str]]:
+        """Names of the linears that share one accumulator, in hook order."""
+        by_accumulator: dict[int, list[str]] = {}
+        for name in self.linears:
+            if name in self.accumulators:
+                by_accumulator.setdefault(id(self.accumulators[name]), []).append(name)
+        return list(by_accumulator.values())

@@ -1,0 +1,162 @@
+import pytest
+import torch
+from torch import nn
+
+from lowbit.calibrate.capture import (
+    block_linears,
+    calibrate_layer_by_layer,
+    capture_first_block_inputs,
+)
+from lowbit.calibrate.hessian import HessianAccumulator, HessianCollector
+from lowbit.errors import LowbitError
+from lowbit.models.adapter import adapter_for
+from lowbit.models.tiny import tiny_model
+from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def calibration_tokens(n: int = 3, seqlen: int = 20, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def whole_model_hessians(model, adapter, tokens) -> dict[str, torch.Tensor]:
+    """Reference: every linear's input Hessian from plain forward passes of the whole model."""
+    linears = {n: model.get_submodule(n) for n in adapter.linear_names()}
+    with HessianCollector(linears) as collector, torch.no_grad():
+        for i in range(tokens.shape[0]):
+            collector.new_sample()
+            model(tokens[i : i + 1], use_cache=False)
+    return {n: a.hessian() for n, a in collector.accumulators.items()}
+
+
+def no_hooks_left(model: nn.Module) -> bool:
+    return all(
+        not m._forward_hooks and not m._forward_pre_hooks and not m._forward_hooks_with_kwargs
+        for m in model.modules()
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_by_layer_hessians_and_outputs_equal_the_float_model(family):
+    model = tiny_model(family)
+    adapter = adapter_for(model)
+    tokens = calibration_tokens()
+    expected = whole_model_hessians(model, adapter, tokens)
+    got, groups = {}, []
+
+    def record(index, collector):
+        got.update({n: a.hessian() for n, a in collector.accumulators.items()})
+        groups.append([[n.rsplit(".", 1)[1] for n in g] for g in collector.groups()])
+
+    last = calibrate_layer_by_layer(
+        model, adapter, tokens, record, propagate_last=True, progress=False
+    )
+    assert got.keys() == expected.keys()
+    for name in expected:  # nothing is quantized: every block sees the float model's inputs
+        assert torch.equal(got[name], expected[name]), name
+    assert groups[0] == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"]] + [
+        ["down_proj"]
+    ]
+    with torch.no_grad():
+        logits = model.lm_head(model.model.norm(last.hidden))  # [N, S, V]
+        assert torch.equal(logits, model(tokens, use_cache=False).logits)
+    assert no_hooks_left(model)
+
+
+def test_sequential_pipeline_propagates_the_quantized_block():
+    # replacing block 0's down_proj changes block 1's Hessians to what the changed block gives
+    model = tiny_model("llama")
+    adapter = adapter_for(model)
+    tokens = calibration_tokens()
+    got = {}
+
+    def halve_down_proj(index, collector):
+        got.update({n: a.hessian() for n, a in collector.accumulators.items()})
+        name = f"{adapter.block_prefix(index)}.mlp.down_proj"
+        down = model.get_submodule(name)
+        replace_module(model, name, FakeQuantLinear(down.weight * 0.5, down.bias))
+
+    calibrate_layer_by_layer(model, adapter, tokens, halve_down_proj, progress=False)
+    expected = whole_model_hessians(model, adapter, tokens)  # the model with both blocks changed
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+def test_hessian_is_taken_after_the_input_transform():
+    model = tiny_model("llama")
+    adapter = adapter_for(model)
+    rotation = torch.linalg.qr(torch.randn(96, 96, generator=torch.Generator().manual_seed(1)))[0]
+    transform = nn.Linear(96, 96, bias=False)
+    transform.weight.data = rotation
+    name = "model.layers.0.self_attn.q_proj"
+    q = model.get_submodule(name)
+    replace_module(
+        model, name, FakeQuantLinear(q.weight @ rotation.T, None, input_transform=transform)
+    )
+    tokens = calibration_tokens()
+    plain = {}
+
+    def record(index, collector):
+        if index == 0:
+            plain.update({n: a.hessian() for n, a in collector.accumulators.items()})
+
+    calibrate_layer_by_layer(model, adapter, tokens, record, progress=False)
+    # q reads R x: its Hessian is R H Rᵀ; k and v (no transform) keep H and share it
+    k_hessian = plain["model.layers.0.self_attn.k_proj"]
+    torch.testing.assert_close(plain[name], rotation @ k_hessian @ rotation.T, rtol=1e-4, atol=1e-4)
+
+
+def test_heldout_samples_go_to_their_own_split():
+    model = tiny_model("qwen2")
+    adapter = adapter_for(model)
+    tokens = calibration_tokens(n=5, seqlen=12)
+    counts = []
+
+    def record(index, collector):
+        acc = collector.accumulators[f"{adapter.block_prefix(index)}.mlp.down_proj"]
+        counts.append((acc.tokens("train"), acc.tokens("heldout")))
+
+    calibrate_layer_by_layer(model, adapter, tokens, record, heldout=2, progress=False)
+    assert counts == [(36, 24), (36, 24)]
+    with pytest.raises(LowbitError, match="no calibration sample"):
+        calibrate_layer_by_layer(model, adapter, tokens, record, heldout=5, progress=False)
+
+
+def test_hooks_are_removed_when_the_callback_fails():
+    model = tiny_model("mistral")
+    adapter = adapter_for(model)
+
+    def fail(index, collector):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        calibrate_layer_by_layer(model, adapter, calibration_tokens(), fail, progress=False)
+    assert no_hooks_left(model)
+
+
+def test_capture_keeps_first_block_inputs_and_shared_kwargs():
+    model = tiny_model("qwen3")
+    adapter = adapter_for(model)
+    tokens = calibration_tokens(n=2, seqlen=16)
+    inputs = capture_first_block_inputs(model, adapter, tokens)
+    assert inputs.hidden.shape == (2, 16, 96)
+    torch.testing.assert_close(inputs.hidden, adapter.embed_tokens(tokens), rtol=0, atol=0)
+    cos, sin = inputs.kwargs["position_embeddings"]
+    assert cos.shape == (1, 16, 16)
+    assert inputs.kwargs["past_key_values"] is None
+    assert no_hooks_left(model)
+    assert list(block_linears(model, adapter, 1))[0] == "model.layers.1.self_attn.q_proj"
+    with pytest.raises(LowbitError, match="long tensor"):
+        capture_first_block_inputs(model, adapter, tokens.float())
+
+
+def test_accumulator_matches_the_definition():
+    x = torch.randn(3, 7, 5)
+    accumulator = HessianAccumulator(5)
+    accumulator.add(x[:2])
+    accumulator.add(x[2:])
+    flat = x.reshape(-1, 5)
+    torch.testing.assert_close(accumulator.hessian(), 2 * flat.T @ flat / 21)
+    with pytest.raises(LowbitError, match="heldout"):
+        accumulator.hessian("heldout")
