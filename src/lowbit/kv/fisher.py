@@ -1,0 +1,187 @@
+"""Activation Fisher information of the cached keys and values (KVQuant, seed 003 §3.3).
+
+The diagonal Fisher information of an activation ``a`` is ``(dL/da)**2``, ``L`` the language
+modelling loss on calibration text. KVQuant weights its codebook fitting by it. One pass per
+calibration sample: the float model runs forward with hooks that keep the key and value
+activations of every layer (``retain_grad``), the loss is backpropagated (to activations only:
+no parameter gradients are formed), and a fixed random subset of token positions is kept.
+
+Keys are captured where a pre-RoPE cache stores them: the output of ``k_proj`` (after
+``k_norm`` on Qwen3), before RoPE. The post-RoPE keys and their Fisher weights follow exactly
+from the kept positions (:meth:`KVCalibration.post_rope_keys`): RoPE is a rotation ``R_m`` per
+position, so ``k_post = R_m k_pre`` and ``dL/dk_post = R_m dL/dk_pre``.
+
+The first token of every sample (the attention sink) is never kept: KVQuant masks it out of
+calibration because it is kept in fp16 and its statistics are atypical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lowbit.errors import LowbitError
+
+__all__ = ["KVCalibration", "collect_kv_fisher", "MIN_CALIBRATION_TOKENS"]
+
+#: fewest non-sink calibration tokens the KV calibration accepts (a 1% per-channel quantile
+#: needs at least ~100 samples to mean anything)
+MIN_CALIBRATION_TOKENS = 128
+
+
+@dataclass
+class KVCalibration:
+    """Key/value activations and their loss gradients at ``N`` kept token positions.
+
+    Attributes (one list entry per layer):
+        keys: pre-RoPE keys ``[N, H_kv, D]`` fp32.
+        key_grads: ``dL/dkeys`` ``[N, H_kv, D]`` fp32.
+        values: ``[N, H_kv, D]`` fp32.
+        value_grads: ``dL/dvalues`` ``[N, H_kv, D]`` fp32.
+        positions: ``[N]`` position of each kept token inside its sample (never 0).
+        samples: ``[N]`` index of the calibration sample each kept token comes from.
+    """
+
+    keys: list[Tensor]
+    key_grads: list[Tensor]
+    values: list[Tensor]
+    value_grads: list[Tensor]
+    positions: Tensor
+    samples: Tensor
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    def key_fisher(self, layer: int) -> Tensor:
+        """Diagonal Fisher information of the pre-RoPE keys: ``[N, H_kv, D]``."""
+        return self.key_grads[layer].square()
+
+    def value_fisher(self, layer: int) -> Tensor:
+        """Diagonal Fisher information of the values: ``[N, H_kv, D]``."""
+        return self.value_grads[layer].square()
+
+    def post_rope_keys(self, adapter, layer: int) -> tuple[Tensor, Tensor]:
+        """Keys after RoPE and their Fisher information, both ``[N, H_kv, D]``."""
+        pos = self.positions.unsqueeze(0)  # [1, N]
+        both = torch.stack([self.keys[layer], self.key_grads[layer]])  # [2, N, H, D]
+        rotated = adapter.apply_rope(both.transpose(1, 2), pos.expand(2, -1))  # [2, H, N, D]
+        keys, grads = rotated.transpose(1, 2)  # [N, H, D] each
+        return keys.contiguous(), grads.square()
+
+
+def _kept_positions(
+    n_samples: int, seqlen: int, max_tokens: int, generator: torch.Generator
+) -> list[Tensor]:
+    """Sorted positions (1..seqlen-1) kept per sample, at most ``max_tokens`` in all."""
+    per_sample = max(1, min(seqlen - 1, max_tokens // n_samples))
+    kept = []
+    for _ in range(n_samples):
+        order = torch.randperm(seqlen - 1, generator=generator)[:per_sample] + 1
+        kept.append(order.sort().values)
+    return kept
+
+
+def collect_kv_fisher(
+    model: torch.nn.Module,
+    adapter,
+    calibration: Tensor,
+    *,
+    max_tokens: int = 8192,
+    seed: int = 0,
+    progress: bool = False,
+) -> KVCalibration:
+    """Run the float model on ``calibration`` and collect keys, values and their gradients.
+
+    Args:
+        model: the float causal LM (not modified; its parameters get no gradients).
+        adapter: ``adapter_for(model)``.
+        calibration: ``[n_samples, seqlen]`` token ids.
+        max_tokens: keep at most this many token positions over all samples (a random subset
+            drawn with ``seed``; the same positions for every layer). Memory is
+            ``16 * max_tokens * n_kv_heads * head_dim`` bytes per layer.
+        seed: seed of the subset.
+        progress: show a progress bar over samples.
+
+    Returns:
+        :class:`KVCalibration`.
+    """
+    if not isinstance(calibration, Tensor) or calibration.dim() != 2:
+        raise LowbitError("calibration must be a [n_samples, seqlen] tensor of token ids")
+    n_samples, seqlen = calibration.shape
+    usable = n_samples * (seqlen - 1)
+    if seqlen < 2 or usable < MIN_CALIBRATION_TOKENS:
+        raise LowbitError(
+            f"calibration has {max(usable, 0)} tokens after masking the first token of each "
+            f"sample; the KV Fisher pass needs at least {MIN_CALIBRATION_TOKENS} "
+            "(use more or longer calibration samples)"
+        )
+    from tqdm.auto import tqdm
+
+    generator = torch.Generator().manual_seed(seed)
+    kept = _kept_positions(n_samples, seqlen, max_tokens, generator)
+    blocks = adapter.blocks()
+    h_kv, d = adapter.num_kv_heads, adapter.head_dim
+    captured: dict[tuple[str, int], Tensor] = {}
+
+    def capture(kind: str, layer: int):
+        def hook(module, args, output):
+            output.retain_grad()
+            captured[(kind, layer)] = output
+
+        return hook
+
+    def make_leaf(module, args, output):
+        return output.detach().requires_grad_(True)  # gradients start here, not at parameters
+
+    handles = [adapter.embed_tokens.register_forward_hook(make_leaf)]
+    for view in blocks:
+        key_module = view.k_norm if view.k_norm is not None else view.k_proj
+        handles.append(key_module.register_forward_hook(capture("k", view.index)))
+        handles.append(view.v_proj.register_forward_hook(capture("v", view.index)))
+    out = {name: [[] for _ in blocks] for name in ("k", "gk", "v", "gv")}
+    was_training = model.training
+    requires = [p.requires_grad for p in model.parameters()]
+    try:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        device = adapter.embed_tokens.weight.device
+        for i in tqdm(range(n_samples), desc="kv fisher", disable=not progress, leave=False):
+            ids = calibration[i : i + 1].to(device)  # [1, S]
+            captured.clear()
+            with torch.enable_grad():
+                logits = model(ids, use_cache=False).logits[0, :-1].float()  # [S-1, V]
+                loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+                loss.backward()
+            pos = kept[i].to(device)
+            for view in blocks:
+                for kind, grad_kind in (("k", "gk"), ("v", "gv")):
+                    act = captured[(kind, view.index)]
+                    rows = act.detach()[0].reshape(seqlen, h_kv, d)[pos]  # [n, H, D]
+                    grads = act.grad[0].reshape(seqlen, h_kv, d)[pos]
+                    out[kind][view.index].append(rows.float().cpu())
+                    out[grad_kind][view.index].append(grads.float().cpu())
+            captured.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, flag in zip(model.parameters(), requires, strict=True):
+            p.requires_grad_(flag)
+        model.train(was_training)
+    positions = torch.cat(kept)
+    samples = torch.cat([torch.full_like(p, i) for i, p in enumerate(kept)])
+    return KVCalibration(
+        keys=[torch.cat(x) for x in out["k"]],
+        key_grads=[torch.cat(x) for x in out["gk"]],
+        values=[torch.cat(x) for x in out["v"]],
+        value_grads=[torch.cat(x) for x in out["gv"]],
+        positions=positions,
+        samples=samples,
+    )
