@@ -153,6 +153,14 @@ class DecoderAdapter:
             k_norm=getattr(attn, "k_norm", None),
         )
 
+    def replace_attention(self, index: int, module: nn.Module) -> None:
+        """Put ``module`` in place of block ``index``'s attention module.
+
+        The new module must keep the projection attribute names (``q_proj`` ... ``o_proj``,
+        ``q_norm``/``k_norm``) so that :meth:`block` and :meth:`linear_names` still find them.
+        """
+        self.decoder.layers[index].self_attn = module
+
     def blocks(self) -> list[BlockView]:
         return [self.block(i) for i in range(self.num_layers)]
 

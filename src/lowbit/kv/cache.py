@@ -1,0 +1,362 @@
+"""A transformers ``Cache`` whose layers hold keys and values as packed bits.
+
+Per layer and per stream (K, V) the layer stores, in token order:
+
+1. sink tokens: the first ``sink_tokens`` cache slots, kept in floating point;
+2. packed chunks: one :class:`~lowbit.kv.quantizer.PackedKV` (chunks are concatenated as they
+   arrive, so one dequantization per step covers them all);
+3. an fp residual: tokens not yet quantized. After each update the oldest tokens leave the
+   residual in whole ``token_group``s as long as at least ``fp_window`` tokens stay behind
+   (KIVI's last 128 tokens; 0 for per-token formats, so then the residual is empty).
+
+``update`` returns the whole sequence, dequantized, in the input's dtype, so attention always
+sees what the cache really stores, the tokens of the current step included: evaluating a window
+in one pass (``use_cache=False``; attention then uses a throw-away layer) or in chunks gives the
+same numbers for per-token formats. For token-grouped formats (per-channel keys) a token is
+quantized only once its group is complete, so results depend on how tokens arrive, as in
+KIVI's own decoding.
+
+Decisions:
+
+* Sinks are cache *slots*, not positions: with left padding a padded row's sink slots hold pads
+  (masked anyway), and its first real tokens are quantized like the rest.
+* Pre-RoPE caching needs every cached token's position; one :class:`PositionTrack` (int32
+  ``[B, T]``) is shared by all layers of a cache and counted once, in layer 0's bytes.
+* ``residual_dtype`` (default: the model's dtype) is the dtype of sinks and residual; recipes use
+  float16 so that the measured bytes match a half-precision deployment.
+* ``nbytes()`` is measured from the stored tensors (``numel * element_size``);
+  ``get_seq_length`` counts tokens; ``get_mask_sizes`` is ``(past + query, 0)`` as for
+  transformers' ``DynamicLayer`` (nothing is evicted, sliding windows are left to the mask).
+* Not croppable (quantized tokens cannot be un-appended); beam search works through
+  ``reorder_cache`` / ``batch_select_indices`` on every stored tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lowbit.errors import LowbitError
+from lowbit.kv.quantizer import KVQuantizer, PackedKV
+
+__all__ = ["PositionTrack", "QuantizedKVLayer", "QuantizedKVCache", "KVCacheLayout"]
+
+
+class PositionTrack:
+    """Positions of the cached tokens, ``[B, T]`` int32, shared by the layers of one cache."""
+
+    def __init__(self) -> None:
+        self.positions: Tensor | None = None
+
+    def append(self, positions: Tensor) -> None:
+        positions = positions.to(torch.int32)
+        self.positions = (
+            positions if self.positions is None else torch.cat([self.positions, positions], 1)
+        )
+
+    def nbytes(self) -> int:
+        return 0 if self.positions is None else self.positions.numel() * 4
+
+    def select(self, index: Tensor) -> None:
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, index.to(self.positions.device))
+
+
+class _Stream:
+    """Sink + packed chunks + fp residual of one of K or V."""
+
+    def __init__(self, quantizer: KVQuantizer | None, fp_window: int) -> None:
+        self.quantizer = quantizer
+        self.fp_window = fp_window
+        self.sink: Tensor | None = None  # [B, H, s, D]
+        self.chunks: list[PackedKV] = []
+        self.residual: Tensor | None = None  # [B, H, r, D]
+
+    def append(self, x: Tensor, sink_room: int, fp_dtype: torch.dtype) -> None:
+        """Store new tokens ``x`` [B, H, S, D]; the first ``sink_room`` of them go to the sink."""
+        x = x.to(fp_dtype)
+        if sink_room > 0:
+            head, x = x[:, :, :sink_room], x[:, :, sink_room:]
+            self.sink = head if self.sink is None else torch.cat([self.sink, head], 2)
+        if x.shape[2] == 0:
+            return
+        self.residual = x if self.residual is None else torch.cat([self.residual, x], 2)
+        if self.quantizer is None:
+            return
+        group = self.quantizer.token_group
+        n = max(self.residual.shape[2] - self.fp_window, 0) // group * group
+        if n == 0:
+            return
+        packed = self.quantizer.quantize(self.residual[:, :, :n])
+        self.residual = self.residual[:, :, n:]
+        self.chunks.append(packed)
+        try:
+            self.chunks = [type(packed).concat(self.chunks)]
+        except NotImplementedError:
+            pass  # a format that cannot join its chunks keeps a list
+
+    def full(self, dtype: torch.dtype) -> Tensor:
+        """Every stored token, dequantized, [B, H, T, D] in ``dtype``."""
+        parts = [] if self.sink is None else [self.sink.to(dtype)]
+        parts += [c.dequantize(dtype) for c in self.chunks]
+        if self.residual is not None:
+            parts.append(self.residual.to(dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+    def nbytes(self) -> int:
+        total = sum(c.nbytes() for c in self.chunks)
+        for t in (self.sink, self.residual):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    def select(self, index: Tensor) -> None:
+        self.chunks = [c.select_batch(index) for c in self.chunks]
+        if self.sink is not None:
+            self.sink = self.sink.index_select(0, index.to(self.sink.device))
+        if self.residual is not None:
+            self.residual = self.residual.index_select(0, index.to(self.residual.device))
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One decoder layer's quantized keys and values.
+
+    Args:
+        key_quantizer, value_quantizer: quantizers, or None to keep that stream in fp.
+        sink_tokens: leading cache slots kept in floating point (attention sink).
+        fp_window: most recent tokens kept in floating point (KIVI: 128).
+        residual_dtype: dtype of the fp parts (None: the dtype of the first update).
+        positions: the cache's shared :class:`PositionTrack` when keys are cached before RoPE.
+        owns_positions: this layer appends to ``positions`` and counts its bytes (layer 0).
+    """
+
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(
+        self,
+        key_quantizer: KVQuantizer | None = None,
+        value_quantizer: KVQuantizer | None = None,
+        *,
+        sink_tokens: int = 0,
+        fp_window: int = 0,
+        residual_dtype: torch.dtype | None = None,
+        positions: PositionTrack | None = None,
+        owns_positions: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (("sink_tokens", sink_tokens), ("fp_window", fp_window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LowbitError(f"{name} must be a non-negative integer, not {value!r}")
+        self.key_quantizer = key_quantizer
+        self.value_quantizer = value_quantizer
+        self.sink_tokens = sink_tokens
+        self.fp_window = fp_window
+        self.residual_dtype = residual_dtype
+        self.track = positions
+        self.owns_positions = owns_positions
+        self._reset_storage()
+
+    def _reset_storage(self) -> None:
+        self.k = _Stream(self.key_quantizer, self.fp_window)
+        self.v = _Stream(self.value_quantizer, self.fp_window)
+        self.length = 0
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        if self.residual_dtype is None:
+            self.residual_dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None, **kwargs
+    ) -> tuple[Tensor, Tensor]:
+        """Store new keys/values [B, H_kv, S, D]; return all of them, dequantized, [B, H_kv, T, D].
+
+        ``cache_kwargs["positions"]`` ([B, S] or [1, S]) is required when the cache tracks
+        positions (pre-RoPE keys).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.track is not None and self.owns_positions:
+            positions = (cache_kwargs or {}).get("positions")
+            if positions is None:
+                raise LowbitError("a pre-RoPE KV cache needs the positions of the new tokens")
+            batch, steps = key_states.shape[0], key_states.shape[2]
+            self.track.append(positions.expand(batch, steps))
+        sink_room = max(self.sink_tokens - self.length, 0)
+        self.k.append(key_states, sink_room, self.residual_dtype)
+        self.v.append(value_states, sink_room, self.residual_dtype)
+        self.length += key_states.shape[2]
+        return self.k.full(key_states.dtype), self.v.full(value_states.dtype)
+
+    def positions(self) -> Tensor:
+        """Positions of every cached token, [B, T] long (pre-RoPE caches only)."""
+        if self.track is None or self.track.positions is None:
+            raise LowbitError("this KV cache does not track positions (keys are cached after RoPE)")
+        return self.track.positions.long()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer's stored tensors (positions counted by the owner only)."""
+        own = self.track.nbytes() if (self.track is not None and self.owns_positions) else 0
+        return self.k.nbytes() + self.v.nbytes() + own
+
+    def reset(self) -> None:
+        self._reset_storage()
+        if self.track is not None and self.owns_positions:
+            self.track.positions = None
+
+    def offload(self) -> None:  # storage is spread over several tensors; kept in place
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise LowbitError("a quantized KV cache cannot be cropped (quantized tokens are final)")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.length == 0:
+            return
+        index = torch.arange(self._batch_size(), device=self.device)[indices]
+        self._select(index)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.length == 0:
+            return
+        batch = self._batch_size()
+        self._select(torch.arange(batch, device=self.device).repeat_interleave(repeats))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.length:
+            self._select(beam_idx)
+
+    def _batch_size(self) -> int:
+        for t in (self.k.sink, self.k.residual):
+            if t is not None:
+                return t.shape[0]
+        return self.k.chunks[0].shape[0]
+
+    def _select(self, index: Tensor) -> None:
+        self.k.select(index)
+        self.v.select(index)
+        if self.track is not None and self.owns_positions:
+            self.track.select(index)
+
+
+class QuantizedKVCache(Cache):
+    """A ``Cache`` of :class:`QuantizedKVLayer`, one per decoder layer (build it with
+    ``model.lowbit_make_cache()`` after installing quantization)."""
+
+    def __init__(self, layers: list[QuantizedKVLayer]) -> None:
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor of every layer, measured."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def bytes_per_token(self) -> float:
+        """Measured bytes per cached token (all layers, K and V, metadata, fp parts)."""
+        tokens = self.get_seq_length()
+        if tokens == 0:
+            raise LowbitError("the KV cache is empty; run the model on some tokens first")
+        batch = self.layers[0]._batch_size()
+        return self.nbytes() / (tokens * batch)
+
+
+@dataclasses.dataclass
+class KVCacheLayout:
+    """What every cache of one model stores: quantizers per layer and the fp parts.
+
+    Attributes:
+        key_quantizers, value_quantizers: one per decoder layer (None keeps that stream in fp).
+        sink_tokens: leading slots kept in floating point.
+        fp_window: most recent tokens kept in floating point.
+        residual_dtype: dtype of the fp parts (None: the model's).
+        track_positions: keys are cached before RoPE, so positions are kept.
+    """
+
+    key_quantizers: list[KVQuantizer | None]
+    value_quantizers: list[KVQuantizer | None]
+    sink_tokens: int = 0
+    fp_window: int = 0
+    residual_dtype: torch.dtype | None = None
+    track_positions: bool = False
+
+    def make_layers(self) -> list[QuantizedKVLayer]:
+        """Fresh, empty layers for one cache (one shared position track when needed)."""
+        track = PositionTrack() if self.track_positions else None
+        return [
+            QuantizedKVLayer(
+                kq,
+                vq,
+                sink_tokens=self.sink_tokens,
+                fp_window=self.fp_window,
+                residual_dtype=self.residual_dtype,
+                positions=track,
+                owns_positions=(i == 0),
+            )
+            for i, (kq, vq) in enumerate(
+                zip(self.key_quantizers, self.value_quantizers, strict=True)
+            )
+        ]
+
+    def make_layer(self, index: int) -> QuantizedKVLayer:
+        """A stand-alone layer (used for one forward pass without a cache)."""
+        return QuantizedKVLayer(
+            self.key_quantizers[index],
+            self.value_quantizers[index],
+            sink_tokens=self.sink_tokens,
+            fp_window=self.fp_window,
+            residual_dtype=self.residual_dtype,
+            positions=PositionTrack() if self.track_positions else None,
+            owns_positions=True,
+        )
+
+    def make_cache(self) -> QuantizedKVCache:
+        return QuantizedKVCache(self.make_layers())
+
+    def bytes_per_token(
+        self, num_kv_heads: int, head_dim: int, context_length: int, fp_bytes: float = 2.0
+    ) -> float:
+        """Analytic bytes per token once ``context_length`` tokens are cached (batch 1).
+
+        Sinks and the fp residual count ``fp_bytes`` per element (2: float16), quantized tokens
+        ``bits_per_element / 8``, positions 4 bytes per token when tracked. The split between
+        quantized and fp tokens does not depend on how the tokens arrived, so this equals the
+        measured ``QuantizedKVCache.bytes_per_token()`` whenever the formats' stored bytes
+        match their analytic bits (whole bytes per packed row).
+        """
+        if context_length < 1:
+            raise LowbitError(f"context_length must be positive, not {context_length}")
+        sink = min(self.sink_tokens, context_length)
+        rest = context_length - sink
+        total = 4.0 * context_length if self.track_positions else 0.0
+        for quantizers in (self.key_quantizers, self.value_quantizers):
+            for q in quantizers:
+                if q is None:
+                    total += num_kv_heads * head_dim * context_length * fp_bytes
+                    continue
+                packed = max(rest - self.fp_window, 0) // q.token_group * q.token_group
+                fp_tokens = context_length - packed
+                total += (
+                    num_kv_heads
+                    * head_dim
+                    * (fp_tokens * fp_bytes + packed * q.bits_per_element(head_dim) / 8)
+                )
+        return total / context_length
