@@ -66,8 +66,8 @@ def test_rtn_error_against_float_is_small_at_8_bits_and_larger_at_3():
         ).item()
 
     kl8, kl3 = kl(get_recipe("w8a8")), kl(get_recipe("rtn", w_bits="3"))
-    assert kl8 < 1e-3  # measured 1.1e-5 on this tiny model
-    assert kl3 > 10 * kl8  # measured 1.6e-2
+    assert kl8 < 1e-3  # measured 8.0e-5 on this tiny model
+    assert kl3 > 10 * kl8  # measured 7.5e-2
 
 
 def test_filter_and_overrides():

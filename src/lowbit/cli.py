@@ -196,10 +196,17 @@ def build_recipes(names: list[str], settings: dict[str, str]):
     ]
 
 
-def write_json_atomic(path: str, data) -> None:
+def check_writable(path: str) -> Path:
     target = Path(path).expanduser()
     if not target.parent.is_dir():
         raise LowbitError(f"cannot write {target}: the directory {target.parent} does not exist")
+    if target.is_dir():
+        raise LowbitError(f"cannot write {target}: it is a directory")
+    return target
+
+
+def write_json_atomic(path: str, data) -> None:
+    target = check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w") as f:
@@ -248,7 +255,13 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
     if args.chunk is not None and args.chunk < 1:
         raise LowbitError(f"--chunk must be at least 1, not {args.chunk}")
+    if args.json:
+        check_writable(args.json)
     torch.manual_seed(args.seed)
+    corpus = load_corpus(args.dataset, part="eval")  # cheap checks before the model loads
+    calib_corpus = None
+    if any(r.needs_calibration for r in recipes):
+        calib_corpus = load_corpus(args.calib, part="calibration")
 
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -257,12 +270,10 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         raise LowbitError(
             f"--seqlen {args.seqlen} is larger than the model's context ({adapter.max_context})"
         )
-    corpus = load_corpus(args.dataset, part="eval")
     windows = eval_windows(tokenize(tokenizer, corpus.text), args.seqlen, args.windows)
 
     calibration = None
-    if any(r.needs_calibration for r in recipes):
-        calib_corpus = load_corpus(args.calib, part="calibration")
+    if calib_corpus is not None:
         calib_seqlen = args.calib_seqlen or args.seqlen
         calibration = calibration_samples(
             tokenize(tokenizer, calib_corpus.text),

@@ -47,8 +47,19 @@ def linear_weight_bits(model: torch.nn.Module, adapter: DecoderAdapter) -> tuple
     return bits, weights
 
 
+def _persistent_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Buffers saved with the model (derived ones such as RoPE frequencies are not)."""
+    return [
+        buffer
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
+
+
 def model_storage_bytes(model: torch.nn.Module) -> int:
-    """Bytes to store the whole model, quantized modules at their exact storage."""
+    """Bytes to store the whole model: parameters and persistent buffers, each shared tensor
+    once, quantized modules at their exact storage."""
     seen: set[int] = set()
     bits = 0
     accounted: set[int] = set()
@@ -57,8 +68,8 @@ def model_storage_bytes(model: torch.nn.Module) -> int:
             bits += module.storage_bits()
             accounted.update(id(t) for t in module.parameters())
             accounted.update(id(t) for t in module.buffers())
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in accounted or t.data_ptr() in seen or not t.is_floating_point():
+    for t in list(model.parameters()) + _persistent_buffers(model):
+        if id(t) in accounted or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         bits += _tensor_bits(t)

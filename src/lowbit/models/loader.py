@@ -15,6 +15,7 @@ Loading never executes code from a file: ``trust_remote_code`` stays off unless 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -148,6 +149,23 @@ def _looks_like_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Hide transformers' per-tensor loading bars and info logs while lowbit loads a model."""
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     spec: str | os.PathLike | None = None,
     *,
@@ -164,6 +182,16 @@ def load_model(
     Returns:
         LoadedModel with the model in eval mode.
     """
+    with _quiet_transformers():
+        loaded = _load(spec, dtype, trust_remote_code)
+    loaded.model.eval()
+    from lowbit.models.adapter import adapter_for
+
+    adapter_for(loaded.model)  # fail early, with one sentence, on an unsupported family
+    return loaded
+
+
+def _load(spec, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
     if spec is None or str(spec) == "embedded":
         model, tokenizer = _from_gguf(embedded_gguf_path(), dtype)
         loaded = LoadedModel(model, tokenizer, EMBEDDED_NAME, "embedded")
@@ -187,8 +215,4 @@ def load_model(
             loaded = LoadedModel(model, tokenizer, str(spec), "hub")
         else:
             raise LowbitError(f"model {str(spec)!r} not found: no such file or directory")
-    loaded.model.eval()
-    from lowbit.models.adapter import adapter_for
-
-    adapter_for(loaded.model)  # fail early, with one sentence, on an unsupported family
     return loaded
