@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,14 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
 def _convert_gguf_to_cache(gguf_path: Path, target: Path) -> None:
     """Dequantize a GGUF file once and save it as a safetensors directory, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    print(
+        f"lowbit: converting {gguf_path.name} once to a safetensors cache in {target.parent} "
+        "(later loads take seconds)",
+        file=sys.stderr,
+    )
+    hf_logging.enable_progress_bar()  # this step takes ~20 s: show transformers' bar
 
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
