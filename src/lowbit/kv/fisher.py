@@ -37,17 +37,17 @@ class KVCalibration:
 
     Attributes (one list entry per layer):
         keys: pre-RoPE keys ``[N, H_kv, D]`` fp32.
-        key_grads: ``dL/dkeys`` ``[N, H_kv, D]`` fp32.
+        key_grads: ``dL/dkeys`` ``[N, H_kv, D]`` fp32 (None: collected without gradients).
         values: ``[N, H_kv, D]`` fp32.
-        value_grads: ``dL/dvalues`` ``[N, H_kv, D]`` fp32.
+        value_grads: ``dL/dvalues`` ``[N, H_kv, D]`` fp32 (None: without gradients).
         positions: ``[N]`` position of each kept token inside its sample (never 0).
         samples: ``[N]`` index of the calibration sample each kept token comes from.
     """
 
     keys: list[Tensor]
-    key_grads: list[Tensor]
+    key_grads: list[Tensor] | None
     values: list[Tensor]
-    value_grads: list[Tensor]
+    value_grads: list[Tensor] | None
     positions: Tensor
     samples: Tensor
 
@@ -59,21 +59,33 @@ class KVCalibration:
     def num_tokens(self) -> int:
         return int(self.positions.numel())
 
+    @property
+    def has_gradients(self) -> bool:
+        return self.key_grads is not None
+
+    def _grads(self, grads: list[Tensor] | None, layer: int) -> Tensor:
+        if grads is None:
+            raise LowbitError("this KV calibration was collected without gradients (no Fisher)")
+        return grads[layer]
+
     def key_fisher(self, layer: int) -> Tensor:
         """Diagonal Fisher information of the pre-RoPE keys: ``[N, H_kv, D]``."""
-        return self.key_grads[layer].square()
+        return self._grads(self.key_grads, layer).square()
 
     def value_fisher(self, layer: int) -> Tensor:
         """Diagonal Fisher information of the values: ``[N, H_kv, D]``."""
-        return self.value_grads[layer].square()
+        return self._grads(self.value_grads, layer).square()
 
-    def post_rope_keys(self, adapter, layer: int) -> tuple[Tensor, Tensor]:
-        """Keys after RoPE and their Fisher information, both ``[N, H_kv, D]``."""
+    def post_rope_keys(self, adapter, layer: int) -> tuple[Tensor, Tensor | None]:
+        """Keys after RoPE and their Fisher information (None without gradients), both
+        ``[N, H_kv, D]``."""
         pos = self.positions.unsqueeze(0)  # [1, N]
-        both = torch.stack([self.keys[layer], self.key_grads[layer]])  # [2, N, H, D]
-        rotated = adapter.apply_rope(both.transpose(1, 2), pos.expand(2, -1))  # [2, H, N, D]
-        keys, grads = rotated.transpose(1, 2)  # [N, H, D] each
-        return keys.contiguous(), grads.square()
+        parts = [self.keys[layer]] + ([self.key_grads[layer]] if self.has_gradients else [])
+        both = torch.stack(parts)  # [P, N, H, D]
+        rotated = adapter.apply_rope(both.transpose(1, 2), pos.expand(len(parts), -1))
+        rotated = rotated.transpose(1, 2)  # [P, N, H, D]
+        fisher = rotated[1].square() if self.has_gradients else None
+        return rotated[0].contiguous(), fisher
 
 
 def _kept_positions(
@@ -95,6 +107,7 @@ def collect_kv_fisher(
     *,
     max_tokens: int = 8192,
     seed: int = 0,
+    gradients: bool = True,
     progress: bool = False,
 ) -> KVCalibration:
     """Run the float model on ``calibration`` and collect keys, values and their gradients.
@@ -107,6 +120,8 @@ def collect_kv_fisher(
             drawn with ``seed``; the same positions for every layer). Memory is
             ``16 * max_tokens * n_kv_heads * head_dim`` bytes per layer.
         seed: seed of the subset.
+        gradients: backpropagate the loss for the Fisher information (False: activations
+            only, one forward pass per sample).
         progress: show a progress bar over samples.
 
     Returns:
@@ -132,7 +147,8 @@ def collect_kv_fisher(
 
     def capture(kind: str, layer: int):
         def hook(module, args, output):
-            output.retain_grad()
+            if gradients:
+                output.retain_grad()
             captured[(kind, layer)] = output
 
         return hook
@@ -140,7 +156,7 @@ def collect_kv_fisher(
     def make_leaf(module, args, output):
         return output.detach().requires_grad_(True)  # gradients start here, not at parameters
 
-    handles = [adapter.embed_tokens.register_forward_hook(make_leaf)]
+    handles = [adapter.embed_tokens.register_forward_hook(make_leaf)] if gradients else []
     for view in blocks:
         key_module = view.k_norm if view.k_norm is not None else view.k_proj
         handles.append(key_module.register_forward_hook(capture("k", view.index)))
@@ -156,18 +172,20 @@ def collect_kv_fisher(
         for i in tqdm(range(n_samples), desc="kv fisher", disable=not progress, leave=False):
             ids = calibration[i : i + 1].to(device)  # [1, S]
             captured.clear()
-            with torch.enable_grad():
+            with torch.set_grad_enabled(gradients):
                 logits = model(ids, use_cache=False).logits[0, :-1].float()  # [S-1, V]
-                loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
-                loss.backward()
+                if gradients:
+                    loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+                    loss.backward()
             pos = kept[i].to(device)
             for view in blocks:
                 for kind, grad_kind in (("k", "gk"), ("v", "gv")):
                     act = captured[(kind, view.index)]
                     rows = act.detach()[0].reshape(seqlen, h_kv, d)[pos]  # [n, H, D]
-                    grads = act.grad[0].reshape(seqlen, h_kv, d)[pos]
                     out[kind][view.index].append(rows.float().cpu())
-                    out[grad_kind][view.index].append(grads.float().cpu())
+                    if gradients:
+                        grads = act.grad[0].reshape(seqlen, h_kv, d)[pos]
+                        out[grad_kind][view.index].append(grads.float().cpu())
             captured.clear()
     finally:
         for handle in handles:
@@ -179,9 +197,9 @@ def collect_kv_fisher(
     samples = torch.cat([torch.full_like(p, i) for i, p in enumerate(kept)])
     return KVCalibration(
         keys=[torch.cat(x) for x in out["k"]],
-        key_grads=[torch.cat(x) for x in out["gk"]],
+        key_grads=[torch.cat(x) for x in out["gk"]] if gradients else None,
         values=[torch.cat(x) for x in out["v"]],
-        value_grads=[torch.cat(x) for x in out["gv"]],
+        value_grads=[torch.cat(x) for x in out["gv"]] if gradients else None,
         positions=positions,
         samples=samples,
     )

@@ -1,0 +1,368 @@
+"""KVQuant's KV quantizer (seed 003): nuqX codebooks, per-channel keys, dense-and-sparse outliers.
+
+One :class:`KVQuantQuantizer` per layer and per K/V. Every element is coded with ``bits``-bit
+indices into a per-layer codebook of ``2**bits`` levels on ``[-1, 1]`` after a normalization:
+
+* ``per_channel=True`` (keys): each channel of each head is normalized by a range calibrated
+  offline, ``center ± half_range`` (fp16 buffers ``[H_kv, D]``), the ``outlier_fraction / 2``
+  and ``1 - outlier_fraction / 2`` quantiles of the calibration keys (the first token of every
+  sample masked out). Elements outside their channel's range are the outliers (thresholds per
+  channel, calibrated offline); with no outliers the range is the calibration min/max and
+  values beyond it clamp.
+* ``per_channel=False`` (values; keys in the per-token ablation): each token of each head is
+  normalized online by the min/max of its non-outlier elements (fp16 center and half range per
+  token and head). The outliers are the ``round(outlier_fraction * H_kv * D)`` largest
+  magnitudes of each token (thresholds per token, online).
+
+Outliers are kept as fp16 in CSR, one row per token (and batch row) over the token's
+``H_kv * D`` channels, with :mod:`lowbit.formats.sparse`'s 32-bit words (16-bit channel index,
+fp16 value) — KVQuant appends one compressed row per token (keys CSR; values CSC of ``Vᵀ``, the
+same storage). Their dense code is whatever the clamped value maps to; dequantization
+overwrites it with the stored fp16 value, so outliers come back exactly as fp16.
+
+The codebook is ``lowbit.formats.nuq.fit_codebook`` on the calibration samples' normalized
+non-outlier values, weighted by their Fisher information (KVQuant's nuqX); ``nuq=False`` uses
+the uniform grid ``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer
+quantization. Codebooks and key ranges are the calibrated state (buffers, saved with
+``state_dict``); everything else is computed online.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lowbit.errors import LowbitError
+from lowbit.formats.accounting import kvquant_bits
+from lowbit.formats.nuq import fit_codebook, nuq_dequantize, nuq_quantize
+from lowbit.formats.packing import pack_bits, packed_words_per_row, unpack_bits
+from lowbit.formats.sparse import pack_index_value, unpack_index_value
+from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
+
+__all__ = ["KVQuantPackedKV", "KVQuantQuantizer", "uniform_codebook"]
+
+#: at most this many calibration elements go into one codebook fit (a fixed random subset)
+MAX_CODEBOOK_SAMPLES = 2_000_000
+
+
+def uniform_codebook(bits: int) -> Tensor:
+    """``2**bits`` evenly spaced levels on ``[-1, 1]`` (min-max integer quantization)."""
+    return torch.linspace(-1.0, 1.0, 2**bits)
+
+
+def _check_settings(bits: int, num_heads: int, head_dim: int, outlier_fraction: float) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise LowbitError(f"KVQuant bits must be an integer from 2 to 8, not {bits!r}")
+    for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LowbitError(f"{name} must be a positive integer, not {value!r}")
+    if not 0.0 <= float(outlier_fraction) < 0.5:
+        raise LowbitError(f"outlier_fraction must be in [0, 0.5), not {outlier_fraction!r}")
+    if num_heads * head_dim > 65536:
+        raise LowbitError("a token's outlier row has more than 65536 channels (16-bit indices)")
+
+
+@dataclasses.dataclass
+class KVQuantPackedKV(PackedKV):
+    """Packed KVQuant keys or values.
+
+    Fields:
+        codes: uint8 ``[B, H, T, ceil(D * bits / 8)]`` codebook indices packed per token row.
+        center, half_range: fp16 ``[B, H, T, 1]`` per-token normalization, or None when the
+            quantizer's per-channel calibrated ranges are used.
+        row_ptr: int32 ``[T * B + 1]`` CSR row pointers, one row per (token, batch row) in
+            token-major order, so chunks append rows.
+        col_val: int32 ``[nnz]`` words: channel ``h * D + d`` << 16 | fp16 bits of the value.
+        quantizer: the quantizer (codebook, channel ranges: shared state, not per token).
+    """
+
+    codes: Tensor | None = None
+    center: Tensor | None = None
+    half_range: Tensor | None = None
+    row_ptr: Tensor | None = None
+    col_val: Tensor | None = None
+    quantizer: Any = None
+
+    def _outliers(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(row, channel, fp32 value) of every stored outlier."""
+        counts = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
+        rows = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        channels, values = unpack_index_value(self.col_val)
+        return rows, channels, values
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        b, h, t, d = self.shape
+        q = self.quantizer
+        idx = unpack_bits(self.codes, q.bits, d)  # [B, H, T, D]
+        if self.center is None:
+            center = q.center.float()[None, :, None, :]  # [1, H, 1, D]
+            half = q.half_range.float()[None, :, None, :]
+        else:
+            center, half = self.center.float(), self.half_range.float()
+        out = nuq_dequantize(idx, q.codebook, center, half)  # [B, H, T, D] fp32
+        if self.col_val.numel():
+            rows, channels, values = self._outliers()
+            flat = out.permute(2, 0, 1, 3).reshape(t * b, h * d)  # [T*B, H*D], a copy
+            flat[rows, channels] = values
+            out = flat.view(t, b, h, d).permute(1, 2, 0, 3)
+        return out.to(self.dtype if dtype is None else dtype)
+
+    def select_batch(self, index: Tensor) -> KVQuantPackedKV:
+        b, h, t, d = self.shape
+        index = index.to(self.codes.device)
+        rows, channels, values = self._outliers()
+        dense = torch.zeros(t, b, h * d, device=values.device)  # [T, B, H*D]
+        mask = torch.zeros(t, b, h * d, dtype=torch.bool, device=values.device)
+        dense.view(t * b, -1)[rows, channels] = values
+        mask.view(t * b, -1)[rows, channels] = True
+        row_ptr, col_val = _csr(dense[:, index], mask[:, index])
+        pick = {
+            k: v.index_select(0, index)
+            for k, v in (("codes", self.codes), ("center", self.center), ("half", self.half_range))
+            if v is not None
+        }
+        return dataclasses.replace(
+            self,
+            shape=torch.Size((len(index), h, t, d)),
+            codes=pick["codes"],
+            center=pick.get("center"),
+            half_range=pick.get("half"),
+            row_ptr=row_ptr,
+            col_val=col_val,
+        )
+
+    @classmethod
+    def concat(cls, parts: list[KVQuantPackedKV]) -> KVQuantPackedKV:
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        ptrs, offset = [first.row_ptr[:1]], 0
+        for p in parts:
+            ptrs.append(p.row_ptr[1:] + offset)
+            offset += int(p.row_ptr[-1])
+
+        def cat(name: str) -> Tensor | None:
+            if getattr(first, name) is None:
+                return None
+            return torch.cat([getattr(p, name) for p in parts], dim=2)
+
+        tokens = sum(p.num_tokens for p in parts)
+        return dataclasses.replace(
+            first,
+            shape=torch.Size((first.shape[0], first.shape[1], tokens, first.shape[3])),
+            codes=cat("codes"),
+            center=cat("center"),
+            half_range=cat("half_range"),
+            row_ptr=torch.cat(ptrs),
+            col_val=torch.cat([p.col_val for p in parts]),
+        )
+
+
+def _csr(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """CSR of ``values`` under ``mask`` (both ``[T, B, C]``): one row per (token, batch row)."""
+    t, b, c = values.shape
+    rows, channels = mask.reshape(t * b, c).nonzero(as_tuple=True)
+    words = pack_index_value(channels, values.reshape(t * b, c)[rows, channels])
+    counts = torch.bincount(rows, minlength=t * b)
+    row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    return row_ptr, words
+
+
+def _top_magnitudes(x: Tensor, k: int) -> Tensor:
+    """Mask of the ``k`` largest ``|x|`` of each token over all heads: x [B, H, T, D]."""
+    b, h, t, d = x.shape
+    mask = torch.zeros(b, t, h * d, dtype=torch.bool, device=x.device)
+    if k > 0:
+        flat = x.abs().permute(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*D]
+        mask.scatter_(2, flat.topk(k, dim=2).indices, True)
+    return mask.view(b, t, h, d).permute(0, 2, 1, 3)  # [B, H, T, D]
+
+
+def _token_range(x: Tensor, outliers: Tensor) -> tuple[Tensor, Tensor]:
+    """fp16-rounded (center, half_range) ``[..., 1]`` of each token's non-outlier elements."""
+    inf = torch.finfo(torch.float32).max
+    hi = x.masked_fill(outliers, -inf).amax(-1, keepdim=True)
+    lo = x.masked_fill(outliers, inf).amin(-1, keepdim=True)
+    center = ((hi + lo) / 2).to(torch.float16)
+    half = ((hi - lo) / 2).to(torch.float16)
+    return center, torch.where(half == 0, torch.ones_like(half), half)
+
+
+@register_kv_quantizer
+class KVQuantQuantizer(KVQuantizer):
+    """KVQuant nuqX quantizer of one layer's keys or values (see module doc).
+
+    Args:
+        bits: index bits, 2-8 (``2**bits`` codebook levels).
+        num_heads, head_dim: the layer's KV heads and channels per head.
+        per_channel: calibrated per-channel ranges (keys) instead of online per-token ones.
+        outlier_fraction: share of elements kept as fp16 outliers (0 = none).
+
+    Build calibrated quantizers with :meth:`calibrate`; the constructor gives the uniform
+    codebook and unit channel ranges (state then comes from ``load_state_dict``).
+    """
+
+    kind = "kvquant"
+    token_group = 1
+
+    def __init__(
+        self,
+        bits: int = 3,
+        num_heads: int = 1,
+        head_dim: int = 64,
+        per_channel: bool = False,
+        outlier_fraction: float = 0.01,
+    ) -> None:
+        super().__init__()
+        _check_settings(bits, num_heads, head_dim, outlier_fraction)
+        self.bits, self.num_heads, self.head_dim = bits, num_heads, head_dim
+        self.per_channel = bool(per_channel)
+        self.outlier_fraction = float(outlier_fraction)
+        self.register_buffer("codebook", uniform_codebook(bits))
+        shape = (num_heads, head_dim) if per_channel else (0, 0)
+        self.register_buffer("center", torch.zeros(shape, dtype=torch.float16))
+        self.register_buffer("half_range", torch.ones(shape, dtype=torch.float16))
+
+    @property
+    def outliers_per_token(self) -> int:
+        """Outliers per token of the online (per-token) selection."""
+        return round(self.outlier_fraction * self.num_heads * self.head_dim)
+
+    def settings(self) -> dict[str, Any]:
+        return dict(
+            bits=self.bits,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            per_channel=self.per_channel,
+            outlier_fraction=self.outlier_fraction,
+        )
+
+    def check(self, head_dim: int) -> None:
+        if head_dim != self.head_dim:
+            raise LowbitError(
+                f"this KVQuant quantizer was built for head_dim {self.head_dim}, not {head_dim}"
+            )
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Index bits + 32 bits per outlier + a 32-bit CSR row pointer per token (over the
+        token's ``H_kv * D`` elements) + per-token fp16 center and half range (online only);
+        the codebook and per-channel ranges are per layer, not per token.
+
+        Per-channel: exactly :func:`~lowbit.formats.accounting.kvquant_bits` with
+        ``hidden = H_kv * D`` (the calibrated outlier fraction is nominal).
+        """
+        self.check(head_dim)
+        hidden = self.num_heads * head_dim
+        index_bits = 8 * packed_words_per_row(head_dim, self.bits) / head_dim
+        if self.per_channel:
+            fraction = self.outlier_fraction
+            return index_bits + kvquant_bits(0, fraction, hidden)
+        fraction = self.outliers_per_token / hidden
+        return index_bits + kvquant_bits(0, fraction, hidden) + 32 / head_dim
+
+    # -- quantization ------------------------------------------------------------------------
+    def _outlier_mask(self, xf: Tensor) -> Tensor:
+        if self.per_channel:
+            if self.outlier_fraction == 0:
+                return torch.zeros_like(xf, dtype=torch.bool)
+            center = self.center.float()[None, :, None, :]
+            half = self.half_range.float()[None, :, None, :]
+            return (xf - center).abs() > half
+        return _top_magnitudes(xf, self.outliers_per_token)
+
+    def quantize(self, x: Tensor) -> KVQuantPackedKV:
+        check_kv(x, self.token_group)
+        b, h, t, d = x.shape
+        self.check(d)
+        if h != self.num_heads:
+            raise LowbitError(f"expected {self.num_heads} KV heads, got {h}")
+        xf = x.float().contiguous()
+        outliers = self._outlier_mask(xf)  # [B, H, T, D] bool
+        if self.per_channel:
+            center16 = half16 = None
+            center = self.center.float()[None, :, None, :]
+            half = self.half_range.float()[None, :, None, :]
+        else:
+            center16, half16 = _token_range(xf, outliers)  # [B, H, T, 1]
+            center, half = center16.float(), half16.float()
+        normalized = ((xf - center) / half).clamp_(-1.0, 1.0).contiguous()
+        idx, _, _ = nuq_quantize(normalized, self.codebook, axis=-1, normalize=None)
+        values = xf.permute(2, 0, 1, 3).reshape(t, b, h * d)  # [T, B, H*D]
+        mask = outliers.permute(2, 0, 1, 3).reshape(t, b, h * d)
+        row_ptr, col_val = _csr(values, mask)
+        return KVQuantPackedKV(
+            shape=x.shape,
+            dtype=x.dtype,
+            codes=pack_bits(idx, self.bits),
+            center=center16,
+            half_range=half16,
+            row_ptr=row_ptr,
+            col_val=col_val,
+            quantizer=self,
+        )
+
+    # -- calibration -------------------------------------------------------------------------
+    @classmethod
+    def calibrate(
+        cls,
+        samples: Tensor,
+        fisher: Tensor | None,
+        *,
+        bits: int,
+        per_channel: bool,
+        outlier_fraction: float = 0.01,
+        nuq: bool = True,
+        seed: int = 0,
+    ) -> KVQuantQuantizer:
+        """A quantizer fitted to calibration activations.
+
+        Args:
+            samples: ``[N, H_kv, D]`` keys or values (sink tokens already masked out).
+            fisher: ``[N, H_kv, D]`` Fisher information of ``samples``; None = unweighted.
+            bits, per_channel, outlier_fraction: as for the constructor.
+            nuq: fit the codebook (else the uniform grid).
+            seed: seed of the subset used when there are more than
+                :data:`MAX_CODEBOOK_SAMPLES` normalized elements.
+        """
+        if samples.dim() != 3:
+            raise LowbitError("calibration samples must be [tokens, heads, head_dim]")
+        n, h, d = samples.shape
+        quantizer = cls(bits, h, d, per_channel, outlier_fraction)
+        x = samples.float()
+        if per_channel:
+            lo_q = outlier_fraction / 2
+            lo = torch.quantile(x, lo_q, dim=0) if lo_q > 0 else x.amin(0)  # [H, D]
+            hi = torch.quantile(x, 1 - lo_q, dim=0) if lo_q > 0 else x.amax(0)
+            half = ((hi - lo) / 2).to(torch.float16)
+            quantizer.center.copy_(((hi + lo) / 2).to(torch.float16))
+            quantizer.half_range.copy_(torch.where(half == 0, torch.ones_like(half), half))
+        if not nuq:
+            return quantizer
+        batch = x.transpose(0, 1).unsqueeze(0)  # [1, H, N, D] as the cache sees it
+        outliers = quantizer._outlier_mask(batch)
+        if per_channel:
+            center = quantizer.center.float()[None, :, None, :]
+            half = quantizer.half_range.float()[None, :, None, :]
+        else:
+            center, half = (s.float() for s in _token_range(batch, outliers))
+        normalized = ((batch - center) / half).clamp(-1.0, 1.0)[~outliers]  # [M]
+        weights = None
+        if fisher is not None:
+            weights = fisher.float().transpose(0, 1).unsqueeze(0)[~outliers]
+        if normalized.numel() > MAX_CODEBOOK_SAMPLES:
+            generator = torch.Generator().manual_seed(seed)
+            keep = torch.randperm(normalized.numel(), generator=generator)[:MAX_CODEBOOK_SAMPLES]
+            normalized = normalized[keep]
+            weights = None if weights is None else weights[keep]
+        if weights is not None and float(weights.sum()) <= 0:
+            weights = None  # no gradient reached this layer: fall back to plain k-means
+        codebook = fit_codebook(normalized, 2**bits, weights)
+        quantizer.codebook.copy_(codebook)
+        return quantizer
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", levels={math.prod(self.codebook.shape)}"

@@ -1,0 +1,167 @@
+"""The ``kvquant`` recipe: KVQuant's KV cache (seed 003), every component switchable.
+
+Full method (defaults): 3-bit nuqX keys per channel before RoPE and values per token, codebooks
+fitted per layer with Fisher weights, 1% fp16 outliers, the first token in fp16. Switching
+components off in order walks the paper's ablation ladder; the ``kvquant-ladder-*`` presets are
+its rungs, so ``lowbit eval --recipe kvquant-ladder-int --recipe kvquant-ladder-channel ...
+--recipe kvquant --set bits=3`` prints it in one command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.kv.attention import install_kv_quantization
+from lowbit.kv.cache import KVCacheLayout
+from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
+from lowbit.kv.kvquant import KVQuantQuantizer
+from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
+from lowbit.recipes.registry import PRESETS, register
+
+_LADDER = {
+    "kvquant-ladder-int": dict(
+        per_channel_keys=False, pre_rope=False, nuq=False, outlier_fraction=0.0, sink_tokens=0
+    ),
+    "kvquant-ladder-channel": dict(pre_rope=False, nuq=False, outlier_fraction=0.0, sink_tokens=0),
+    "kvquant-ladder-prerope": dict(nuq=False, outlier_fraction=0.0, sink_tokens=0),
+    "kvquant-ladder-nuq": dict(outlier_fraction=0.0, sink_tokens=0),
+    "kvquant-ladder-outliers": dict(sink_tokens=0),
+}
+#: the ablation ladder of seed 003 in order; its last rung is the full ``kvquant`` recipe
+LADDER = (*_LADDER, "kvquant")
+PRESETS.update({name: ("kvquant", settings) for name, settings in _LADDER.items()})
+
+
+@register
+@dataclass
+class KVQuantRecipe(Recipe):
+    """KVQuant (Hooper et al., 2024).
+
+    Settings:
+        bits: key and value bits, 2-8 (``k_bits``/``v_bits`` override it per stream; 16 = fp).
+        k_bits, v_bits: per-stream bits, none = ``bits``.
+        outlier_fraction: share of elements kept in fp16 (dense-and-sparse), 0 = none.
+        sink_tokens: leading tokens kept in fp16 (attention sink).
+        pre_rope: quantize keys before RoPE.
+        per_channel_keys: keys normalized per channel (offline ranges); false = per token.
+        nuq: fitted non-uniform codebooks (nuqX); false = uniform integer levels.
+        fisher: weight the codebook fit by Fisher information; false = plain k-means.
+        calib_tokens: calibration tokens kept per layer from the Fisher pass.
+    """
+
+    method = "kvquant"
+    needs_calibration = True
+
+    bits: int = 3
+    k_bits: int | None = None
+    v_bits: int | None = None
+    outlier_fraction: float = 0.01
+    sink_tokens: int = 1
+    pre_rope: bool = True
+    per_channel_keys: bool = True
+    nuq: bool = True
+    fisher: bool = True
+    calib_tokens: int = 8192
+
+    @property
+    def key_bits(self) -> int:
+        return self.bits if self.k_bits is None else self.k_bits
+
+    @property
+    def value_bits(self) -> int:
+        return self.bits if self.v_bits is None else self.v_bits
+
+    def validate(self) -> None:
+        check_bits("bits", self.bits, allow_off=False)
+        for name in ("k_bits", "v_bits"):
+            if getattr(self, name) is not None:
+                check_bits(name, getattr(self, name))
+        if not 0.0 <= self.outlier_fraction < 0.5:
+            raise LowbitError(f"outlier_fraction must be in [0, 0.5), not {self.outlier_fraction}")
+        if isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
+            raise LowbitError(f"sink_tokens must be a non-negative integer, not {self.sink_tokens}")
+        if isinstance(self.calib_tokens, bool) or self.calib_tokens < 1:
+            raise LowbitError(f"calib_tokens must be a positive integer, not {self.calib_tokens}")
+
+    @property
+    def needs_gradients(self) -> bool:
+        return self.nuq and self.fisher
+
+    def quantizers(self, adapter, calib: KVCalibration | None) -> tuple[list, list]:
+        """Per-layer key and value quantizers, calibrated on ``calib`` (None: uncalibrated,
+        for the bytes accounting only)."""
+        h, d = adapter.num_kv_heads, adapter.head_dim
+        keys, values = [], []
+        for layer in range(adapter.num_layers):
+            for bits, per_channel, out, stream in (
+                (self.key_bits, self.per_channel_keys, keys, "k"),
+                (self.value_bits, False, values, "v"),
+            ):
+                if bits == OFF_BITS:
+                    out.append(None)
+                elif calib is None:
+                    out.append(KVQuantQuantizer(bits, h, d, per_channel, self.outlier_fraction))
+                else:
+                    samples, fisher = self._samples(adapter, calib, layer, stream)
+                    out.append(
+                        KVQuantQuantizer.calibrate(
+                            samples,
+                            fisher if self.fisher else None,
+                            bits=bits,
+                            per_channel=per_channel,
+                            outlier_fraction=self.outlier_fraction,
+                            nuq=self.nuq,
+                        )
+                    )
+        return keys, values
+
+    def _samples(self, adapter, calib: KVCalibration, layer: int, stream: str):
+        grads = calib.has_gradients
+        if stream == "v":
+            return calib.values[layer], calib.value_fisher(layer) if grads else None
+        if self.pre_rope:
+            return calib.keys[layer], calib.key_fisher(layer) if grads else None
+        return calib.post_rope_keys(adapter, layer)
+
+    def calibrate(self, model, context: QuantizeContext) -> KVCalibration:
+        """The Fisher pass (activations only when no codebook is Fisher-weighted)."""
+        if context.calibration is None:
+            raise LowbitError("recipe 'kvquant' needs calibration data (calibration=...)")
+        return collect_kv_fisher(
+            model,
+            context.adapter,
+            context.calibration,
+            max_tokens=self.calib_tokens,
+            gradients=self.needs_gradients,
+            progress=context.progress,
+        )
+
+    def install(self, model, adapter, keys: list, values: list) -> KVCacheLayout:
+        return install_kv_quantization(
+            model,
+            adapter,
+            key_quantizers=keys,
+            value_quantizers=values,
+            pre_rope=self.pre_rope,
+            sink_tokens=self.sink_tokens,
+            residual_dtype=torch.float16,
+        )
+
+    def apply(self, model, context: QuantizeContext) -> None:
+        calib = self.calibrate(model, context)
+        keys, values = self.quantizers(context.adapter, calib)
+        self.install(model, context.adapter, keys, values)
+
+    def kv_bytes_per_token(self, adapter, context_length: int) -> float | None:
+        keys, values = self.quantizers(adapter, None)
+        layout = KVCacheLayout(
+            keys,
+            values,
+            sink_tokens=self.sink_tokens,
+            residual_dtype=torch.float16,
+            track_positions=self.pre_rope,
+        )
+        return layout.bytes_per_token(adapter.num_kv_heads, adapter.head_dim, context_length)
