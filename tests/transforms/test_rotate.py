@@ -262,3 +262,28 @@ def test_embedded_model_is_invariant(embedded):
     assert report.o_proj_hadamard == "full"  # 9 heads: no H_9; 576 = 36·16 has one
     # measured: max |Δlogit| 1.6e-4 on 32 tokens (|logit| up to 44); random Q 1.2e-4
     assert (_logits(model, ids) - before).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("n", [64, 96, 160, 576])
+def test_fast_randomized_hadamard_map_matches_the_dense_matrix(n):
+    from lowbit.transforms.hadamard import random_hadamard_matrix
+    from lowbit.transforms.rotate import _randomized_hadamard_map
+
+    x = torch.randn(7, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    expected = x @ random_hadamard_matrix(n, seed=4)  # [7, n]
+    torch.testing.assert_close(_randomized_hadamard_map(n, 4)(x), expected, atol=1e-12, rtol=0)
+
+
+def test_fast_and_dense_residual_rotation_give_the_same_model():
+    from lowbit.transforms.fuse import fuse_norms
+    from lowbit.transforms.rotate import _randomized_hadamard_map
+
+    dense, fast = tiny_model("qwen2"), tiny_model("qwen2")
+    for model in (dense, fast):
+        fuse_norms(model)
+    rotate_residual(dense, residual_rotation(96, "hadamard", seed=6))
+    rotate_residual(fast, _randomized_hadamard_map(96, 6))
+    fast_state = fast.state_dict()
+    for key, value in dense.state_dict().items():
+        # float64 products in a different order, cast to float32: at most an ulp apart
+        torch.testing.assert_close(fast_state[key], value, atol=1e-6, rtol=1e-6)
