@@ -1,0 +1,145 @@
+"""The quantized cache layer: what it stores where, measured bytes == analytic bytes, sizes
+reported to transformers, batch selection."""
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.kv import (
+    IntChannelQuantizer,
+    IntTokenQuantizer,
+    KIVIKeyQuantizer,
+    KIVIValueQuantizer,
+    KVCacheLayout,
+    QuantizedKVLayer,
+)
+
+
+def _kv(batch, tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 2, tokens, 16, generator=g), torch.randn(
+        batch, 2, tokens, 16, generator=g
+    )
+
+
+def _feed(layer, k, v, chunks):
+    start, out = 0, None
+    for size in chunks:
+        out = layer.update(k[:, :, start : start + size], v[:, :, start : start + size])
+        start += size
+    return out
+
+
+def test_sinks_packed_chunks_and_residual():
+    layer = QuantizedKVLayer(
+        IntChannelQuantizer(4, token_group=4), IntTokenQuantizer(4), sink_tokens=2, fp_window=3
+    )
+    k, v = _kv(1, 20)
+    keys, values = _feed(layer, k, v, [5, 1, 14])
+    assert layer.get_seq_length() == 20 and keys.shape == k.shape
+    assert layer.k.sink.shape[2] == 2 and layer.v.sink.shape[2] == 2
+    # keys: 18 after the sinks, >= 3 kept in fp, packed in whole groups of 4 -> 12 packed, 6 fp
+    assert layer.k.chunks[0].num_tokens == 12 and layer.k.residual.shape[2] == 6
+    assert layer.v.chunks[0].num_tokens == 15 and layer.v.residual.shape[2] == 3
+    assert len(layer.k.chunks) == 1  # chunks are joined as they arrive
+    assert torch.equal(keys[:, :, :2], k[:, :, :2])  # sinks and recent tokens are exact
+    assert torch.equal(keys[:, :, -6:], k[:, :, -6:])
+    assert not torch.equal(keys[:, :, 2:14], k[:, :, 2:14])
+    assert layer.get_mask_sizes(3) == (23, 0)
+
+
+@pytest.mark.parametrize("chunks", [[40], [1] * 40, [7, 13, 1, 19], [16, 16, 8]])
+def test_quantization_does_not_depend_on_arrival_for_per_token(chunks):
+    k, v = _kv(2, 40)
+    whole = QuantizedKVLayer(IntTokenQuantizer(3), IntTokenQuantizer(2), sink_tokens=1)
+    pieces = QuantizedKVLayer(IntTokenQuantizer(3), IntTokenQuantizer(2), sink_tokens=1)
+    a = _feed(whole, k, v, [40])
+    b = _feed(pieces, k, v, chunks)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+LAYOUTS = {
+    "int4-token": lambda n: KVCacheLayout(
+        [IntTokenQuantizer(4)] * n, [IntTokenQuantizer(4)] * n, residual_dtype=torch.float16
+    ),
+    "int3-channel-pre-rope-sink": lambda n: KVCacheLayout(
+        [IntChannelQuantizer(3, token_group=8)] * n,
+        [IntTokenQuantizer(3, group_size=8)] * n,
+        sink_tokens=1,
+        residual_dtype=torch.float16,
+        track_positions=True,
+    ),
+    "kivi2": lambda n: KVCacheLayout(
+        [KIVIKeyQuantizer(2, 8)] * n,
+        [KIVIValueQuantizer(2, 8)] * n,
+        fp_window=16,
+        residual_dtype=torch.float16,
+    ),
+    "values-only": lambda n: KVCacheLayout(
+        [None] * n, [IntTokenQuantizer(2)] * n, residual_dtype=torch.float16
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("tokens, chunks", [(37, [37]), (37, [5, 1, 1, 30]), (64, [16] * 4)])
+def test_measured_bytes_equal_analytic(name, tokens, chunks):
+    """Measured from the stored tensors == KVCacheLayout.bytes_per_token, exactly: the split
+    between packed and fp tokens depends only on the token count, and the formats store whole
+    bytes per packed row, so there is no padding to amortize."""
+    layout = LAYOUTS[name](2)
+    cache = layout.make_cache()
+    k, v = _kv(1, tokens)
+    for layer_idx in range(2):
+        start = 0
+        for size in chunks:
+            positions = torch.arange(start, start + size)[None]
+            cache.update(
+                k[:, :, start : start + size],
+                v[:, :, start : start + size],
+                layer_idx,
+                {"positions": positions},
+            )
+            start += size
+    expected = layout.bytes_per_token(num_kv_heads=2, head_dim=16, context_length=tokens)
+    assert cache.bytes_per_token() == pytest.approx(expected, rel=1e-12)
+    fp16 = 2 * 2 * 2 * 16 * 2  # layers x (K, V) x heads x head_dim x 2 bytes
+    assert cache.bytes_per_token() < fp16
+
+
+def test_positions_are_kept_once_per_cache():
+    layout = LAYOUTS["int3-channel-pre-rope-sink"](3)
+    cache = layout.make_cache()
+    k, v = _kv(2, 5)
+    pos = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+    for i in range(3):
+        cache.update(k, v, i, {"positions": pos})
+    assert torch.equal(cache.layers[2].positions(), pos)
+    assert cache.layers[0].nbytes() - cache.layers[1].nbytes() == pos.numel() * 4
+
+
+def test_batch_select_and_reorder():
+    layout = LAYOUTS["kivi2"](1)
+    cache = layout.make_cache()
+    k, v = _kv(3, 30)
+    cache.update(k, v, 0)
+    full_k, full_v = cache.layers[0].k.full(torch.float32), cache.layers[0].v.full(torch.float32)
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert torch.equal(cache.layers[0].k.full(torch.float32), full_k[[2, 2, 0]])
+    cache.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(cache.layers[0].v.full(torch.float32), full_v[[2]])
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].k.full(torch.float32).shape[0] == 2
+
+
+def test_bad_use():
+    with pytest.raises(LowbitError, match="sink_tokens"):
+        QuantizedKVLayer(sink_tokens=-1)
+    layer = QuantizedKVLayer(IntTokenQuantizer(4))
+    layer.update(*_kv(1, 3))
+    with pytest.raises(LowbitError, match="cannot be cropped"):
+        layer.crop(-1)
+    with pytest.raises(LowbitError, match="does not track positions"):
+        layer.positions()
+    with pytest.raises(LowbitError, match="empty"):
+        LAYOUTS["kivi2"](1).make_cache().bytes_per_token()
