@@ -103,5 +103,5 @@ def test_ksort_preserves_embedded_model_logits(embedded):
     ref = _logits(model, ids)
     ksort_qk(model)
     ksort_v(model)
-    # measured: max |Δlogit| ≈ 2e-5 in fp32 (logits up to ~30)
+    # measured: max |Δlogit| ≈ 6.7e-5 in fp32 (logits up to ~31; 30 layers of reordered sums)
     assert (_logits(model, ids) - ref).abs().max() < 1e-4
