@@ -5,10 +5,12 @@ Loads the embedded model (or ``--model``), feeds ``--windows`` pydoc evaluation 
 the float model and through a rotated copy (``rotate_model``), and prints per layer, for the
 input each linear multiplies (after its online transform, if any):
 
-* kurtosis: Pearson kurtosis over all token × channel values (a Gaussian gives 3);
-* max/RMS: largest |x| over the RMS of all values (the range an int grid must cover);
-* tok max/RMS: the same ratio per token, averaged over tokens (what per-token activation
-  quantization sees).
+* kurt: Pearson kurtosis over all token × channel values (a Gaussian gives 3); a few
+  tokens of huge norm (attention sinks) keep it high even when every token is flat;
+* tok kurt: kurtosis over the channels of each token, averaged over tokens;
+* max/RMS: largest |x| over the RMS of all values;
+* tok max/RMS: the same ratio per token, averaged over tokens (the range a per-token int
+  grid must cover).
 
 It also prints the largest |Δlogit| between the two models on the same windows.
 """
@@ -38,6 +40,7 @@ class InputMoments:
         self.sums = torch.zeros(4, dtype=torch.float64)  # Σx, Σx², Σx³, Σx⁴
         self.peak = 0.0
         self.token_ratio_sum = 0.0
+        self.token_kurtosis_sum = 0.0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)  # [T, n]
@@ -47,6 +50,9 @@ class InputMoments:
         self.peak = max(self.peak, x.abs().max().item())
         token_rms = x.pow(2).mean(dim=-1).sqrt().clamp_min(1e-30)  # [T]
         self.token_ratio_sum += (x.abs().amax(dim=-1) / token_rms).sum().item()
+        centered = x - x.mean(dim=-1, keepdim=True)  # [T, n]
+        variance = centered.pow(2).mean(dim=-1).clamp_min(1e-30)  # [T]
+        self.token_kurtosis_sum += (centered.pow(4).mean(dim=-1) / variance**2).sum().item()
 
     def kurtosis(self) -> float:
         m1, m2, m3, m4 = (self.sums / self.count).tolist()
@@ -56,6 +62,9 @@ class InputMoments:
 
     def max_over_rms(self) -> float:
         return self.peak / (self.sums[1].item() / self.count) ** 0.5
+
+    def token_kurtosis(self) -> float:
+        return self.token_kurtosis_sum / self.tokens
 
     def token_max_over_rms(self) -> float:
         return self.token_ratio_sum / self.tokens
@@ -118,8 +127,9 @@ def main() -> None:
     delta = (logits_after - logits_before).abs().max().item()
     print(f"rotate_model: {rotate_s:.1f} s; max |Δlogit| rotated vs float: {delta:.2e}")
     print()
-    columns = ("kurtosis", "max/RMS", "tok max/RMS")
-    print(f"{'':>5} | {'q_proj input (before -> after)':^47} | {'down_proj input':^47}")
+    columns = ("kurt", "tok kurt", "max/RMS", "tok max/RMS")
+    title = ("q_proj input (before -> after)", "down_proj input (before -> after)")
+    print(f"{'':>5} | {title[0]:^63} | {title[1]:^63}")
     print(f"{'layer':>5} | " + " | ".join(" ".join(f"{c:>15}" for c in columns) for _ in range(2)))
     for index in layers:
         cells = []
@@ -127,6 +137,7 @@ def main() -> None:
             old, new = before[index, name], after[index, name]
             pairs = (
                 (old.kurtosis(), new.kurtosis()),
+                (old.token_kurtosis(), new.token_kurtosis()),
                 (old.max_over_rms(), new.max_over_rms()),
                 (old.token_max_over_rms(), new.token_max_over_rms()),
             )

@@ -29,12 +29,15 @@ Hadamard):
     ``A ⊗ I`` (mixing across heads) runs online (``CrossHeadHadamard``), and o_proj gets
     ``W ← W (A ⊗ B)^T``.
   - ``"full"``: T = H_width/√width online, ``W_o ← W_o T^T``.
-  - ``"per_head"``: T = I ⊗ B, fused into v_proj and o_proj with nothing online.
+  - ``"per_head"``: T = I ⊗ B, fused into v_proj and o_proj with nothing online (a
+    block-diagonal T passes through attention like the factorized path's B, so running it
+    online would cost work for the same product). The fallback when the width has no matrix.
   - ``"auto"``: factorized when heads and head_dim both have Hadamard matrices (cheapest online
     work: a transform of size heads, head_dim times per token), else full when the width has
     one (SmolLM2: 9 heads have none, 576 = 36·16 has), else per_head.
 
-Everything is computed in float64 and cast back to each tensor's dtype. The Q·K Hadamard after
+Everything is computed in float64 and cast back to each tensor's dtype; a randomized Hadamard
+wider than ``DENSE_ROTATION_MAX`` is applied with the fast transform, never as a dense matrix. The Q·K Hadamard after
 RoPE lives with the KV cache, not here, and nothing here quantizes.
 """
 
@@ -344,6 +347,7 @@ def _check_plain_linears(adapter: DecoderAdapter) -> None:
 def _add_online_hadamards(
     model: nn.Module, adapter: DecoderAdapter, o_path: str, online_dtype
 ) -> list[LayerRotation]:
+    """Online Hadamards on every block's down_proj and o_proj inputs (o_path resolved)."""
     inter, heads, head_dim = adapter.intermediate_size, adapter.num_heads, adapter.head_dim
     width = heads * head_dim
     down_text = f"online {_describe_hadamard(inter)}, fused into down_proj columns"
