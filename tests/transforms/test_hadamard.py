@@ -240,3 +240,16 @@ def test_bad_transform_inputs_raise():
         OnlineHadamard(576, group_size=100)
     with pytest.raises(LowbitError, match="last dim 576"):
         OnlineHadamard(576)(torch.randn(2, 512))
+
+
+@pytest.mark.parametrize("n", [16, 576, 1536])
+def test_fast_transform_is_differentiable_and_matches_no_grad(n):
+    x = torch.randn(3, n, dtype=torch.float64, requires_grad=True)
+    y = fast_hadamard_transform(x)
+    with torch.no_grad():
+        expected = fast_hadamard_transform(x.detach())
+    assert torch.equal(y.detach(), expected)
+    y.sum().backward()
+    # d/dx sum(x H^T / sqrt(n)) = column sums of H / sqrt(n)
+    column_sums = hadamard_matrix(n).sum(0) / math.sqrt(n)
+    torch.testing.assert_close(x.grad, column_sums.expand(3, n), rtol=0, atol=1e-12)

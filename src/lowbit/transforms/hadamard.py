@@ -405,6 +405,15 @@ def _sylvester_butterfly(x: Tensor, inner: int) -> Tensor:
     source = x.reshape(-1, width)  # [R, P * inner]
     if size == 1:
         return x.clone()
+    if torch.is_grad_enabled() and x.requires_grad:
+        # out= writes are not differentiable: the same stages out of place (e.g. Fisher passes)
+        half = 1
+        while half < size:
+            pairs = source.reshape(-1, size // (2 * half), 2, half * inner)
+            first, second = pairs[:, :, 0], pairs[:, :, 1]  # [R, blocks, half*inner]
+            source = torch.stack((first + second, first - second), dim=2)
+            half *= 2
+        return source.reshape(x.shape)
     buffers = [torch.empty_like(source), None]
     half, stage = 1, 0
     while half < size:
