@@ -83,3 +83,17 @@ def test_too_little_calibration_is_rejected():
         collect_kv_fisher(model, adapter_for(model), torch.zeros(2, 40, dtype=torch.long))
     with pytest.raises(LowbitError, match="n_samples, seqlen"):
         collect_kv_fisher(model, adapter_for(model), torch.zeros(40, dtype=torch.long))
+
+
+def test_post_rope_keys_at_chosen_positions():
+    model = tiny_model("llama")
+    adapter = adapter_for(model)
+    ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(3))
+    calib = collect_kv_fisher(model, adapter, ids, gradients=False)
+    positions = torch.full((calib.num_tokens,), 400)
+    keys, fisher = calib.post_rope_keys(adapter, 0, positions)
+    assert fisher is None and not calib.has_gradients
+    want = adapter.apply_rope(calib.keys[0].transpose(0, 1)[None], positions[None])[0]
+    torch.testing.assert_close(keys, want.transpose(0, 1))
+    with pytest.raises(LowbitError, match="without gradients"):
+        calib.key_fisher(0)

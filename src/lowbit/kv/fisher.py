@@ -76,10 +76,18 @@ class KVCalibration:
         """Diagonal Fisher information of the values: ``[N, H_kv, D]``."""
         return self._grads(self.value_grads, layer).square()
 
-    def post_rope_keys(self, adapter, layer: int) -> tuple[Tensor, Tensor | None]:
+    def post_rope_keys(
+        self, adapter, layer: int, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Keys after RoPE and their Fisher information (None without gradients), both
-        ``[N, H_kv, D]``."""
-        pos = self.positions.unsqueeze(0)  # [1, N]
+        ``[N, H_kv, D]``.
+
+        Args:
+            positions: ``[N]`` positions to rotate each kept key to; None = where it was.
+                Calibration samples are usually shorter than the contexts served, so ranges
+                of post-RoPE keys are better estimated at positions drawn over the context.
+        """
+        pos = (self.positions if positions is None else positions).unsqueeze(0)  # [1, N]
         parts = [self.keys[layer]] + ([self.key_grads[layer]] if self.has_gradients else [])
         both = torch.stack(parts)  # [P, N, H, D]
         rotated = adapter.apply_rope(both.transpose(1, 2), pos.expand(len(parts), -1))

@@ -45,7 +45,8 @@ class KVQuantRecipe(Recipe):
         k_bits, v_bits: per-stream bits, none = ``bits``.
         outlier_fraction: share of elements kept in fp16 (dense-and-sparse), 0 = none.
         sink_tokens: leading tokens kept in fp16 (attention sink).
-        pre_rope: quantize keys before RoPE.
+        pre_rope: quantize keys before RoPE (false: after; their calibrated ranges then come
+            from the calibration keys rotated to positions drawn over the model's context).
         per_channel_keys: keys normalized per channel (offline ranges); false = per token.
         nuq: fitted non-uniform codebooks (nuqX); false = uniform integer levels.
         fisher: weight the codebook fit by Fisher information; false = plain k-means.
@@ -124,7 +125,11 @@ class KVQuantRecipe(Recipe):
             return calib.values[layer], calib.value_fisher(layer) if grads else None
         if self.pre_rope:
             return calib.keys[layer], calib.key_fisher(layer) if grads else None
-        return calib.post_rope_keys(adapter, layer)
+        # post-RoPE ranges must hold at every position served, not only the calibration ones
+        context = max(adapter.max_context, int(calib.positions.max()) + 1)
+        generator = torch.Generator().manual_seed(layer)
+        positions = torch.randint(1, context, (calib.num_tokens,), generator=generator)
+        return calib.post_rope_keys(adapter, layer, positions)
 
     def calibrate(self, model, context: QuantizeContext) -> KVCalibration:
         """The Fisher pass (activations only when no codebook is Fisher-weighted)."""
