@@ -191,6 +191,7 @@ def calibrate_layer_by_layer(
     heldout: int = 0,
     offload_device: torch.device | str = "cpu",
     device: torch.device | str | None = None,
+    sequential: bool = True,
     propagate_last: bool = False,
     progress: bool = True,
 ) -> BlockInputs | None:
@@ -207,7 +208,11 @@ def calibrate_layer_by_layer(
         heldout: the last ``heldout`` samples go to the "heldout" split, the rest to "train".
         offload_device: where the captured hidden states live.
         device: compute device (default: where the blocks' parameters are).
-        propagate_last: also run the last block, and return its outputs (else return None).
+        sequential: propagate each block's outputs after ``process_block`` (a second pass, on
+            the quantized block); False keeps the outputs of the Hessian pass (the float
+            block), which halves the block passes.
+        propagate_last: also run the last block, and return its outputs (else return None;
+            blocks after the last one with linears to calibrate are then not run at all).
         progress: show a progress bar.
 
     Returns:
@@ -227,24 +232,29 @@ def calibrate_layer_by_layer(
     )
     spare = torch.empty_like(inputs.hidden)
     first_heldout = n_samples - heldout
-    last = adapter.num_layers - 1
+    wanted = {index: linears_of(index) for index in range(adapter.num_layers)}
+    calibrated = [index for index, linears in wanted.items() if linears]
+    stop = adapter.num_layers if propagate_last else (calibrated[-1] if calibrated else -1)
     for index in tqdm(range(adapter.num_layers), desc="calibrate", disable=not progress):
+        if index > stop:
+            break  # nothing after this block needs its inputs
         block = blocks[index]
         home = next(block.parameters()).device
         block.to(device)
         try:
-            linears = linears_of(index)
-            if linears:
-                with HessianCollector(linears, device) as collector:
+            if wanted[index]:
+                with HessianCollector(wanted[index], device) as collector:
 
                     def route(i: int, collector=collector) -> None:
                         collector.new_sample()
                         collector.split = "heldout" if i >= first_heldout else "train"
 
-                    run_block(block, inputs, device=device, before_sample=route)
+                    float_out = None if sequential else spare
+                    run_block(block, inputs, device=device, before_sample=route, out=float_out)
                 process_block(index, collector)
-            if index < last or propagate_last:
+            if index < stop and (sequential or not wanted[index]):
                 run_block(blocks[index], inputs, device=device, out=spare)
+            if index < stop:
                 inputs.hidden, spare = spare, inputs.hidden
         finally:
             blocks[index].to(home)

@@ -1,0 +1,280 @@
+"""Quantize the weights of a model's block linears with RTN or GPTQ: the driver recipes call.
+
+``quantize_linears`` replaces each selected linear (an ``nn.Linear`` or a ``FakeQuantLinear``,
+whose ``input_transform`` is kept) by a ``FakeQuantLinear`` holding the dequantized weight and
+the exact storage of its packed form. With ``algo="gptq"`` it walks the model layer by layer
+(:mod:`lowbit.calibrate.capture`).
+
+Choices:
+
+* Calibration runs with float activations, as QuaRot's code does: activation quantizers
+  (``act_quantizer_for``) are attached only after every block is quantized, and those already
+  on selected layers are dropped while calibrating. The Hessians are of what the weight
+  multiplies, after any ``input_transform``.
+* Sequential (default): block ``i + 1`` is calibrated on the outputs of the already quantized
+  block ``i`` (two passes per block); within a block all linears are calibrated on the float
+  block (one Hessian pass per block). ``sequential=False`` propagates the float block's
+  outputs from the Hessian pass instead (one pass per block).
+* Guard: the last ``heldout_fraction`` of the calibration samples (at least one) are kept out
+  of the Hessians; per layer, GPTQ's and RTN's output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those
+  samples (``tr(ΔW H_heldout ΔWᵀ)``) are compared and the smaller one's weight is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from lowbit.algorithms.gptq import gptq_quantize
+from lowbit.algorithms.rtn import IntWeightSpec, rtn_quantize
+from lowbit.calibrate.capture import block_linears, calibrate_layer_by_layer
+from lowbit.calibrate.hessian import HessianCollector
+from lowbit.errors import LowbitError
+from lowbit.formats.intq import IntQuantized
+from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
+
+__all__ = ["GPTQOptions", "LayerChoice", "WeightQuantReport", "quantize_linears"]
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """GPTQ settings shared by every layer (see :func:`~lowbit.algorithms.gptq.gptq_quantize`)."""
+
+    block_size: int = 128
+    act_order: bool = True
+    damp: float = 0.01
+    static_groups: bool | None = None
+
+
+@dataclass
+class LayerChoice:
+    """What happened to one linear.
+
+    Attributes:
+        name: fully qualified name.
+        algo: "gptq", "rtn" or "float" (weight left unquantized).
+        gptq_error, rtn_error: held-out output errors ``‖X ΔWᵀ‖² / tokens`` compared by the
+            guard (None without it).
+        damp: GPTQ's final relative dampening (None without GPTQ).
+    """
+
+    name: str
+    algo: str
+    gptq_error: float | None = None
+    rtn_error: float | None = None
+    damp: float | None = None
+
+    @property
+    def kind(self) -> str:
+        """The layer's short name (q_proj, down_proj, ...)."""
+        return self.name.rsplit(".", 1)[-1]
+
+
+@dataclass
+class WeightQuantReport:
+    """Per-layer choices and totals of :func:`quantize_linears`."""
+
+    algo: str
+    layers: list[LayerChoice] = field(default_factory=list)
+    seconds: float = 0.0
+    calibration_samples: int = 0
+    heldout_samples: int = 0
+
+    def wins(self) -> dict[str, int]:
+        """Layers per algorithm kept, e.g. ``{"gptq": 190, "rtn": 20}``."""
+        return dict(Counter(layer.algo for layer in self.layers))
+
+    def wins_by_kind(self) -> dict[str, dict[str, int]]:
+        """``{short layer name: {algorithm: count}}``."""
+        table: dict[str, Counter] = {}
+        for layer in self.layers:
+            table.setdefault(layer.kind, Counter())[layer.algo] += 1
+        return {kind: dict(counts) for kind, counts in table.items()}
+
+    def summary(self) -> str:
+        kinds = ", ".join(
+            f"{kind} " + "/".join(f"{a}:{n}" for a, n in sorted(c.items()))
+            for kind, c in self.wins_by_kind().items()
+        )
+        return f"{self.algo}: {self.wins()} in {self.seconds:.1f} s ({kinds})"
+
+
+def _heldout_error(delta: Tensor, hessian: Tensor) -> float:
+    """``tr(ΔW H ΔWᵀ) / 2`` = mean over held-out tokens of ``‖ΔW x‖²`` (H = 2/N Σ x xᵀ)."""
+    return 0.5 * float(((delta @ hessian) * delta).sum())  # [out, in] · [in, in]
+
+
+def _replacement(
+    linear: nn.Module, weight: Tensor, packed: IntQuantized | None, fmt: str
+) -> FakeQuantLinear:
+    return FakeQuantLinear(
+        weight.to(linear.weight.dtype),
+        linear.bias,
+        weight_storage_bits=None if packed is None else packed.storage_bits(),
+        input_transform=getattr(linear, "input_transform", None),
+        weight_format=fmt,
+    )
+
+
+def quantize_linears(
+    model: nn.Module,
+    adapter,
+    *,
+    spec_for: Callable[[str], IntWeightSpec | None],
+    algo: Literal["rtn", "gptq"] = "gptq",
+    calibration: Tensor | None = None,
+    act_quantizer_for: Callable[[str], nn.Module | None] = lambda fqn: None,
+    guard: bool = True,
+    heldout_fraction: float = 0.125,
+    includes: Callable[[str, nn.Module], bool] | None = None,
+    gptq: GPTQOptions = GPTQOptions(),
+    sequential: bool = True,
+    progress: bool = True,
+    device: torch.device | str | None = None,
+    offload_device: torch.device | str = "cpu",
+) -> WeightQuantReport:
+    """Quantize the weights of the selected block linears in place.
+
+    Args:
+        model, adapter: the model and its adapter.
+        spec_for: ``spec_for(fqn)`` -> the layer's weight format, or None to keep it in float.
+        algo: "rtn" (no calibration) or "gptq" (layer by layer on ``calibration``).
+        calibration: [N, S] token ids (GPTQ).
+        act_quantizer_for: ``act_quantizer_for(fqn)`` -> the module quantizing the layer's
+            input at run time, or None; attached after calibration.
+        guard: GPTQ only: keep RTN for layers where it has the smaller held-out output error.
+        heldout_fraction: share of the calibration samples held out for the guard.
+        includes: ``includes(fqn, module)`` -> whether the linear is touched (None = all).
+        gptq: GPTQ settings.
+        sequential: calibrate block ``i + 1`` on the outputs of the quantized block ``i``
+            (a second pass per block); False: on the float block's outputs (half the passes).
+        progress: show progress bars.
+        device: compute device for calibration (default: where the blocks are).
+        offload_device: where captured activations live during calibration.
+
+    Returns:
+        :class:`WeightQuantReport`.
+    """
+    if algo not in ("rtn", "gptq"):
+        raise LowbitError(f"weight algorithm must be 'rtn' or 'gptq', not {algo!r}")
+    start = time.perf_counter()
+    names = [
+        n for n in adapter.linear_names() if includes is None or includes(n, model.get_submodule(n))
+    ]
+    specs = {n: spec_for(n) for n in names}
+    for name, spec in specs.items():
+        if spec is not None:
+            spec.check(model.get_submodule(name).weight, name)
+    report = WeightQuantReport(algo)
+    if algo == "rtn":
+        for name in tqdm(names, desc="rtn", disable=not progress, leave=False):
+            report.layers.append(_quantize_rtn(model, name, specs[name]))
+    else:
+        _quantize_gptq(
+            model, adapter, names, specs, calibration, guard, heldout_fraction, gptq, report,
+            sequential, progress, device, offload_device,
+        )  # fmt: skip
+    for name in names:
+        model.get_submodule(name).act_quantizer = act_quantizer_for(name)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _quantize_rtn(model: nn.Module, name: str, spec: IntWeightSpec | None) -> LayerChoice:
+    linear = model.get_submodule(name)
+    weight = linear.weight.detach()
+    if spec is None:
+        replace_module(model, name, _replacement(linear, weight, None, "float"))
+        return LayerChoice(name, "float")
+    packed = rtn_quantize(weight, spec)
+    replace_module(model, name, _replacement(linear, packed.dequantize(), packed, spec.describe()))
+    return LayerChoice(name, "rtn")
+
+
+def _quantize_gptq(
+    model, adapter, names, specs, calibration, guard, heldout_fraction, options, report,
+    sequential, progress, device, offload_device,
+) -> None:  # fmt: skip
+    if calibration is None:
+        raise LowbitError("GPTQ needs calibration data (calibration=[n_samples, seqlen] ids)")
+    n_samples = calibration.shape[0]
+    heldout = 0
+    if guard:
+        if n_samples < 2:
+            raise LowbitError("the GPTQ guard needs at least 2 calibration samples (one held out)")
+        if not 0.0 < heldout_fraction < 1.0:
+            raise LowbitError(f"heldout_fraction must be in (0, 1), not {heldout_fraction}")
+        heldout = min(n_samples - 1, max(1, round(n_samples * heldout_fraction)))
+    report.calibration_samples, report.heldout_samples = n_samples - heldout, heldout
+    selected = set(names)
+    for name in names:  # calibrate with float activations
+        module = model.get_submodule(name)
+        if getattr(module, "act_quantizer", None) is not None:
+            module.act_quantizer = None
+
+    def calibrated_linears(index: int) -> dict[str, nn.Module]:
+        return {
+            n: m
+            for n, m in block_linears(model, adapter, index).items()
+            if n in selected and specs[n] is not None
+        }
+
+    def quantize_block(index: int, collector: HessianCollector) -> None:
+        for name, module in block_linears(model, adapter, index).items():
+            if name not in selected:
+                continue
+            spec = specs[name]
+            if spec is None:
+                replace_module(model, name, _replacement(module, module.weight, None, "float"))
+                report.layers.append(LayerChoice(name, "float"))
+                continue
+            accumulator = collector.accumulators[name]
+            weight = module.weight.detach().float()
+            result = gptq_quantize(
+                weight,
+                accumulator.hessian("train"),
+                spec,
+                block_size=options.block_size,
+                act_order=options.act_order,
+                damp=options.damp,
+                static_groups=options.static_groups,
+            )
+            choice = LayerChoice(name, "gptq", damp=result.damp)
+            packed, dequantized = result.quantized, result.weight
+            if guard:
+                rtn = rtn_quantize(weight, spec)
+                rtn_weight = rtn.dequantize()
+                heldout_hessian = accumulator.hessian("heldout")
+                choice.gptq_error = _heldout_error(weight - dequantized, heldout_hessian)
+                choice.rtn_error = _heldout_error(weight - rtn_weight, heldout_hessian)
+                if choice.rtn_error <= choice.gptq_error:
+                    choice.algo, packed, dequantized = "rtn", rtn, rtn_weight
+            fmt = f"{spec.describe()}, {choice.algo}"
+            replace_module(model, name, _replacement(module, dequantized, packed, fmt))
+            report.layers.append(choice)
+
+    calibrate_layer_by_layer(
+        model,
+        adapter,
+        calibration,
+        quantize_block,
+        linears_of=calibrated_linears,
+        heldout=heldout,
+        sequential=sequential,
+        offload_device=offload_device,
+        device=device,
+        progress=progress,
+    )
+    missing = [n for n in names if not any(layer.name == n for layer in report.layers)]
+    if missing:  # blocks whose selected linears are all float are never handed to the callback
+        for name in missing:
+            module = model.get_submodule(name)
+            replace_module(model, name, _replacement(module, module.weight, None, "float"))
+            report.layers.append(LayerChoice(name, "float"))
