@@ -80,6 +80,44 @@ def _unblocks(xb: Tensor, shape: torch.Size, axis: int) -> Tensor:
     return xb.reshape(moved).movedim(-1, axis)
 
 
+def _quantize_blocks(
+    x: Tensor, mantissa_bits: int, block_size: int | None, axis: int, exponent_rule: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """x → fp32 integer-valued mantissas [..., B, n] (axis moved last), ``-E`` int32 [..., B],
+    ``2**-E`` fp32 [..., B, 1] (exact), and the mask of NaN/Inf blocks [..., B] (None when there
+    are none; their mantissas are 0)."""
+    # one statistic per block: the ops on statistics are kept few
+    _check(x, mantissa_bits, exponent_rule)
+    xb = _blocks(x.float(), block_size, axis)  # [..., B, n]
+    mmax = 2 ** (mantissa_bits - 1) - 1
+    # max|x| as max(max x, -min x): two vectorized passes, no |x| temporary. NaN propagates,
+    # an Inf gives inf, so a non-finite block has a non-finite amax.
+    amax = torch.maximum(xb.amax(-1), xb.amin(-1).neg_())  # [..., B]
+    bad = None if math.isfinite(amax.amax()) else ~torch.isfinite(amax)
+    if bad is not None:  # their exponent and mantissas are overwritten below
+        amax = amax.masked_fill_(bad, 0.0)
+    # an all-zero block must get E = -127: as 2**-149 (the smallest subnormal, below every
+    # nonzero |x|) its floor(log2) is -149, which the clamp below takes to -127
+    amax = amax.clamp_min_(2.0**-149)
+    _, exp2 = torch.frexp(amax)  # amax = f * 2**exp2, f in [0.5, 1)
+    # -E = (p - 2) - floor(log2 amax) = (p - 1) - exp2, clamped to the 8-bit range
+    neg_exp = torch.sub(mantissa_bits - 1, exp2).clamp_(-_EXP_BIAS, _EXP_BIAS)
+    if exponent_rule == "fit":
+        top = torch.round(torch.ldexp(amax, neg_exp))
+        neg_exp = torch.where(top > mmax, neg_exp - 1, neg_exp).clamp_(-_EXP_BIAS, _EXP_BIAS)
+    inv = torch.pow(2.0, neg_exp).unsqueeze(-1)  # [..., B, 1], exactly 2**-E
+    mant = torch.mul(xb, inv).round_().clamp_(-mmax, mmax)  # [..., B, n]
+    if bad is not None:
+        mant = mant.masked_fill_(bad.unsqueeze(-1), 0.0)  # NaN/Inf blocks: m = 0
+    return mant, neg_exp, inv, bad
+
+
+def _exponent_codes(neg_exp: Tensor, bad: Tensor | None) -> Tensor:
+    """``-E`` int32 [..., B] → biased uint8 codes ``E + 127`` (255 = NaN block)."""
+    codes = torch.sub(_EXP_BIAS, neg_exp).to(torch.uint8)
+    return codes if bad is None else codes.masked_fill_(bad, _EXP_NAN)
+
+
 def bfp_quantize(
     x: Tensor,
     mantissa_bits: int,
@@ -101,30 +139,20 @@ def bfp_quantize(
         ``(mantissas, exp_codes)``: int8 ``[..., n_blocks, block]`` (axis moved last) and
         uint8 ``[..., n_blocks]`` biased exponents (255 = NaN block).
     """
-    _check(x, mantissa_bits, exponent_rule)
-    xb = _blocks(x.float(), block_size, axis)  # [..., B, n]
-    mmax = 2 ** (mantissa_bits - 1) - 1
-    amax = xb.abs().amax(-1)  # [..., B]; NaN if the block has a NaN, inf if an Inf
-    bad = ~torch.isfinite(amax)
-    _, exp2 = torch.frexp(amax.masked_fill(bad, 0.0))  # amax = f * 2**exp2, f in [0.5, 1)
-    exp = exp2 - 1 - (mantissa_bits - 2)  # floor(log2 amax) - (p - 2)
-    exp = exp.masked_fill_(amax == 0, -_EXP_BIAS).clamp_(-_EXP_BIAS, _EXP_BIAS)
-    if exponent_rule == "fit":
-        top = torch.round(torch.ldexp(amax.masked_fill(bad, 0.0), -exp))
-        exp = torch.where(top > mmax, exp + 1, exp).clamp_(-_EXP_BIAS, _EXP_BIAS)
-    inv = torch.ldexp(torch.ones_like(amax), -exp).unsqueeze(-1)  # [..., B, 1], exact 2**-E
-    mant = torch.round(xb * inv).clamp_(-mmax, mmax)  # [..., B, n]
-    mant = mant.masked_fill_(bad.unsqueeze(-1), 0.0).to(torch.int8)  # NaN/Inf blocks: m = 0
-    codes = (exp + _EXP_BIAS).to(torch.uint8).masked_fill_(bad, _EXP_NAN)
-    return mant, codes
+    mant, neg_exp, _, bad = _quantize_blocks(x, mantissa_bits, block_size, axis, exponent_rule)
+    return mant.to(torch.int8), _exponent_codes(neg_exp, bad)
+
+
+def _block_scales(exp_codes: Tensor) -> Tensor:
+    """Biased exponent codes [..., B] → fp32 ``2**E`` [..., B, 1] (NaN for code 255)."""
+    exp = exp_codes.to(torch.int32) - _EXP_BIAS  # [..., B]
+    scale = torch.ldexp(torch.ones(exp.shape, device=exp_codes.device), exp)
+    return scale.masked_fill_(exp_codes == _EXP_NAN, float("nan")).unsqueeze(-1)
 
 
 def bfp_dequantize(mant: Tensor, exp_codes: Tensor) -> Tensor:
     """fp32 values ``[..., n_blocks, block]`` from :func:`bfp_quantize`'s outputs."""
-    exp = exp_codes.to(torch.int32) - _EXP_BIAS  # [..., B]
-    scale = torch.ldexp(torch.ones(exp.shape, device=mant.device), exp)
-    scale = scale.masked_fill_(exp_codes == _EXP_NAN, float("nan")).unsqueeze(-1)
-    return mant.float() * scale
+    return mant.float() * _block_scales(exp_codes)
 
 
 def fake_quant_bfp(
@@ -137,8 +165,13 @@ def fake_quant_bfp(
 ) -> Tensor:
     """BFP quantize then dequantize; same shape and dtype as ``x``; equals
     ``BFPQuantized.from_float(...).dequantize()`` bit for bit."""
-    mant, codes = bfp_quantize(x, mantissa_bits, block_size, axis=axis, exponent_rule=exponent_rule)
-    return _unblocks(bfp_dequantize(mant, codes), x.shape, axis).to(x.dtype)
+    mant, _, inv, bad = _quantize_blocks(x, mantissa_bits, block_size, axis, exponent_rule)
+    scale = torch.reciprocal(inv)  # 2**E, exact: E in [-127, 127] (tested for all of them)
+    if bad is not None:
+        scale = scale.masked_fill_(bad.unsqueeze(-1), float("nan"))
+    # int8 mantissas have no -0: + 0.0 turns the -0.0 that rounding gives into +0.0
+    out = mant.add_(0.0).mul_(scale)
+    return _unblocks(out, x.shape, axis).to(x.dtype)
 
 
 @dataclass
@@ -173,10 +206,10 @@ class BFPQuantized:
         mant, codes = bfp_quantize(
             x, mantissa_bits, block_size, axis=axis, exponent_rule=exponent_rule
         )
-        offset = 2 ** (mantissa_bits - 1)
-        unsigned = (mant.to(torch.int16) + offset).to(torch.uint8).reshape(-1)
+        # two's complement int8 viewed as uint8, plus 2**(p-1) mod 256: the offset code
+        unsigned = mant.view(torch.uint8).add_(2 ** (mantissa_bits - 1)).reshape(-1)
         return cls(
-            qdata=pack_bits(unsigned, mantissa_bits),
+            qdata=pack_bits(unsigned, mantissa_bits, check_range=False),
             exponents=codes,
             mantissa_bits=mantissa_bits,
             block_size=block_size,

@@ -86,7 +86,9 @@ def _check_float(x: Tensor, name: str = "x", *, finite: bool = True) -> None:
         raise LowbitError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.numel() == 0:
         raise LowbitError(f"{name} is empty (shape {tuple(x.shape)}); nothing to quantize")
-    if finite and not bool(torch.isfinite(x).all()):
+    # amin/amax propagate NaN and are finite iff every element is: two vectorized passes,
+    # several times cheaper than isfinite(x).all(), which materialises a bool tensor
+    if finite and not (math.isfinite(x.amin()) and math.isfinite(x.amax())):
         raise LowbitError(f"{name} contains NaN or Inf; integer formats have no code for them")
 
 
@@ -156,62 +158,110 @@ def _stat_to_groups(stat: Tensor, ndim: int, axis: int | None) -> Tensor:
 # ----------------------------------------------------------------------------- core math
 
 
-def _raw_scale_zero(
-    xg: Tensor,
+def _group_range(xg: Tensor, symmetric: bool, scale_rule: str) -> tuple[Tensor, Tensor]:
+    """The statistics of grouped fp32 values [..., G, g] that the scale is made from.
+
+    Returns ``(lo, hi)`` [..., G, 1]: the group minimum and maximum, except for
+    ``scale_rule="signed_max"``, where both are the signed value of largest magnitude. They are
+    also ``x``'s NaN/Inf check (see :func:`_require_finite`), so there is no separate pass.
+    """
+    if scale_rule == "signed_max":
+        idx = xg.abs().argmax(dim=-1, keepdim=True)  # a NaN counts as the largest
+        lo = hi = xg.gather(-1, idx)  # [..., G, 1], signed
+    elif symmetric:  # amin and amax are one vectorized pass each; abs().amax() is slower
+        lo = xg.amin(dim=-1, keepdim=True)
+        hi = xg.amax(dim=-1, keepdim=True)
+    else:  # the zero point's sign of zero follows aminmax's choice between -0.0 and +0.0
+        lo, hi = torch.aminmax(xg, dim=-1, keepdim=True)
+    return lo, hi
+
+
+def _require_finite(lo: Tensor, hi: Tensor) -> None:
+    """Raise if the group statistics show a NaN or Inf in ``x``: min and max propagate NaN,
+    and an Inf makes its group's ``lo`` or ``hi`` infinite."""
+    if not (math.isfinite(lo.amin()) and math.isfinite(hi.amax())):
+        raise LowbitError("x contains NaN or Inf; integer formats have no code for them")
+
+
+def _scale_zero_from_range(
+    lo: Tensor,
+    hi: Tensor,
     bits: int,
     symmetric: bool,
-    clip: Tensor | float,
+    clip: float,
     scale_rule: str,
     include_zero: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """Statistics of grouped fp32 values [..., G, g] → scale, zero [..., G, 1] (fp32)."""
+    """Group statistics from :func:`_group_range` → scale, zero [..., G, 1] (fp32); raises on
+    NaN/Inf. ``lo`` and ``hi`` are left unchanged.
+
+    There is one statistic per group, so on large tensors the ops here are many small ones;
+    they are kept few and in place, and the checks share one reduction.
+    """
     qmin, qmax = int_qrange(bits, symmetric)
+    if scale_rule == "signed_max":
+        _require_finite(lo, hi)
+        scale = hi * clip / float(qmin)  # may be negative
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        scale = torch.where(
+            scale.abs() < _TINY, torch.copysign(torch.full_like(scale, _TINY), scale), scale
+        )
+        return scale, None
     if symmetric:
-        if scale_rule == "signed_max":
-            idx = xg.abs().argmax(dim=-1, keepdim=True)
-            extreme = xg.gather(-1, idx)  # [..., G, 1], signed
-            scale = extreme * clip / float(qmin)
-        else:
-            scale = xg.abs().amax(dim=-1, keepdim=True) * clip / float(qmax)
-        zero = None
+        scale = torch.maximum(hi, lo.neg())  # max|x|, exactly, for finite values
+        if clip != 1.0:
+            scale.mul_(clip)
     else:
-        lo, hi = torch.aminmax(xg, dim=-1, keepdim=True)
         if include_zero:
             lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-        lo, hi = lo * clip, hi * clip
-        scale = (hi - lo) / float(qmax)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    scale = torch.where(
-        scale.abs() < _TINY, torch.copysign(torch.full_like(scale, _TINY), scale), scale
-    )
-    if not symmetric:
-        zero = torch.round(-lo / scale).clamp_(0, qmax)
-    return scale, zero
+        if clip != 1.0:  # x * 1.0 == x: the multiply is skipped
+            lo, hi = lo * clip, hi * clip
+        scale = hi - lo
+    scale.div_(float(qmax))  # >= 0
+    smin, smax = torch.aminmax(scale)
+    if not math.isfinite(smax):  # NaN/Inf in x, or a finite range that overflowed
+        _require_finite(lo, hi)
+    if smin < _TINY:  # an all-zero group gets scale 1, a subnormal one the smallest normal
+        is_zero = scale == 0
+        scale = scale.clamp_min_(_TINY).masked_fill_(is_zero, 1.0)
+    if symmetric:
+        return scale, None
+    return scale, torch.div(lo, scale).neg_().round_().clamp_(0, qmax)  # round(-lo / scale)
 
 
-def _round(y: Tensor, rounding: str, offset: float) -> Tensor:
-    """Round fp32 ``y`` to integers; ``offset`` is the unsigned-code offset for ``half_up``."""
+def _round_(y: Tensor, rounding: str, offset: float) -> Tensor:
+    """Round fp32 ``y`` to integers in place; ``offset`` is the unsigned-code offset for
+    ``half_up``."""
     if rounding == "half_even":
-        return torch.round(y)
+        return y.round_()
     if rounding == "half_away":
         whole = torch.trunc(y)
-        return whole + torch.trunc(2.0 * (y - whole))  # exact: y - trunc(y) is exact in fp
-    return torch.floor(y + (offset + 0.5)) - offset
+        # whole + trunc(2 * (y - whole)); exact: y - trunc(y) is exact in fp
+        return y.sub_(whole).mul_(2.0).trunc_().add_(whole)
+    return y.add_(offset + 0.5).floor_().sub_(offset)
 
 
 def _codes(
     xg: Tensor, scale: Tensor, zero: Tensor | None, bits: int, symmetric: bool, rounding: str
 ) -> Tensor:
-    """fp32 values and broadcastable fp32 stats → fp32 integer-valued codes (clamped)."""
+    """fp32 values and broadcastable fp32 stats → fp32 integer-valued codes (clamped), in one
+    new tensor updated in place."""
     qmin, qmax = int_qrange(bits, symmetric)
-    y = xg * torch.reciprocal(scale)
+    q = torch.mul(xg, torch.reciprocal(scale))  # the only full-size allocation
     if zero is None:
-        q = _round(y, rounding, float(-qmin))
+        _round_(q, rounding, float(-qmin))
     elif rounding == "half_up":
-        q = torch.floor(y + zero + 0.5)
+        q.add_(zero).add_(0.5).floor_()
     else:
-        q = _round(y, rounding, 0.0) + zero
+        _round_(q, rounding, 0.0).add_(zero)
     return q.clamp_(qmin, qmax)
+
+
+def _decode_(q: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
+    """fp32 codes and stats → fp32 values in place: ``q * scale`` or ``(q - zero) * scale``."""
+    if zero is None:
+        return q.mul_(scale)
+    return q.sub_(zero).mul_(scale)
 
 
 def _decode(q: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
@@ -219,6 +269,18 @@ def _decode(q: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
     if zero is None:
         return q * scale
     return (q - zero) * scale
+
+
+def _unsigned_codes(q: Tensor, bits: int, symmetric: bool) -> Tensor:
+    """fp32 integer-valued codes in ``int_qrange(bits, symmetric)`` → uint8 ``q + 2**(b-1)``
+    (symmetric) or ``q``. Goes through int8, whose conversion from fp32 is several times faster
+    than uint8's; ``q`` may be overwritten."""
+    if bits == 8 and not symmetric:
+        q = q.sub_(128.0)  # exact: small integers; [0, 255] → [-128, 127]
+    u = q.to(torch.int8).view(torch.uint8)  # two's complement: q mod 256
+    if bits == 8:
+        return u.bitwise_xor_(0x80)  # + 128 mod 256
+    return u.add_(2 ** (bits - 1)) if symmetric else u
 
 
 def _mse_scale_zero(
@@ -233,11 +295,16 @@ def _mse_scale_zero(
     norm: float,
 ) -> tuple[Tensor, Tensor | None]:
     """Per group, pick the shrink factor p in {1, 1 - 1/grid, ...} minimising sum |err|^norm."""
-    best_scale, best_zero = _raw_scale_zero(xg, bits, symmetric, clip_ratio, scale_rule, True)
+    lo, hi = _group_range(xg, symmetric, scale_rule)
+    best_scale, best_zero = _scale_zero_from_range(
+        lo, hi, bits, symmetric, clip_ratio, scale_rule, True
+    )
     best_err = _group_err(xg, best_scale, best_zero, bits, symmetric, rounding, norm)
     for i in range(1, int(max_shrink * grid)):
         shrink = 1.0 - i / grid
-        scale, zero = _raw_scale_zero(xg, bits, symmetric, clip_ratio * shrink, scale_rule, True)
+        scale, zero = _scale_zero_from_range(
+            lo, hi, bits, symmetric, clip_ratio * shrink, scale_rule, True
+        )
         err = _group_err(xg, scale, zero, bits, symmetric, rounding, norm)
         better = err < best_err  # [..., G, 1]; ties keep the larger clip
         best_err = torch.where(better, err, best_err)
@@ -248,7 +315,7 @@ def _mse_scale_zero(
 
 
 def _group_err(xg, scale, zero, bits, symmetric, rounding, norm) -> Tensor:
-    err = _decode(_codes(xg, scale, zero, bits, symmetric, rounding), scale, zero) - xg
+    err = _decode_(_codes(xg, scale, zero, bits, symmetric, rounding), scale, zero).sub_(xg)
     return err.abs_().pow_(norm).sum(-1, keepdim=True)  # [..., G, 1]
 
 
@@ -276,7 +343,8 @@ def _grouped_stats(
             mse_max_shrink,
             mse_norm,
         )
-    return _raw_scale_zero(xg, bits, symmetric, clip_ratio, scale_rule, True)
+    lo, hi = _group_range(xg, symmetric, scale_rule)
+    return _scale_zero_from_range(lo, hi, bits, symmetric, clip_ratio, scale_rule, True)
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -313,7 +381,7 @@ def int_scale_zero(
         (all ones when ``axis=None``); ``zero`` holds integers and is None when symmetric.
     """
     _check_bits(bits, symmetric)
-    _check_float(x)
+    _check_float(x, finite=False)  # NaN/Inf: checked on the group statistics
     _check_options(clip_ratio, rounding, scale_rule, symmetric)
     xg = _to_groups(x.float(), axis, group_size)  # [..., G, g]
     scale, zero = _grouped_stats(
@@ -456,14 +524,14 @@ def fake_quant_int(
             scale_dtype=scale_dtype, scale_bits=scale_bits, scale_group=scale_group,
         ).dequantize()  # fmt: skip
     _check_bits(bits, symmetric)
-    _check_float(x)
+    _check_float(x, finite=False)  # NaN/Inf: checked on the group statistics
     _check_options(clip_ratio, rounding, scale_rule, symmetric)
     xg = _to_groups(x.float(), axis, group_size)  # [..., G, g]
     scale, zero = _grouped_stats(
         xg, bits, symmetric, clip_ratio, mse_search, scale_rule, rounding, 100, 0.8, 2.0
     )
     q = _codes(xg, scale, zero, bits, symmetric, rounding)  # [..., G, g]
-    out = _decode(q, _round_stat(scale, scale_dtype), zero)
+    out = _decode_(q, _round_stat(scale, scale_dtype), zero)
     return _from_groups(out, x.shape, axis).to(x.dtype)
 
 
@@ -530,7 +598,7 @@ class IntQuantized:
             scale_dtype: storage dtype of the (first-order, or second-order if double) scales.
         """
         _check_bits(bits, symmetric)
-        _check_float(x)
+        _check_float(x, finite=False)  # NaN/Inf: checked on the group statistics
         _check_options(clip_ratio, rounding, scale_rule, symmetric)
         _round_stat(torch.zeros(1), scale_dtype)
         xg = _to_groups(x.float(), axis, group_size)  # [..., G, g]
@@ -555,10 +623,9 @@ class IntQuantized:
         else:
             q = _codes(xg, scale, zero, bits, symmetric, rounding)  # [..., G, g]
             stored_scale = _round_stat(scale, scale_dtype)
-        offset = 2 ** (bits - 1) if symmetric else 0
-        unsigned = (_from_groups(q, x.shape, axis) + offset).to(torch.uint8)
+        unsigned = _unsigned_codes(_from_groups(q, x.shape, axis), bits, symmetric)
         return cls(
-            qdata=pack_bits(unsigned.reshape(-1), bits),
+            qdata=pack_bits(unsigned.reshape(-1), bits, check_range=False),
             scale=_stat_to_public(stored_scale, x.dim(), axis),
             zero=None if zero is None else _stat_to_public(zero, x.dim(), axis),
             bits=bits,

@@ -62,16 +62,26 @@ def interleave_permutation(bits: int, word: str = "int32", order="interleaved") 
 
 
 def _bytes_from_codes(codes: Tensor, bits: int) -> Tensor:
-    """[rows, n] int64 codes → [rows, ceil(n*bits/8)] uint8 little-endian bit stream."""
+    """[rows, n] integer codes → [rows, ceil(n*bits/8)] uint8 little-endian bit stream (never
+    a view of ``codes``)."""
+    src_ptr = codes.data_ptr()
     rows, n = codes.shape
     if 8 % bits == 0:  # fast path: whole codes per byte, stays in uint8
         k = 8 // bits
-        padded = torch.zeros(rows, math.ceil(n / k) * k, dtype=torch.uint8, device=codes.device)
-        padded[:, :n] = codes
-        padded = padded.view(rows, -1, k)  # [rows, bytes, k]
-        out = padded[..., 0].clone()
-        for j in range(1, k):
-            out |= padded[..., j] << (j * bits)
+        codes = codes.to(torch.uint8).contiguous()
+        if n % k:
+            padded = torch.zeros(rows, math.ceil(n / k) * k, dtype=torch.uint8, device=codes.device)
+            padded[:, :n] = codes
+            codes = padded
+        if k == 1:
+            if codes.data_ptr() == src_ptr:
+                return codes.clone(memory_format=torch.contiguous_format)
+            return codes
+        slots = codes.view(rows, -1, k)  # [rows, bytes, k]
+        out = slots[..., k - 1] << ((k - 1) * bits)  # [rows, bytes], one pass per slot
+        for j in range(k - 2, 0, -1):
+            out |= slots[..., j] << (j * bits)
+        out |= slots[..., 0]
         return out
     codes = codes.to(torch.int64)
     chunk_elems = math.lcm(bits, 8) // bits  # elements per whole-byte chunk (<= 8)
@@ -105,7 +115,12 @@ def _codes_from_bytes(data: Tensor, bits: int, n: int) -> Tensor:
 
 
 def pack_bits(
-    codes: Tensor, bits: int, *, word: str = "uint8", order: str | Sequence[int] = "plain"
+    codes: Tensor,
+    bits: int,
+    *,
+    word: str = "uint8",
+    order: str | Sequence[int] = "plain",
+    check_range: bool = True,
 ) -> Tensor:
     """Pack unsigned codes along the last axis.
 
@@ -114,6 +129,9 @@ def pack_bits(
         bits: code width, 1..8.
         word: ``"uint8"`` or ``"int32"``.
         order: ``"plain"``, ``"interleaved"`` or an explicit in-word permutation (see module doc).
+        check_range: verify the codes lie in range (one extra pass over ``codes``); callers that
+            produced the codes by clamping may pass False. Out-of-range codes then corrupt
+            their neighbours' bits.
 
     Returns:
         ``[..., ceil(n * bits / word_bits)]`` tensor of dtype uint8 or int32.
@@ -125,7 +143,7 @@ def pack_bits(
         raise LowbitError("codes must have at least one dimension")
     lead, n = codes.shape[:-1], codes.shape[-1]
     flat = codes.reshape(-1, n)  # [rows, n]
-    if flat.numel():
+    if check_range and flat.numel():
         lo, hi = torch.aminmax(flat)
         if int(lo) < 0 or int(hi) >= (1 << bits):
             raise LowbitError(f"codes must lie in [0, {(1 << bits) - 1}] for bits={bits}")
