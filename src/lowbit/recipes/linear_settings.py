@@ -1,0 +1,73 @@
+"""Weight and activation settings shared by the recipes that quantize block linears."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowbit.algorithms.rtn import IntWeightSpec
+from lowbit.errors import LowbitError
+from lowbit.nn.act_quant import ActivationQuantizer
+from lowbit.recipes.base import OFF_BITS, QuantizeContext, check_bits, check_group
+
+
+@dataclass
+class LinearQuantSettings:
+    """Integer weights per output channel or group, per-token integer activations.
+
+    Settings:
+        w_bits: weight bits 2-8, 16 = weights not quantized.
+        w_group: input channels per weight scale; none = one scale per output channel.
+        w_symmetric: symmetric weights (no zero point).
+        w_mse_clip: search the clip range per row/group that minimises the squared error.
+        a_bits: activation bits 2-8 at the input of every block linear, 16 = off.
+        a_symmetric: symmetric activations.
+        a_clip_ratio: scale each token's range by this before rounding.
+        a_group: features per activation scale; none = one scale per token.
+    """
+
+    w_bits: int = 4
+    w_group: int | None = None
+    w_symmetric: bool = True
+    w_mse_clip: bool = False
+    a_bits: int = OFF_BITS
+    a_symmetric: bool = True
+    a_clip_ratio: float = 1.0
+    a_group: int | None = None
+
+    def validate_linear_settings(self) -> None:
+        check_bits("w_bits", self.w_bits)
+        check_bits("a_bits", self.a_bits)
+        check_group("w_group", self.w_group)
+        check_group("a_group", self.a_group)
+        if not 0.0 < self.a_clip_ratio <= 1.0:
+            raise LowbitError(f"a_clip_ratio must be in (0, 1], not {self.a_clip_ratio}")
+
+    def weight_spec(self) -> IntWeightSpec | None:
+        if self.w_bits == OFF_BITS:
+            return None
+        return IntWeightSpec(self.w_bits, self.w_group, self.w_symmetric, self.w_mse_clip)
+
+    def act_quantizer(self) -> ActivationQuantizer | None:
+        if self.a_bits == OFF_BITS:
+            return None
+        return ActivationQuantizer(
+            self.a_bits,
+            symmetric=self.a_symmetric,
+            clip_ratio=self.a_clip_ratio,
+            group_size=self.a_group,
+        )
+
+
+def check_activation_groups(model, context: QuantizeContext, recipe) -> None:
+    """Fail before any work when an activation group does not divide a layer's input width."""
+    for fqn in context.adapter.linear_names():
+        layer_recipe = context.recipe_for(recipe, fqn)
+        width = model.get_submodule(fqn).in_features
+        if (
+            layer_recipe.a_bits != OFF_BITS
+            and layer_recipe.a_group
+            and width % layer_recipe.a_group
+        ):
+            raise LowbitError(
+                f"a_group {layer_recipe.a_group} does not divide the input width {width} of {fqn}"
+            )

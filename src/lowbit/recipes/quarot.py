@@ -1,0 +1,123 @@
+"""The ``quarot`` recipe (seed 000): rotate, then quantize weights, activations and KV cache.
+
+Steps, each done by the module that owns it:
+1. :func:`lowbit.transforms.rotate.rotate_model` fuses the RMSNorm scales, unties the
+   embeddings, rotates the residual stream by a seeded randomized Hadamard (or random
+   orthogonal) matrix and adds the online Hadamards before down_proj and o_proj. With
+   ``rotation=none`` nothing is rotated: the same quantizers on the plain model.
+2. :func:`lowbit.algorithms.weights.quantize_linears` quantizes every block linear's weight
+   (symmetric, per output channel or group, MSE clip search; GPTQ layer by layer with the
+   RTN guard, or RTN) and attaches per-token symmetric activation quantizers (clip 0.9) at
+   the input of every block linear (lm_head stays in float). GPTQ calibrates with float
+   activations, as QuaRot does.
+3. The ``kv-int`` recipe installs QuaRot's cache: asymmetric integers, one group per head,
+   clip 0.95, K and V bits apart, on keys rotated by an online Hadamard after RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lowbit.algorithms.weights import GPTQOptions, quantize_linears
+from lowbit.errors import LowbitError
+from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
+from lowbit.recipes.kv_int import KVIntRecipe
+from lowbit.recipes.linear_settings import LinearQuantSettings, check_activation_groups
+from lowbit.recipes.registry import register
+
+
+@register
+@dataclass
+class QuaRotRecipe(LinearQuantSettings, Recipe):
+    """QuaRot: Hadamard-rotated model with integer weights, activations and KV cache.
+
+    Settings (besides the weight/activation ones of ``rtn``, with QuaRot's defaults):
+        w_algo: gptq (layer by layer, with the RTN guard) or rtn.
+        kv_bits: sets k_bits and v_bits when given.
+        k_bits, v_bits: KV-cache bits 2-8, 16 = off.
+        kv_clip_ratio: fraction of each head's range the KV quantizer keeps.
+        rotation: hadamard (randomized), random (random orthogonal, paper Table 8), none.
+        seed: seed of the rotation's random signs or matrix.
+        online_fp16: compute the online Hadamards in fp16 instead of fp32 (paper Table 10).
+        guard, act_order, damp: GPTQ settings (see ``gptq``).
+    """
+
+    method = "quarot"
+
+    w_mse_clip: bool = True
+    a_bits: int = 4
+    a_clip_ratio: float = 0.9
+    w_algo: Literal["gptq", "rtn"] = "gptq"
+    kv_bits: int | None = None
+    k_bits: int = 4
+    v_bits: int = 4
+    kv_clip_ratio: float = 0.95
+    rotation: Literal["hadamard", "random", "none"] = "hadamard"
+    seed: int = 0
+    online_fp16: bool = False
+    guard: bool = True
+    act_order: bool = True
+    damp: float = 0.01
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.w_algo == "gptq" and self.w_bits != OFF_BITS
+
+    def validate(self) -> None:
+        self.validate_linear_settings()
+        if self.kv_bits is not None:
+            check_bits("kv_bits", self.kv_bits)
+        if self.w_algo not in ("gptq", "rtn"):
+            raise LowbitError(f"w_algo must be gptq or rtn, not {self.w_algo!r}")
+        if self.rotation not in ("hadamard", "random", "none"):
+            raise LowbitError(f"rotation must be hadamard, random or none, not {self.rotation!r}")
+        if not 0.0 < self.damp < 1.0:
+            raise LowbitError(f"damp must be in (0, 1), not {self.damp}")
+        self.kv_recipe().validate()
+
+    def kv_recipe(self) -> KVIntRecipe:
+        """QuaRot's cache as a ``kv-int`` recipe."""
+        return KVIntRecipe(
+            bits=self.kv_bits,
+            k_bits=self.k_bits,
+            v_bits=self.v_bits,
+            clip_ratio=self.kv_clip_ratio,
+            symmetric=False,
+            rotate_qk="none" if self.rotation == "none" else "hadamard",
+        )
+
+    def apply(self, model, context: QuantizeContext) -> None:
+        import torch
+
+        from lowbit.transforms.rotate import rotate_model
+
+        check_activation_groups(model, context, self)
+        if self.rotation != "none":
+            rotate_model(
+                model,
+                rotation=self.rotation,
+                seed=self.seed,
+                online_dtype=torch.float16 if self.online_fp16 else torch.float32,
+            )
+        model.lowbit_weight_report = quantize_linears(
+            model,
+            context.adapter,
+            spec_for=lambda fqn: context.recipe_for(self, fqn).weight_spec(),
+            algo=self.w_algo if self.w_bits != OFF_BITS else "rtn",
+            calibration=context.calibration,
+            act_quantizer_for=lambda fqn: context.recipe_for(self, fqn).act_quantizer(),
+            guard=self.guard,
+            includes=context.selected,
+            gptq=GPTQOptions(act_order=self.act_order, damp=self.damp),
+            progress=context.progress,
+        )
+        kv = self.kv_recipe()
+        if kv.key_bits() != OFF_BITS or kv.value_bits() != OFF_BITS:
+            kv.apply(model, context)
+
+    def kv_bytes_per_token(self, adapter, context_length: int) -> float | None:
+        kv = self.kv_recipe()
+        if kv.key_bits() == OFF_BITS and kv.value_bits() == OFF_BITS:
+            return None
+        return kv.kv_bytes_per_token(adapter, context_length)
