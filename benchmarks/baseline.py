@@ -1,0 +1,64 @@
+"""The README's baseline table: fp and round-to-nearest rows on WikiText-2.
+
+    python benchmarks/baseline.py --dataset ../shared/data/wikitext-2-raw/wiki.test.raw --windows 8
+
+Rows: fp, RTN W8A16, W4A16 per channel, W4A16 group 64, W8A8, W8A4, W4A4 (weights symmetric
+per output channel unless grouped, activations symmetric per token at every block linear's
+input). Every row is evaluated on the same windows against the fp model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import command_line, fmt, markdown_table, stamp  # noqa: E402
+
+from lowbit.cli import build_parser, run_eval  # noqa: E402
+
+ROWS = ["fp", "w8a16", "w4a16", "w4a16-g64", "w8a8", "w8a4", "w4a4"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="../shared/data/wikitext-2-raw/wiki.test.raw")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--seqlen", type=int, default=2048)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--recipes", nargs="*", default=ROWS)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    eval_args = build_parser().parse_args(
+        ["eval", "--dataset", args.dataset, "--windows", str(args.windows), "--seqlen",
+         str(args.seqlen), "--no-progress"] + (["--model", args.model] if args.model else [])
+    )  # fmt: skip
+    rows = run_eval(eval_args, args.recipes)
+    print(stamp(command_line()))
+    print(
+        f"Dataset: {rows[0]['dataset']}, {rows[0]['windows']} windows x {rows[0]['seqlen']} tokens.\n"
+    )
+    fp_ppl = rows[0]["ppl"]
+    table = [
+        [
+            name,
+            fmt(r["ppl"], ".2f"),
+            fmt(r["ppl"] / fp_ppl, ".3f"),
+            fmt(r["kl"], ".4f"),
+            fmt(r["top1"], ".3f"),
+            fmt(r["bits_per_weight"], ".3f"),
+            fmt(r["model_bytes"] / 1e6, ".1f"),
+            fmt(r["quantize_seconds"], ".1f"),
+        ]
+        for name, r in zip(args.recipes, rows, strict=True)
+    ]
+    header = ["recipe", "ppl", "ppl / fp", "KL", "top-1", "bits/weight", "model MB", "quantize s"]
+    print(markdown_table(header, table))
+
+
+if __name__ == "__main__":
+    main()
