@@ -22,7 +22,18 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "w8a8": ("rtn", {"w_bits": 8, "a_bits": 8}),
     "w8a4": ("rtn", {"w_bits": 8, "a_bits": 4}),
     "w4a4": ("rtn", {"w_bits": 4, "a_bits": 4}),
+    "w4a16-gptq": ("gptq", {"w_bits": 4}),
+    "w4a16-g64-gptq": ("gptq", {"w_bits": 4, "w_group": 64}),
+    "quarot-rtn": ("quarot", {"w_algo": "rtn"}),  # W4A4KV4, round-to-nearest weights
+    "quarot-w4a16": ("quarot", {"a_bits": 16, "kv_bits": 16}),  # GPTQ weights on the rotated model
 }
+
+
+def register_preset(name: str, method: str, settings: dict[str, Any]) -> None:
+    """Make ``name`` stand for ``method`` with ``settings`` (e.g. a paper's configuration)."""
+    if name in PRESETS and PRESETS[name] != (method, settings):
+        raise ValueError(f"preset {name!r} is already defined differently")
+    PRESETS[name] = (method, settings)
 
 
 def register(cls: type[Recipe]) -> type[Recipe]:
