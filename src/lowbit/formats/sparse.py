@@ -128,8 +128,37 @@ def _check_vector(x: Tensor, n: int) -> None:
         raise LowbitError(f"x must be a vector of length {n}, got shape {tuple(x.shape)}")
 
 
+class _SparseFromCOO:
+    """What every sparse container derives from its (rows, cols, values) listing."""
+
+    shape: tuple[int, int]
+
+    def _coo(self) -> tuple[Tensor, Tensor, Tensor]:  # [nnz] rows, [nnz] cols, [nnz] fp32 values
+        raise NotImplementedError
+
+    def storage_bits(self) -> int:
+        raise NotImplementedError
+
+    def to_dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        rows, cols, vals = self._coo()
+        out = torch.zeros(self.shape, device=vals.device)
+        out[rows, cols] = vals
+        return out.to(dtype)
+
+    def matvec(self, x: Tensor) -> Tensor:
+        """Reference ``S @ x`` with fp32 accumulation: ``[cols]`` → ``[rows]`` fp32."""
+        _check_vector(x, self.shape[1])
+        rows, cols, vals = self._coo()
+        return torch.zeros(self.shape[0], device=x.device).index_add_(
+            0, rows, vals * x.float()[cols]
+        )
+
+    def bits_per_element(self) -> float:
+        return self.storage_bits() / math.prod(self.shape)
+
+
 @dataclass
-class CSRMatrix:
+class CSRMatrix(_SparseFromCOO):
     """Compressed sparse rows with packed column/value words."""
 
     row_ptr: Tensor
@@ -152,30 +181,13 @@ class CSRMatrix:
         cols, vals = unpack_index_value(self.col_val)
         return rows, cols, vals
 
-    def to_dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        rows, cols, vals = self._coo()
-        out = torch.zeros(self.shape, device=vals.device)
-        out[rows, cols] = vals
-        return out.to(dtype)
-
-    def matvec(self, x: Tensor) -> Tensor:
-        """Reference ``S @ x`` with fp32 accumulation: ``[cols]`` → ``[rows]`` fp32."""
-        _check_vector(x, self.shape[1])
-        rows, cols, vals = self._coo()
-        return torch.zeros(self.shape[0], device=x.device).index_add_(
-            0, rows, vals * x.float()[cols]
-        )
-
     def storage_bits(self) -> int:
         """32 bits per nonzero + 32 bits per row pointer (``rows + 1`` of them)."""
         return 32 * (self.nnz + self.row_ptr.numel())
 
-    def bits_per_element(self) -> float:
-        return self.storage_bits() / math.prod(self.shape)
-
 
 @dataclass
-class CSCMatrix:
+class CSCMatrix(_SparseFromCOO):
     """Compressed sparse columns with packed row/value words (KVQuant's layout for values)."""
 
     col_ptr: Tensor
@@ -197,30 +209,13 @@ class CSCMatrix:
         rows, vals = unpack_index_value(self.row_val)
         return rows, cols, vals
 
-    def to_dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        rows, cols, vals = self._coo()
-        out = torch.zeros(self.shape, device=vals.device)
-        out[rows, cols] = vals
-        return out.to(dtype)
-
-    def matvec(self, x: Tensor) -> Tensor:
-        """Reference ``S @ x`` (fp32): ``[cols]`` → ``[rows]``."""
-        _check_vector(x, self.shape[1])
-        rows, cols, vals = self._coo()
-        return torch.zeros(self.shape[0], device=x.device).index_add_(
-            0, rows, vals * x.float()[cols]
-        )
-
     def storage_bits(self) -> int:
         """32 bits per nonzero + 32 bits per column pointer."""
         return 32 * (self.nnz + self.col_ptr.numel())
 
-    def bits_per_element(self) -> float:
-        return self.storage_bits() / math.prod(self.shape)
-
 
 @dataclass
-class PTCSRMatrix:
+class PTCSRMatrix(_SparseFromCOO):
     """Padded, transposed CSR per 16-row tile (see module doc)."""
 
     tile_ptr: Tensor
@@ -263,23 +258,6 @@ class PTCSRMatrix:
         cols, vals = unpack_index_value(self.col_val[keep])
         return rows[keep], cols, vals
 
-    def to_dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        rows, cols, vals = self._coo()
-        out = torch.zeros(self.shape, device=vals.device)
-        out[rows, cols] = vals
-        return out.to(dtype)
-
-    def matvec(self, x: Tensor) -> Tensor:
-        """Reference ``S @ x`` (fp32): ``[cols]`` → ``[rows]``."""
-        _check_vector(x, self.shape[1])
-        rows, cols, vals = self._coo()
-        return torch.zeros(self.shape[0], device=x.device).index_add_(
-            0, rows, vals * x.float()[cols]
-        )
-
     def storage_bits(self) -> int:
         """32 bits per word (padding included) + 32 bits per tile pointer."""
         return 32 * (self.col_val.numel() + self.tile_ptr.numel())
-
-    def bits_per_element(self) -> float:
-        return self.storage_bits() / math.prod(self.shape)
