@@ -19,7 +19,7 @@ from lowbit.kv.cache import KVCacheLayout
 from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
 from lowbit.kv.kvquant import KVQuantQuantizer
 from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
-from lowbit.recipes.registry import PRESETS, register
+from lowbit.recipes.registry import register, register_preset
 
 _LADDER = {
     "kvquant-ladder-int": dict(
@@ -32,7 +32,8 @@ _LADDER = {
 }
 #: the ablation ladder of seed 003 in order; its last rung is the full ``kvquant`` recipe
 LADDER = (*_LADDER, "kvquant")
-PRESETS.update({name: ("kvquant", settings) for name, settings in _LADDER.items()})
+for _name, _settings in _LADDER.items():
+    register_preset(_name, "kvquant", _settings)
 
 
 @register
