@@ -17,9 +17,23 @@ from pathlib import Path
 
 from lowbit.errors import LowbitError
 
-DEMO_RECIPES = ("fp", "w8a16", "w4a16", "w4a16-g64", "w8a8", "w4a4")
-DEMO_SEQLEN = 1024
+# Every method, at sizes that keep `lowbit demo` under 5 minutes on 2 CPU cores.
+DEMO_RECIPES = (
+    "fp",
+    "w8a16",
+    "w4a16-g64",
+    "w8a8",
+    "w4a4",
+    "w4a16-g64-gptq",
+    "quarot-rtn",
+    "kv-int",
+    "kivi",
+    "kvquant",
+    "ksort-bfp",
+)
+DEMO_SEQLEN = 512
 DEMO_WINDOWS = 4
+DEMO_CALIB_SAMPLES = 4
 
 EPILOG = """\
 model specs: a local Hugging Face directory, a .gguf file, a hub id (online or cached), or
@@ -74,9 +88,9 @@ def _add_eval_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -
     parser.add_argument(
         "--calib-samples",
         type=int,
-        default=16,
+        default=DEMO_CALIB_SAMPLES if for_demo else 16,
         metavar="N",
-        help="calibration windows (default: 16)",
+        help="calibration windows (default: %(default)s)",
     )
     parser.add_argument(
         "--calib-seqlen",
@@ -161,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser(
         "demo",
         help="evaluate the model unquantized and with every recipe on the embedded corpus",
-        description=f"Evaluate fp and the recipes {', '.join(DEMO_RECIPES)} on the pydoc "
-        f"evaluation text ({DEMO_WINDOWS} windows of {DEMO_SEQLEN} tokens) and print the table.",
+        description=f"Evaluate the recipes {', '.join(DEMO_RECIPES)} on the pydoc evaluation "
+        f"text ({DEMO_WINDOWS} windows of {DEMO_SEQLEN} tokens; methods that calibrate use "
+        f"{DEMO_CALIB_SAMPLES} windows of the pydoc calibration text) and print the table.",
     )
     _add_model_arg(demo_parser)
     _add_eval_args(demo_parser, for_demo=True)
@@ -180,20 +195,27 @@ def parse_settings(pairs: list[str]) -> dict[str, str]:
     return settings
 
 
-def build_recipes(names: list[str], settings: dict[str, str]):
-    """One recipe per name; each --set applies to the recipes that have that setting."""
+def build_recipes(names: list[str], settings: dict[str, str]) -> list[tuple[str, object]]:
+    """(label, recipe) per name; each --set applies to the recipes that have that setting.
+
+    The label is the name as given (a method or preset), followed by the --set values that
+    changed it.
+    """
     from lowbit.recipes.registry import get_recipe
 
-    recipes = [get_recipe(name) for name in names]
+    named = [(name, get_recipe(name)) for name in names]
     for key in settings:
-        if not any(key in r.field_types() for r in recipes):
+        if not any(key in r.field_types() for _, r in named):
             raise LowbitError(
                 f"no listed recipe has a setting {key!r} (see `lowbit recipes` for the settings)"
             )
-    return [
-        r.with_settings(**{k: v for k, v in settings.items() if k in r.field_types()})
-        for r in recipes
-    ]
+    built = []
+    for name, recipe in named:
+        changes = {k: v for k, v in settings.items() if k in recipe.field_types()}
+        changed = recipe.with_settings(**changes)
+        shown = [f"{k}={v}" for k, v in changes.items()]
+        built.append((name + (f" ({', '.join(shown)})" if shown else ""), changed))
+    return built
 
 
 def check_writable(path: str) -> Path:
@@ -249,7 +271,8 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
     from lowbit.models.loader import load_model
     from lowbit.quantize import quantize
 
-    recipes = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
+    labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
+    recipes = [recipe for _, recipe in labelled]
     progress = not args.no_progress
     if args.calib_samples < 1:
         raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
@@ -285,7 +308,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
 
     reference = FloatReference(model)
     rows = []
-    for recipe in recipes:
+    for label, recipe in labelled:
         start = time.perf_counter()
         if recipe.method == "fp":
             candidate = model
@@ -301,14 +324,14 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
             reference=reference,
             chunk=args.chunk,
             progress=progress,
-            desc=recipe.label()[:30],
+            desc=label[:30],
         )
         memory = memory_report(candidate, adapter_for(candidate), kv_context=args.kv_context)
         rows.append(
             {
                 "model": loaded.name,
                 "recipe": recipe.to_dict(),
-                "label": recipe.label(),
+                "label": label,
                 "dataset": corpus.name,
                 "seqlen": args.seqlen,
                 "windows": result.windows,

@@ -141,12 +141,6 @@ class Recipe:
         """Bytes the KV cache stores per token at ``context_length``; None means unquantized."""
         return None
 
-    def label(self) -> str:
-        """A short description for tables: the method and the settings that differ from default."""
-        default = type(self)()
-        changed = [f"{k}={v}" for k, v in self.settings().items() if getattr(default, k) != v]
-        return self.method + (f" ({', '.join(changed)})" if changed else "")
-
 
 @dataclasses.dataclass
 class QuantizeContext:
