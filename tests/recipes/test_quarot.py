@@ -19,7 +19,7 @@ def model_with_outlier_channel(family="llama"):
     """A tiny model whose residual stream has one large channel, as trained LLMs do."""
     model = tiny_model(family)
     with torch.no_grad():
-        model.model.embed_tokens.weight[:, 5] *= 40.0
+        model.model.embed_tokens.weight[:, 5] *= 200.0
     return model
 
 
@@ -40,7 +40,7 @@ def test_the_pieces_are_installed():
     q = model.get_submodule("model.layers.1.self_attn.q_proj")
     assert isinstance(down, FakeQuantLinear) and down.input_transform is not None
     assert q.act_quantizer.bits == 4 and q.act_quantizer.clip_ratio == 0.9
-    assert q.weight_format.startswith("int4 per-channel sym, mse-clip")
+    assert q.weight_format.startswith("int4 per-channel sym")
     assert model.lowbit_rotation.o_proj_hadamard == "full"  # 6 heads: no H_6, but H_96 exists
     assert model.lowbit_kv is not None and model.lowbit_weight_report.wins() == {"rtn": 14}
     assert isinstance(model.lm_head, torch.nn.Linear)  # lm_head stays in float
@@ -58,7 +58,7 @@ def test_rotation_beats_no_rotation_when_activations_have_outliers():
         return evaluate(quantized, windows, reference=reference, progress=False).kl
 
     rotated, plain = kl(), kl(rotation="none")
-    assert rotated < 0.5 * plain  # measured 5.1e-4 vs 2.5e-3 (W4A4KV4, RTN)
+    assert rotated < 0.2 * plain  # measured 7.4e-5 vs 3.3e-3 (W4A4KV4, RTN)
 
 
 def test_gptq_with_guard_reports_its_choices():
