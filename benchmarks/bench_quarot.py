@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import sys
 import time
@@ -73,6 +74,12 @@ def main() -> None:
     parser.add_argument("--calib", nargs="+", default=["wiki", "pydoc"], choices=["wiki", "pydoc"])
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--rows", nargs="*", default=list(ROWS), metavar="NAME")
+    parser.add_argument(
+        "--w-mse-clip",
+        choices=["true", "false"],
+        default="true",
+        help="the weights' MSE clip search in every quarot row (the recipe's default: true)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
     args = parser.parse_args()
@@ -108,6 +115,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.rows:
         method, settings = ROWS[name]
+        if method == "quarot":
+            settings = {**settings, "w_mse_clip": args.w_mse_clip}
         recipe = get_recipe(method, **settings)
         calib_names = args.calib if recipe.needs_calibration else ["—"]
         for calib in calib_names:
@@ -135,6 +144,7 @@ def main() -> None:
                     f.write(json.dumps(record) + "\n")
             if candidate is not model:
                 del candidate
+                gc.collect()  # quantized models hold reference cycles (cache factories)
 
 
 if __name__ == "__main__":

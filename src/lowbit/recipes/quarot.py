@@ -6,7 +6,7 @@ Steps, each done by the module that owns it:
    orthogonal) matrix and adds the online Hadamards before down_proj and o_proj. With
    ``rotation=none`` nothing is rotated: the same quantizers on the plain model.
 2. :func:`lowbit.algorithms.weights.quantize_linears` quantizes every block linear's weight
-   (symmetric, per output channel or group, optional MSE clip search; GPTQ layer by layer with the
+   (symmetric, per output channel or group, MSE clip search; GPTQ layer by layer with the
    RTN guard, or RTN) and attaches per-token symmetric activation quantizers (clip 0.9) at
    the input of every block linear (lm_head stays in float). GPTQ calibrates with float
    activations, as QuaRot does.
@@ -45,10 +45,11 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
 
     method = "quarot"
 
-    # The paper searches an MSE-optimal clip per weight row. On the embedded SmolLM2 (weights
-    # dequantized from Q4_1, with large outliers) that search halves the weight MSE but clips
-    # the outliers, and perplexity gets worse (WikiText-2 window 1, W4A16 per channel: 36.0
-    # without, 61.3 with), so it is off by default here; `--set w_mse_clip=true` turns it on.
+    # The paper's MSE-optimal clip per weight row. It matters after norm fusion, which widens
+    # each row's range: `lowbit demo` quarot-rtn (W4A4KV4) measured 81.6 with it, 254.9
+    # without. (On the plain, unfused SmolLM2 it hurts instead: WikiText-2 window 1, rtn W4A16
+    # per channel 36.0 without, 61.3 with.)
+    w_mse_clip: bool = True
     a_bits: int = 4
     a_clip_ratio: float = 0.9
     w_algo: Literal["gptq", "rtn"] = "gptq"
