@@ -316,8 +316,6 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
             candidate = copy.deepcopy(model)
             quantize(candidate, recipe, calibration=calibration, progress=progress)
         quantize_seconds = time.perf_counter() - start
-        if candidate is model:
-            model.lowbit_recipe = None
         result = evaluate(
             candidate,
             windows,

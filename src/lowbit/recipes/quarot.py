@@ -19,12 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from lowbit.algorithms.weights import GPTQOptions, quantize_linears
 from lowbit.errors import LowbitError
 from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
 from lowbit.recipes.kv_int import KVIntRecipe
 from lowbit.recipes.linear_settings import LinearQuantSettings, check_activation_groups
 from lowbit.recipes.registry import register
+from lowbit.transforms.rotate import rotate_model
 
 
 @register
@@ -92,10 +95,6 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
         )
 
     def apply(self, model, context: QuantizeContext) -> None:
-        import torch
-
-        from lowbit.transforms.rotate import rotate_model
-
         check_activation_groups(model, context, self)
         if self.rotation != "none":
             rotate_model(
