@@ -49,9 +49,8 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
     method = "quarot"
 
     # The paper's MSE-optimal clip per weight row. It matters after norm fusion, which widens
-    # each row's range: `lowbit demo` quarot-rtn (W4A4KV4) measured 81.6 with it, 254.9
-    # without. (On the plain, unfused SmolLM2 it hurts instead: WikiText-2 window 1, rtn W4A16
-    # per channel 36.0 without, 61.3 with.)
+    # each row's range (`benchmarks/bench_fusion.py`: W4A16 RTN after fusion + Hadamard rotation
+    # 93.75 without, 43.77 with; on the unfused model it hurts: 38.51 without, 67.78 with).
     w_mse_clip: bool = True
     a_bits: int = 4
     a_clip_ratio: float = 0.9
