@@ -146,6 +146,37 @@ def test_filled_foreign_cache_raises(models):
         model(torch.randint(3, 256, (1, 1)), past_key_values=cache)
 
 
+class _Recorder(torch.nn.Module):
+    """A query quantizer that halves the queries and records what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, q):
+        self.seen.append(q.detach().clone())
+        return q * 0.5
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_query_quantizer_sees_queries_after_rope(models, pre_rope):
+    model = copy.deepcopy(models["llama"])
+    adapter = adapter_for(model)
+    recorders = [_Recorder(), None]
+    install_kv_quantization(model, query_quantizers=recorders, pre_rope=pre_rope)
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids)
+        q = adapter.block(0).q_proj(adapter.block(0).input_norm(hidden))  # [B, S, H*D]
+        q = q.view(2, 7, -1, adapter.head_dim).transpose(1, 2)  # [B, H, S, D]
+        want = adapter.apply_rope(q, torch.arange(7).expand(2, -1))
+        quantized = model(ids).logits
+    torch.testing.assert_close(recorders[0].seen[0], want, rtol=1e-5, atol=1e-6)
+    # the module's output is what enters q kᵀ: halving layer 0's queries changes the logits
+    stock = models["llama"](ids).logits
+    assert (quantized - stock).abs().max() > 1e-3
+
+
 def test_bad_install(models):
     model = copy.deepcopy(models["llama"])
     with pytest.raises(LowbitError, match="pre_rope"):
@@ -158,3 +189,5 @@ def test_bad_install(models):
         install_kv_quantization(model, value_quantizers=[IntTokenQuantizer(4, group_size=6)] * 2)
     with pytest.raises(LowbitError, match="no adapter"):
         install_kv_quantization(torch.nn.Linear(2, 2))
+    with pytest.raises(LowbitError, match="query_quantizers must be 2 modules"):
+        install_kv_quantization(model, query_quantizers=[None])

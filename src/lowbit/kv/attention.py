@@ -15,6 +15,8 @@ The forward pass, per layer:
    ``position_ids`` per batch row, so left padding stays right).
 3. ``rotate_qk="hadamard"``: q and k go through the orthonormal Hadamard transform over
    head_dim after RoPE. It cancels in q kᵀ, so the cache holds rotated keys (QuaRot's cache).
+   Then the layer's query quantizer, if any (BFP16 queries of K-sort + BFP), sees the queries
+   exactly as they enter q kᵀ.
 4. The cache update returns the whole sequence as the cache stores it (dequantized). Without a
    cache (``use_cache=False``) a throw-away layer quantizes the same way, so a single pass and
    cached evaluation agree. A stock ``DynamicCache`` that is still empty (what ``generate()``
@@ -88,6 +90,8 @@ class KVQuantAttention(nn.Module):
         rope_cos_sin: ``positions [B, T] -> (cos, sin)`` of the model (from the adapter).
         pre_rope: cache keys before RoPE.
         rotate_qk: ``"none"`` or ``"hadamard"`` (online Hadamard on q and k after RoPE).
+        query_quantizer: module applied to the queries ``[B, H_q, S, D]`` after RoPE (and the
+            Hadamard), i.e. as they enter q kᵀ; None = float queries.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class KVQuantAttention(nn.Module):
         *,
         pre_rope: bool = False,
         rotate_qk: str = "none",
+        query_quantizer: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
@@ -112,6 +117,7 @@ class KVQuantAttention(nn.Module):
         self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
         self.sliding_window = getattr(attn, "sliding_window", None)
         self.is_causal = True
+        self.query_quantizer = query_quantizer
         self.key_quantizer = layout.key_quantizers[self.layer_idx]
         self.value_quantizer = layout.value_quantizers[self.layer_idx]
         self.layout = layout
@@ -175,6 +181,8 @@ class KVQuantAttention(nn.Module):
             k = _rope(k, cos, sin)
             if self.rotate_qk == "hadamard":
                 q, k = self._hadamard(q), self._hadamard(k)
+        if self.query_quantizer is not None:
+            q = self.query_quantizer(q)
 
         layer = self._cache_layer(past_key_values)
         if layer is None:
@@ -228,6 +236,7 @@ def install_kv_quantization(
     *,
     key_quantizers: Sequence[KVQuantizer | None] | None = None,
     value_quantizers: Sequence[KVQuantizer | None] | None = None,
+    query_quantizers: Sequence[nn.Module | None] | None = None,
     pre_rope: bool = False,
     rotate_qk: str = "none",
     sink_tokens: int = 0,
@@ -240,6 +249,8 @@ def install_kv_quantization(
         model: a causal LM of a supported family.
         adapter: its adapter (``adapter_for(model)`` when None).
         key_quantizers, value_quantizers: one per decoder layer, None entries (or None) = fp.
+        query_quantizers: one module per decoder layer (or None) applied to the queries
+            ``[B, H_q, S, D]`` as they enter q kᵀ, after RoPE and the Hadamard.
         pre_rope: cache keys before RoPE (RoPE is applied to the dequantized keys each step).
         rotate_qk: ``"hadamard"`` applies the online Hadamard to q and k after RoPE (QuaRot).
         sink_tokens: leading cache slots kept in floating point.
@@ -256,6 +267,9 @@ def install_kv_quantization(
     n = adapter.num_layers
     keys = _per_layer("key_quantizers", key_quantizers, n)
     values = _per_layer("value_quantizers", value_quantizers, n)
+    queries = [None] * n if query_quantizers is None else list(query_quantizers)
+    if len(queries) != n or not all(q is None or isinstance(q, nn.Module) for q in queries):
+        raise LowbitError(f"query_quantizers must be {n} modules or None, one per layer")
     if rotate_qk not in ROTATIONS:
         raise LowbitError(f"rotate_qk must be one of {ROTATIONS}, not {rotate_qk!r}")
     if rotate_qk == "hadamard":
@@ -286,6 +300,7 @@ def install_kv_quantization(
             adapter.rope_cos_sin,
             pre_rope=pre_rope,
             rotate_qk=rotate_qk,
+            query_quantizer=queries[i],
         )
         adapter.replace_attention(i, attn)
     model.lowbit_kv = layout

@@ -8,8 +8,8 @@ values optionally through BFP (``v_mantissa_bits``), optionally sorted by ``W_v`
 Where the sort lives: the cache's quantizers hold the per-head orders (see
 :mod:`lowbit.kv.bfp_quant`), which stores exactly the blocks the compile-time weight
 permutation of :func:`lowbit.transforms.permute.ksort_qk` gives (that transform is tested
-function-preserving on its own). Queries are quantized where the ``q`` projection (or Qwen3's
-``q_norm``) outputs them, i.e. before RoPE: the KV attention has no query hook after RoPE yet.
+function-preserving on its own). Queries are quantized after RoPE, as they enter q kᵀ (the
+KV attention's query quantizer slot), in blocks of the same sorted channels as the keys.
 """
 
 from __future__ import annotations
@@ -30,17 +30,6 @@ from lowbit.transforms.permute import ksort_order
 def _check_mantissa(name: str, bits: int) -> None:
     if isinstance(bits, bool) or not isinstance(bits, int) or not (2 <= bits <= 8 or bits == 16):
         raise LowbitError(f"{name} must be between 2 and 8 or 16 for off, not {bits!r}")
-
-
-def _quantize_query_hook(quantizer: BFPQueryQuantizer, head_dim: int):
-    """Forward hook on the q projection (``[B, S, H*D]``) or ``q_norm`` (``[B, S, H, D]``)."""
-
-    def hook(module, args, output):
-        b, s = output.shape[:2]
-        q = output.reshape(b, s, -1, head_dim).transpose(1, 2)  # [B, H_q, S, D]
-        return quantizer(q).transpose(1, 2).reshape(output.shape)
-
-    return hook
 
 
 @register
@@ -108,16 +97,12 @@ class KSortBFPRecipe(Recipe):
     def apply(self, model, context: QuantizeContext) -> None:
         adapter = context.adapter
         keys, values, queries = self.quantizers(adapter, model)
-        for view, quantizer in zip(adapter.blocks(), queries, strict=True):
-            if quantizer is None:
-                continue
-            target = view.q_norm if view.q_norm is not None else view.q_proj
-            target.register_forward_hook(_quantize_query_hook(quantizer, adapter.head_dim))
         install_kv_quantization(
             model,
             adapter,
             key_quantizers=keys,
             value_quantizers=values,
+            query_quantizers=queries,
             pre_rope=self.pre_rope,
             residual_dtype=torch.float16,
         )
