@@ -17,6 +17,7 @@ from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.quantize import quantize
 from lowbit.recipes.registry import get_recipe
+from lowbit.transforms.permute import ksort_qk
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 TOL = 1e-4  # fp32 logits; measured differences are 0 (no rotation) and <= 3e-7 (Hadamard)
@@ -144,6 +145,20 @@ def test_filled_foreign_cache_raises(models):
     install_kv_quantization(model)
     with pytest.raises(LowbitError, match="lowbit_make_cache"):
         model(torch.randint(3, 256, (1, 1)), past_key_values=cache)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_ksorted_model_keeps_its_function_under_kv_attention(models, family, pre_rope):
+    stock = models[family]
+    model = copy.deepcopy(stock)
+    orders = ksort_qk(model)
+    assert any(not torch.equal(o, torch.arange(o.shape[1]).expand_as(o)) for o in orders)
+    install_kv_quantization(model, pre_rope=pre_rope)
+    ids, mask = _batch(5)
+    want = _prefill_then_decode(stock, DynamicCache(config=stock.config), ids, mask)
+    got = _prefill_then_decode(model, model.lowbit_make_cache(), ids, mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 
 class _Recorder(torch.nn.Module):

@@ -9,7 +9,9 @@ quantizers. Nothing is patched on a class: models in the same process are indepe
 The forward pass, per layer:
 
 1. q, k, v projections; per-head ``q_norm``/``k_norm`` where the family has them (Qwen3).
-2. RoPE on q from the model's ``position_embeddings``. Keys: after RoPE (default) they are
+2. RoPE on q from the model's ``position_embeddings`` (in the permuted channel order of a
+   K-sorted model, :func:`lowbit.transforms.permute.ksort_qk`, when the attention carries a
+   ``lowbit_rope_order``). Keys: after RoPE (default) they are
    rotated now; with ``pre_rope=True`` they are cached unrotated and RoPE is applied to the whole
    dequantized key sequence at every step at each token's true position (the cache remembers
    ``position_ids`` per batch row, so left padding stays right).
@@ -40,6 +42,7 @@ from lowbit.errors import LowbitError
 from lowbit.kv.cache import KVCacheLayout, QuantizedKVLayer
 from lowbit.kv.quantizer import KVQuantizer
 from lowbit.transforms.hadamard import fast_hadamard_transform, has_hadamard
+from lowbit.transforms.permute import RopeOrder, apply_ordered_rope
 
 __all__ = ["KVQuantAttention", "install_kv_quantization", "ROTATIONS"]
 
@@ -124,9 +127,19 @@ class KVQuantAttention(nn.Module):
         self.pre_rope = pre_rope
         self.rotate_qk = rotate_qk
         self._rope_cos_sin = rope_cos_sin
+        self.lowbit_rope_order: RopeOrder | None = getattr(attn, "lowbit_rope_order", None)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, pre_rope={self.pre_rope}, rotate_qk={self.rotate_qk}"
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE of queries or keys ``[B, H, S, D]`` in this layer's channel order."""
+        order = self.lowbit_rope_order
+        if order is None:
+            return _rope(x, cos, sin)
+        if x.shape[1] != order.source.shape[0]:  # query heads: the KV head's order per group
+            order = order.repeat_heads(x.shape[1] // order.source.shape[0])
+        return apply_ordered_rope(x, cos, sin, order)
 
     def _hadamard(self, x: Tensor) -> Tensor:
         return fast_hadamard_transform(x, normalize=True, compute_dtype=torch.float32)
@@ -169,7 +182,7 @@ class KVQuantAttention(nn.Module):
             _check_padding_rows(attention_mask)
 
         cos, sin = position_embeddings  # [B or 1, S, D]
-        q = _rope(q, cos, sin)
+        q = self._rope(q, cos, sin)
         cache_kwargs = None
         if self.pre_rope:
             positions = kwargs.get("position_ids")
@@ -178,7 +191,7 @@ class KVQuantAttention(nn.Module):
                 positions = torch.arange(past, past + steps, device=q.device)[None]
             cache_kwargs = {"positions": positions}
         else:
-            k = _rope(k, cos, sin)
+            k = self._rope(k, cos, sin)
             if self.rotate_qk == "hadamard":
                 q, k = self._hadamard(q), self._hadamard(k)
         if self.query_quantizer is not None:
@@ -192,7 +205,7 @@ class KVQuantAttention(nn.Module):
             keys, values = past_key_values.update(k, v, self.layer_idx, cache_kwargs)
         if self.pre_rope:
             cos_all, sin_all = self._rope_cos_sin(layer.positions(), keys.dtype)  # [B, T, D]
-            keys = _rope(keys, cos_all, sin_all)
+            keys = self._rope(keys, cos_all, sin_all)
 
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
