@@ -22,6 +22,8 @@ Rows (``ROWS``; another module adds rows by appending ``KVRow``s):
   group = head_dim, clip 0.95.
 - kivi-*: KIVI, keys per channel in groups of 32 tokens, values per token in groups of 32
   channels, last 128 tokens in float16.
+- kvquant-*: KVQuant (nuqX, 1% outliers, sink), calibrated once by one Fisher pass over
+  ``--calib-samples`` windows of WikiText-2 from window 16 on (never the evaluated ones).
 - hf-quanto-* / hf-hqq-*: transformers' QuantizedCache (residual 128, group 64, its defaults).
 
 Columns: perplexity, KL to the float model, top-1 agreement, analytic bits per element of the
@@ -101,6 +103,26 @@ def _hf_row(backend: str, bits: int) -> KVRow:
     return KVRow(f"hf-{backend}-{bits}", install, needs=package)
 
 
+#: the KVQuant rows' calibration, made on first use by ``main`` (one Fisher pass for all rows)
+KVQUANT_CALIBRATION: dict = {}
+
+
+def _kvquant_row(bits: int) -> KVRow:
+    def install(model, adapter, seqlen):
+        from lowbit.recipes.registry import get_recipe
+
+        recipe = get_recipe("kvquant", bits=bits)
+        keys, values = recipe.quantizers(adapter, KVQUANT_CALIBRATION["calibration"])
+        recipe.install(model, adapter, keys, values)
+        return (
+            keys[0].bits_per_element(adapter.head_dim),
+            values[0].bits_per_element(adapter.head_dim),
+            recipe.kv_bytes_per_token(adapter, seqlen),
+        )
+
+    return KVRow(f"kvquant-{bits}", install)
+
+
 ROWS: list[KVRow] = [_fp_row()]
 for _b in (4, 3, 2):
     ROWS.append(_recipe_row(f"int-post K{_b}V{_b}", "kv-int", bits=_b, clip_ratio=1.0))
@@ -120,6 +142,8 @@ for _b in (4, 3, 2):
     ROWS.append(_recipe_row(f"quarot K{_b}V{_b}", "kv-int", bits=_b, rotate_qk="hadamard"))
 for _b in (4, 2):
     ROWS.append(_recipe_row(f"kivi-{_b}", "kivi", bits=_b))
+for _b in (4, 3, 2):
+    ROWS.append(_kvquant_row(_b))
 for _backend in ("quanto", "hqq"):
     for _b in (4, 2):
         ROWS.append(_hf_row(_backend, _b))
@@ -189,11 +213,13 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--rows", nargs="*", default=None, help="row names (default: all)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--calib-samples", type=int, default=16, help="KVQuant Fisher windows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from lowbit.data import eval_windows, load_corpus, tokenize
+    from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
+    from lowbit.kv.fisher import collect_kv_fisher
     from lowbit.models.adapter import adapter_for
     from lowbit.models.loader import load_model
 
@@ -207,6 +233,16 @@ def main() -> None:
         if not _available(row.needs):
             table.append([row.name] + ["skipped: pip install " + row.needs] + ["—"] * 5)
             continue
+        if row.name.startswith("kvquant") and not KVQUANT_CALIBRATION:
+            start = time.perf_counter()
+            samples = calibration_samples(
+                tokens, args.calib_samples, args.seqlen, seed=0, skip_windows=16
+            )
+            KVQUANT_CALIBRATION["calibration"] = collect_kv_fisher(
+                loaded.model, adapter_for(loaded.model), samples
+            )
+            took = time.perf_counter() - start
+            print(f"KVQuant Fisher pass: {tuple(samples.shape)} in {took:.0f} s", flush=True)
         model = copy.deepcopy(loaded.model)
         adapter = adapter_for(model)
         bits_k, bits_v, analytic = row.install(model, adapter, args.seqlen)

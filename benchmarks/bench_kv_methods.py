@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--calib", nargs="+", default=["wikitext", "pydoc"])
     parser.add_argument("--calib-samples", type=int, default=16)
-    parser.add_argument("--calib-seqlen", type=int, default=512)
+    parser.add_argument("--calib-seqlen", type=int, default=2048)
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2], help="ladder bits")
     parser.add_argument(
         "--full-bits", type=int, nargs="*", default=[], help="more bits, full kvquant row only"
@@ -73,8 +73,8 @@ def main() -> None:
 
     h, d = adapter.num_kv_heads, adapter.head_dim
     for calib_name in [] if args.skip_ladder else args.calib:
-        if calib_name == "wikitext":  # skip the evaluated windows of the same file
-            tokens, skip = wiki_tokens, args.windows * args.seqlen // args.calib_seqlen + 1
+        if calib_name == "wikitext":  # windows 16 onward: never the evaluated ones
+            tokens, skip = wiki_tokens, 16 * args.seqlen // args.calib_seqlen
         else:
             tokens, skip = tokenize(tokenizer, load_corpus(calib_name, "calibration").text), 0
         samples = calibration_samples(

@@ -37,21 +37,28 @@ def test_fisher_matches_brute_force_autograd(family):
     model = tiny_model(family)
     ids = torch.randint(0, 256, (3, 50), generator=torch.Generator().manual_seed(0))
     calib = collect_kv_fisher(model, adapter_for(model), ids, max_tokens=10_000)
-    assert calib.num_tokens == 3 * 49  # everything but the first token of each sample
+    assert calib.num_tokens == 3 * 50  # every token of each sample
     for kind in ("k", "v"):
         grads = _brute_force_grads(model, ids, layer=0, kind=kind)
-        want = torch.cat([g[1:] for g in grads]).square().view(-1, 2, 16)  # positions 1..S-1
+        want = torch.cat(grads).square().view(-1, 2, 16)  # positions 0..S-1
         got = calib.key_fisher(0) if kind == "k" else calib.value_fisher(0)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-12)
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
 
 
-def test_first_token_is_masked_and_subset_is_bounded():
+def test_first_token_is_kept_and_subset_is_bounded():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (4, 80), generator=torch.Generator().manual_seed(1))
     calib = collect_kv_fisher(model, adapter_for(model), ids, max_tokens=200)
-    assert calib.num_tokens == 200 and int(calib.positions.min()) >= 1
+    assert calib.num_tokens == 200
     assert calib.samples.bincount().tolist() == [50, 50, 50, 50]
+    assert calib.samples[calib.positions == 0].tolist() == [0, 1, 2, 3]  # every sample's sink
+    # a cache that keeps the sink in fp16 calibrates without it
+    rest = calib.without_leading(1)
+    assert rest.num_tokens == 196 and int(rest.positions.min()) >= 1
+    keep = calib.positions >= 1
+    assert torch.equal(rest.keys[1], calib.keys[1][keep])
+    assert torch.equal(rest.value_fisher(0), calib.value_fisher(0)[keep])
     # kept activations are the model's own: the values at a kept position match a plain forward
     n, pos = int(calib.samples[0]), int(calib.positions[0])
     with torch.no_grad():

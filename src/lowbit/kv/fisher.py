@@ -11,8 +11,10 @@ Keys are captured where a pre-RoPE cache stores them: the output of ``k_proj`` (
 from the kept positions (:meth:`KVCalibration.post_rope_keys`): RoPE is a rotation ``R_m`` per
 position, so ``k_post = R_m k_pre`` and ``dL/dk_post = R_m dL/dk_pre``.
 
-The first token of every sample (the attention sink) is never kept: KVQuant masks it out of
-calibration because it is kept in fp16 and its statistics are atypical.
+The first token of every sample (the attention sink) is always kept, beside a random subset
+of the others: its statistics are atypical (in SmolLM2 its keys lie far outside every other
+token's range), so a cache that keeps it in fp16 masks it out of calibration, as KVQuant does
+(:meth:`KVCalibration.without_leading`), and a cache that quantizes it must calibrate on it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class KVCalibration:
         key_grads: ``dL/dkeys`` ``[N, H_kv, D]`` fp32 (None: collected without gradients).
         values: ``[N, H_kv, D]`` fp32.
         value_grads: ``dL/dvalues`` ``[N, H_kv, D]`` fp32 (None: without gradients).
-        positions: ``[N]`` position of each kept token inside its sample (never 0).
+        positions: ``[N]`` position of each kept token inside its sample.
         samples: ``[N]`` index of the calibration sample each kept token comes from.
     """
 
@@ -62,6 +64,22 @@ class KVCalibration:
     @property
     def has_gradients(self) -> bool:
         return self.key_grads is not None
+
+    def without_leading(self, tokens: int) -> KVCalibration:
+        """The kept positions from ``tokens`` on (drop the sinks a cache keeps in fp16)."""
+        keep = self.positions >= tokens  # [N]
+
+        def pick(x: list[Tensor] | None) -> list[Tensor] | None:
+            return None if x is None else [t[keep] for t in x]
+
+        return KVCalibration(
+            keys=pick(self.keys),
+            key_grads=pick(self.key_grads),
+            values=pick(self.values),
+            value_grads=pick(self.value_grads),
+            positions=self.positions[keep],
+            samples=self.samples[keep],
+        )
 
     def _grads(self, grads: list[Tensor] | None, layer: int) -> Tensor:
         if grads is None:
@@ -99,12 +117,13 @@ class KVCalibration:
 def _kept_positions(
     n_samples: int, seqlen: int, max_tokens: int, generator: torch.Generator
 ) -> list[Tensor]:
-    """Sorted positions (1..seqlen-1) kept per sample, at most ``max_tokens`` in all."""
-    per_sample = max(1, min(seqlen - 1, max_tokens // n_samples))
+    """Sorted positions kept per sample: 0 and a random subset of 1..seqlen-1, at most
+    ``max(max_tokens, 2 * n_samples)`` in all."""
+    per_sample = max(1, min(seqlen - 1, max_tokens // n_samples - 1))
     kept = []
     for _ in range(n_samples):
         order = torch.randperm(seqlen - 1, generator=generator)[:per_sample] + 1
-        kept.append(order.sort().values)
+        kept.append(torch.cat([order.new_zeros(1), order.sort().values]))
     return kept
 
 
@@ -124,8 +143,9 @@ def collect_kv_fisher(
         model: the float causal LM (not modified; its parameters get no gradients).
         adapter: ``adapter_for(model)``.
         calibration: ``[n_samples, seqlen]`` token ids.
-        max_tokens: keep at most this many token positions over all samples (a random subset
-            drawn with ``seed``; the same positions for every layer). Memory is
+        max_tokens: keep at most this many token positions over all samples: the first of
+            each sample and a random subset of the others drawn with ``seed`` (the same
+            positions for every layer). Memory is
             ``16 * max_tokens * n_kv_heads * head_dim`` bytes per layer.
         seed: seed of the subset.
         gradients: backpropagate the loss for the Fisher information (False: activations

@@ -7,8 +7,8 @@ indices into a per-layer codebook of ``2**bits`` levels on ``[-1, 1]`` after a n
   offline, ``center ± half_range`` (fp16 buffers ``[H_kv, D]``), the ``outlier_fraction / 2``
   and ``1 - outlier_fraction / 2`` quantiles of the calibration keys (the first token of every
   sample masked out). Elements outside their channel's range are the outliers (thresholds per
-  channel, calibrated offline); with no outliers the range is the calibration min/max and
-  values beyond it clamp.
+  channel, calibrated offline); with no outliers the range is the per-channel quantile range
+  with the least (Fisher-weighted) squared error, and values beyond it clamp.
 * ``per_channel=False`` (values; keys in the per-token ablation): each token of each head is
   normalized online by the min/max of its non-outlier elements (fp16 center and half range per
   token and head). The outliers are the ``round(outlier_fraction * H_kv * D)`` largest
@@ -192,6 +192,40 @@ def _token_range(x: Tensor, outliers: Tensor) -> tuple[Tensor, Tensor]:
     return center, torch.where(half == 0, torch.ones_like(half), half)
 
 
+#: candidate clip quantiles of the no-outlier per-channel ranges: ``[q, 1 - q]`` per channel
+CLIP_QUANTILES = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.02, 0.05, 0.1)
+
+
+def _clipped_channel_range(x: Tensor, fisher: Tensor | None, bits: int) -> tuple[Tensor, Tensor]:
+    """Per-channel (center, half_range) ``[H, D]`` of calibration samples ``x`` ``[N, H, D]``
+    with no outliers: the ``[q, 1 - q]`` quantile range, ``q`` from :data:`CLIP_QUANTILES`
+    with the least (Fisher-weighted) squared error of ``2**bits`` uniform levels, clamping
+    included.
+
+    Offline ranges cover every calibration token, so the min-max range of thousands of tokens
+    is set by a few extremes; clamping those costs less than coarser steps for all the others.
+    """
+    q = torch.tensor(CLIP_QUANTILES, dtype=x.dtype)
+    lows, highs = torch.quantile(x, q, dim=0), torch.quantile(x, 1 - q, dim=0)  # [Q, H, D]
+    weights = torch.ones_like(x) if fisher is None else fisher.float()
+    levels = 2**bits - 1
+    best_err = best_center = best_half = None
+    for lo, hi in zip(lows, highs, strict=True):
+        center = (hi + lo) / 2
+        half = ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+        normalized = ((x - center) / half).clamp(-1.0, 1.0)  # [N, H, D]
+        restored = torch.round((normalized + 1) * (levels / 2)) * (2 / levels) - 1
+        err = (weights * (restored * half + center - x).square()).sum(0)  # [H, D]
+        if best_err is None:
+            best_err, best_center, best_half = err, center, half
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_center = torch.where(better, center, best_center)
+        best_half = torch.where(better, half, best_half)
+    return best_center, best_half
+
+
 @register_kv_quantizer
 class KVQuantQuantizer(KVQuantizer):
     """KVQuant nuqX quantizer of one layer's keys or values (see module doc).
@@ -316,6 +350,7 @@ class KVQuantQuantizer(KVQuantizer):
         per_channel: bool,
         outlier_fraction: float = 0.01,
         nuq: bool = True,
+        codebook_tokens: Tensor | None = None,
         seed: int = 0,
     ) -> KVQuantQuantizer:
         """A quantizer fitted to calibration activations.
@@ -325,6 +360,8 @@ class KVQuantQuantizer(KVQuantizer):
             fisher: ``[N, H_kv, D]`` Fisher information of ``samples``; None = unweighted.
             bits, per_channel, outlier_fraction: as for the constructor.
             nuq: fit the codebook (else the uniform grid).
+            codebook_tokens: ``[N]`` bool, the samples the codebook is fitted on (None: all);
+                ranges and thresholds always use every sample.
             seed: seed of the subset used when there are more than
                 :data:`MAX_CODEBOOK_SAMPLES` normalized elements.
         """
@@ -334,11 +371,14 @@ class KVQuantQuantizer(KVQuantizer):
         quantizer = cls(bits, h, d, per_channel, outlier_fraction)
         x = samples.float()
         if per_channel:
-            lo_q = outlier_fraction / 2
-            lo = torch.quantile(x, lo_q, dim=0) if lo_q > 0 else x.amin(0)  # [H, D]
-            hi = torch.quantile(x, 1 - lo_q, dim=0) if lo_q > 0 else x.amax(0)
-            half = ((hi - lo) / 2).to(torch.float16)
-            quantizer.center.copy_(((hi + lo) / 2).to(torch.float16))
+            if outlier_fraction > 0:
+                lo = torch.quantile(x, outlier_fraction / 2, dim=0)  # [H, D]
+                hi = torch.quantile(x, 1 - outlier_fraction / 2, dim=0)
+                center, half = (hi + lo) / 2, (hi - lo) / 2
+            else:
+                center, half = _clipped_channel_range(x, fisher, bits)
+            half = half.to(torch.float16)
+            quantizer.center.copy_(center.to(torch.float16))
             quantizer.half_range.copy_(torch.where(half == 0, torch.ones_like(half), half))
         if not nuq:
             return quantizer
@@ -349,10 +389,13 @@ class KVQuantQuantizer(KVQuantizer):
             half = quantizer.half_range.float()[None, :, None, :]
         else:
             center, half = (s.float() for s in _token_range(batch, outliers))
-        normalized = ((batch - center) / half).clamp(-1.0, 1.0)[~outliers]  # [M]
+        fit = ~outliers
+        if codebook_tokens is not None:
+            fit &= codebook_tokens.view(1, 1, -1, 1)
+        normalized = ((batch - center) / half).clamp(-1.0, 1.0)[fit]  # [M]
         weights = None
         if fisher is not None:
-            weights = fisher.float().transpose(0, 1).unsqueeze(0)[~outliers]
+            weights = fisher.float().transpose(0, 1).unsqueeze(0)[fit]
         if normalized.numel() > MAX_CODEBOOK_SAMPLES:
             generator = torch.Generator().manual_seed(seed)
             keep = torch.randperm(normalized.numel(), generator=generator)[:MAX_CODEBOOK_SAMPLES]
