@@ -48,6 +48,30 @@ def test_sinks_packed_chunks_and_residual():
     assert layer.get_mask_sizes(3) == (23, 0)
 
 
+def test_sinks_follow_positions_under_left_padding():
+    layer = QuantizedKVLayer(IntTokenQuantizer(2), IntTokenQuantizer(2), sink_tokens=1)
+    k, v = _kv(2, 6)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 1, 0, 1, 2, 3]])  # row 1: two pads
+    keys, values = layer.update(k, v, {"positions": positions})
+    for row, first in ((0, 0), (1, 2)):  # each row's first real token comes back exactly
+        assert torch.equal(keys[row, :, first], k[row, :, first])
+        assert torch.equal(values[row, :, first], v[row, :, first])
+    assert not torch.equal(keys[1, :, 3], k[1, :, 3])  # the rest is quantized
+    assert layer.k.pinned_rows.tolist() == [1] and layer.k.pinned_slots.tolist() == [2]
+    before = layer.nbytes()
+    # beams: the pinned token follows its row
+    layer.reorder_cache(torch.tensor([1, 1, 0]))
+    keys, _ = layer.update(*_kv(3, 1, seed=1), {"positions": torch.tensor([[6], [4], [4]])})
+    for row in (0, 1):
+        assert torch.equal(keys[row, :, 2], k[1, :, 2])
+    assert torch.equal(keys[2, :, 0], k[0, :, 0])
+    assert layer.nbytes() > before
+    # without positions (or without padding) nothing is pinned
+    plain = QuantizedKVLayer(IntTokenQuantizer(2), IntTokenQuantizer(2), sink_tokens=1)
+    plain.update(k, v, {"positions": torch.arange(6)[None]})
+    assert plain.k.pinned is None
+
+
 @pytest.mark.parametrize("chunks", [[40], [1] * 40, [7, 13, 1, 19], [16, 16, 8]])
 def test_quantization_does_not_depend_on_arrival_for_per_token(chunks):
     k, v = _kv(2, 40)

@@ -183,14 +183,12 @@ class KVQuantAttention(nn.Module):
 
         cos, sin = position_embeddings  # [B or 1, S, D]
         q = self._rope(q, cos, sin)
-        cache_kwargs = None
-        if self.pre_rope:
-            positions = kwargs.get("position_ids")
-            if positions is None:
-                past = 0 if past_key_values is None else past_key_values.get_seq_length()
-                positions = torch.arange(past, past + steps, device=q.device)[None]
-            cache_kwargs = {"positions": positions}
-        else:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            past = 0 if past_key_values is None else past_key_values.get_seq_length()
+            positions = torch.arange(past, past + steps, device=q.device)[None]
+        cache_kwargs = {"positions": positions}  # [B or 1, S]: pre-RoPE keys, pad-aware sinks
+        if not self.pre_rope:
             k = self._rope(k, cos, sin)
             if self.rotate_qk == "hadamard":
                 q, k = self._hadamard(q), self._hadamard(k)

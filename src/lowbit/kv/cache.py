@@ -18,8 +18,11 @@ KIVI's own decoding.
 
 Decisions:
 
-* Sinks are cache *slots*, not positions: with left padding a padded row's sink slots hold pads
-  (masked anyway), and its first real tokens are quantized like the rest.
+* Sinks are the first ``sink_tokens`` cache *slots*, and also every later token whose position
+  is below ``sink_tokens`` when the attention passes positions: with left padding a padded
+  row's sink slots hold pads (masked anyway), and its real first tokens are kept in floating
+  point beside the packed data ("pinned": row, slot and the fp vector) and written over their
+  dequantized slots. Unpadded batches pin nothing.
 * Pre-RoPE caching needs every cached token's position; one :class:`PositionTrack` (int32
   ``[B, T]``) is shared by all layers of a cache and counted once, in layer 0's bytes.
 * ``residual_dtype`` (default: the model's dtype) is the dtype of sinks and residual; recipes use
@@ -74,10 +77,26 @@ class _Stream:
         self.sink: Tensor | None = None  # [B, H, s, D]
         self.chunks: list[PackedKV] = []
         self.residual: Tensor | None = None  # [B, H, r, D]
+        self.pinned_rows: Tensor | None = None  # [P] int32 batch row of each pinned token
+        self.pinned_slots: Tensor | None = None  # [P] int32 cache slot
+        self.pinned: Tensor | None = None  # [P, H, D] fp values
 
-    def append(self, x: Tensor, sink_room: int, fp_dtype: torch.dtype) -> None:
-        """Store new tokens ``x`` [B, H, S, D]; the first ``sink_room`` of them go to the sink."""
+    def append(
+        self, x: Tensor, sink_room: int, fp_dtype: torch.dtype, start: int, pin: Tensor | None
+    ) -> None:
+        """Store new tokens ``x`` [B, H, S, D] at slots ``start..``; the first ``sink_room`` of
+        them go to the sink; ``pin`` ([B, S] bool or None) marks later ones also kept in fp."""
         x = x.to(fp_dtype)
+        if pin is not None:
+            pin = pin.clone()
+            pin[:, :sink_room] = False
+            rows, steps = pin.nonzero(as_tuple=True)
+            if rows.numel():
+                values = x[rows, :, steps]  # [P, H, D]
+                slots = (steps + start).to(torch.int32)
+                self.pinned_rows = _cat(self.pinned_rows, rows.to(torch.int32))
+                self.pinned_slots = _cat(self.pinned_slots, slots)
+                self.pinned = _cat(self.pinned, values)
         if sink_room > 0:
             head, x = x[:, :, :sink_room], x[:, :, sink_room:]
             self.sink = head if self.sink is None else torch.cat([self.sink, head], 2)
@@ -104,11 +123,15 @@ class _Stream:
         parts += [c.dequantize(dtype) for c in self.chunks]
         if self.residual is not None:
             parts.append(self.residual.to(dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+        if self.pinned is not None:
+            out = out.clone() if len(parts) == 1 else out
+            out[self.pinned_rows.long(), :, self.pinned_slots.long()] = self.pinned.to(dtype)
+        return out
 
     def nbytes(self) -> int:
         total = sum(c.nbytes() for c in self.chunks)
-        for t in (self.sink, self.residual):
+        for t in (self.sink, self.residual, self.pinned, self.pinned_rows, self.pinned_slots):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
@@ -119,6 +142,16 @@ class _Stream:
             self.sink = self.sink.index_select(0, index.to(self.sink.device))
         if self.residual is not None:
             self.residual = self.residual.index_select(0, index.to(self.residual.device))
+        if self.pinned is not None:  # new row j takes old row index[j]'s pinned tokens
+            match = self.pinned_rows[None, :] == index.to(self.pinned_rows.device)[:, None]
+            new_rows, entries = match.nonzero(as_tuple=True)  # [P'] each
+            self.pinned_rows = new_rows.to(torch.int32)
+            self.pinned_slots = self.pinned_slots[entries]
+            self.pinned = self.pinned[entries]
+
+
+def _cat(old: Tensor | None, new: Tensor) -> Tensor:
+    return new if old is None else torch.cat([old, new])
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -180,19 +213,25 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Store new keys/values [B, H_kv, S, D]; return all of them, dequantized, [B, H_kv, T, D].
 
         ``cache_kwargs["positions"]`` ([B, S] or [1, S]) is required when the cache tracks
-        positions (pre-RoPE keys).
+        positions (pre-RoPE keys); with sinks it also pins tokens at positions below
+        ``sink_tokens`` that arrive after the sink slots (left padding).
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        positions = (cache_kwargs or {}).get("positions")
+        batch, steps = key_states.shape[0], key_states.shape[2]
+        if positions is not None:
+            positions = positions.to(key_states.device).expand(batch, steps)
         if self.track is not None and self.owns_positions:
-            positions = (cache_kwargs or {}).get("positions")
             if positions is None:
                 raise LowbitError("a pre-RoPE KV cache needs the positions of the new tokens")
-            batch, steps = key_states.shape[0], key_states.shape[2]
-            self.track.append(positions.expand(batch, steps))
+            self.track.append(positions)
         sink_room = max(self.sink_tokens - self.length, 0)
-        self.k.append(key_states, sink_room, self.residual_dtype)
-        self.v.append(value_states, sink_room, self.residual_dtype)
+        pin = None
+        if self.sink_tokens and positions is not None and sink_room < steps:
+            pin = positions < self.sink_tokens  # [B, S]
+        for stream, states in ((self.k, key_states), (self.v, value_states)):
+            stream.append(states, sink_room, self.residual_dtype, self.length, pin)
         self.length += key_states.shape[2]
         return self.k.full(key_states.dtype), self.v.full(value_states.dtype)
 
