@@ -46,6 +46,23 @@ def test_the_pieces_are_installed():
     assert isinstance(model.lm_head, torch.nn.Linear)  # lm_head stays in float
 
 
+def test_unset_clips_take_the_papers_value_up_to_4_bits_only():
+    def clips(**settings):
+        recipe = get_recipe("quarot", **settings)
+        kv = recipe.kv_recipe()
+        return (
+            recipe.act_quantizer().clip_ratio,
+            kv.key_quantizer().clip_ratio,
+            kv.value_quantizer().clip_ratio,
+        )
+
+    assert clips() == (0.9, 0.95, 0.95)
+    assert clips(a_bits=8, kv_bits=8) == (1.0, 1.0, 1.0)
+    assert clips(a_bits=3, k_bits=6, v_bits=2) == (0.9, 1.0, 0.95)
+    assert clips(a_bits=8, a_clip_ratio=0.8, kv_bits=6, kv_clip_ratio=0.9) == (0.8, 0.9, 0.9)
+    assert get_recipe("rtn", a_bits=4).act_quantizer().clip_ratio == 1.0  # rtn: no paper clip
+
+
 def test_rotation_beats_no_rotation_when_activations_have_outliers():
     model = model_with_outlier_channel()
     reference = FloatReference(model)

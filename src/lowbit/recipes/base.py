@@ -29,6 +29,25 @@ def check_bits(name: str, bits: int, *, allow_off: bool = True) -> None:
     raise LowbitError(f"{name} must be between 2 and 8{off}, not {bits}")
 
 
+#: the widest bit width at which an unset clip ratio takes the paper's value (QuaRot clips at
+#: 4 bits). Measured on SmolLM2 after rotation (`benchmarks/bench_quarot.py`, 2 windows, KL to
+#: fp): activations 0.9 vs none 0.476 / 0.566 at 4 bits, 0.0237 / 0.0224 at 6, 0.0063 / 0.0014
+#: at 8; KV 0.95 vs none 0.0581 / 0.0540 at 4 bits, 0.0099 / 0.0027 at 6, 0.0075 / 0.0002 at 8.
+CLIP_MAX_BITS = 4
+
+
+def resolve_clip(ratio: float | None, bits: int, paper_ratio: float) -> float:
+    """``ratio`` when set; unset (None): ``paper_ratio`` up to :data:`CLIP_MAX_BITS`, else 1."""
+    if ratio is not None:
+        return ratio
+    return paper_ratio if bits <= CLIP_MAX_BITS else 1.0
+
+
+def check_clip(name: str, ratio: float | None) -> None:
+    if ratio is not None and not 0.0 < ratio <= 1.0:
+        raise LowbitError(f"{name} must be in (0, 1] or none, not {ratio}")
+
+
 def check_group(name: str, group: int | None) -> None:
     if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
         raise LowbitError(f"{name} must be a positive integer or none, not {group!r}")

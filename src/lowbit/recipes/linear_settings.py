@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from lowbit.algorithms.rtn import IntWeightSpec
 from lowbit.errors import LowbitError
 from lowbit.nn.act_quant import ActivationQuantizer
-from lowbit.recipes.base import OFF_BITS, QuantizeContext, check_bits, check_group
+from lowbit.recipes.base import (
+    OFF_BITS,
+    QuantizeContext,
+    check_bits,
+    check_clip,
+    check_group,
+    resolve_clip,
+)
 
 
 @dataclass
@@ -21,7 +28,8 @@ class LinearQuantSettings:
         w_mse_clip: search the clip range per row/group that minimises the squared error.
         a_bits: activation bits 2-8 at the input of every block linear, 16 = off.
         a_symmetric: symmetric activations.
-        a_clip_ratio: scale each token's range by this before rounding.
+        a_clip_ratio: scale each token's range by this before rounding; none = the recipe's
+            ``paper_a_clip`` up to 4 bits, no clip above (see ``resolve_clip``).
         a_group: features per activation scale; none = one scale per token.
     """
 
@@ -31,16 +39,18 @@ class LinearQuantSettings:
     w_mse_clip: bool = False
     a_bits: int = OFF_BITS
     a_symmetric: bool = True
-    a_clip_ratio: float = 1.0
+    a_clip_ratio: float | None = 1.0
     a_group: int | None = None
+
+    #: the clip an unset ``a_clip_ratio`` takes at 4 bits or fewer (not a setting)
+    paper_a_clip = 1.0
 
     def validate_linear_settings(self) -> None:
         check_bits("w_bits", self.w_bits)
         check_bits("a_bits", self.a_bits)
         check_group("w_group", self.w_group)
         check_group("a_group", self.a_group)
-        if not 0.0 < self.a_clip_ratio <= 1.0:
-            raise LowbitError(f"a_clip_ratio must be in (0, 1], not {self.a_clip_ratio}")
+        check_clip("a_clip_ratio", self.a_clip_ratio)
 
     def weight_spec(self) -> IntWeightSpec | None:
         if self.w_bits == OFF_BITS:
@@ -53,7 +63,7 @@ class LinearQuantSettings:
         return ActivationQuantizer(
             self.a_bits,
             symmetric=self.a_symmetric,
-            clip_ratio=self.a_clip_ratio,
+            clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, self.paper_a_clip),
             group_size=self.a_group,
         )
 

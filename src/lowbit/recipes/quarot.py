@@ -7,11 +7,11 @@ Steps, each done by the module that owns it:
    ``rotation=none`` nothing is rotated: the same quantizers on the plain model.
 2. :func:`lowbit.algorithms.weights.quantize_linears` quantizes every block linear's weight
    (symmetric, per output channel or group, MSE clip search; GPTQ layer by layer with the
-   RTN guard, or RTN) and attaches per-token symmetric activation quantizers (clip 0.9) at
-   the input of every block linear (lm_head stays in float). GPTQ calibrates with float
+   RTN guard, or RTN) and attaches per-token symmetric activation quantizers (clip 0.9 at 4
+   bits or fewer) at the input of every block linear (lm_head stays in float). GPTQ calibrates with float
    activations, as QuaRot does.
 3. The ``kv-int`` recipe installs QuaRot's cache: asymmetric integers, one group per head,
-   clip 0.95, K and V bits apart, on keys rotated by an online Hadamard after RoPE.
+   clip 0.95 at 4 bits or fewer, K and V bits apart, on keys rotated by an online Hadamard after RoPE.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
         kv_bits: sets k_bits and v_bits when given.
         k_bits, v_bits: KV-cache bits 2-8, 16 = off.
         kv_clip_ratio: fraction of each head's range the KV quantizer keeps.
+        a_clip_ratio, kv_clip_ratio unset: the paper's 0.9 / 0.95 where a stream has 4 bits or
+            fewer and no clip above: measured on SmolLM2, the clip costs accuracy at 6 and 8
+            bits (``lowbit.recipes.base.CLIP_MAX_BITS``).
         rotation: hadamard (randomized), random (random orthogonal, paper Table 8), none.
         seed: seed of the rotation's random signs or matrix.
         online_fp16: compute the online Hadamards in fp16 instead of fp32 (paper Table 10).
@@ -53,12 +56,13 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
     # 93.75 without, 43.77 with; on the unfused model it hurts: 38.51 without, 67.78 with).
     w_mse_clip: bool = True
     a_bits: int = 4
-    a_clip_ratio: float = 0.9
+    a_clip_ratio: float | None = None  # 0.9 (the paper's) at 4 bits or fewer, none above
+    paper_a_clip = 0.9
     w_algo: Literal["gptq", "rtn"] = "gptq"
     kv_bits: int | None = None
     k_bits: int = 4
     v_bits: int = 4
-    kv_clip_ratio: float = 0.95
+    kv_clip_ratio: float | None = None  # 0.95 (the paper's) at 4 bits or fewer, none above
     rotation: Literal["hadamard", "random", "none"] = "hadamard"
     seed: int = 0
     online_fp16: bool = False
