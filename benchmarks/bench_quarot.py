@@ -44,6 +44,10 @@ ROWS: dict[str, tuple[str, dict]] = {
         "quarot",
         {"rotation": "none", "w_algo": "rtn", "w_bits": 8, "a_bits": 8, "kv_bits": 8},
     ),
+    "rtn W6A6KV6 (no rotation)": (
+        "quarot",
+        {"rotation": "none", "w_algo": "rtn", "w_bits": 6, "a_bits": 6, "kv_bits": 6},
+    ),
     "rtn W4A16 (no rotation)": (
         "quarot",
         {"rotation": "none", "w_algo": "rtn", "a_bits": 16, "kv_bits": 16},
@@ -52,10 +56,20 @@ ROWS: dict[str, tuple[str, dict]] = {
     "quarot-rtn W6A6KV6": ("quarot", {"w_algo": "rtn", "w_bits": 6, "a_bits": 6, "kv_bits": 6}),
     "quarot-rtn W4A4KV4": ("quarot", {"w_algo": "rtn"}),
     "quarot-rtn W4A16": ("quarot", {"w_algo": "rtn", "a_bits": 16, "kv_bits": 16}),
+    "quarot-rtn W4A16 g64": (
+        "quarot",
+        {"w_algo": "rtn", "w_group": 64, "a_bits": 16, "kv_bits": 16},
+    ),
+    "quarot-rtn W4A4KV4 g64": ("quarot", {"w_algo": "rtn", "w_group": 64, "a_group": 64}),
+    "quarot-rtn W4A16 random orthogonal": (
+        "quarot",
+        {"w_algo": "rtn", "a_bits": 16, "kv_bits": 16, "rotation": "random"},
+    ),
     "quarot-gptq W8A8KV8": ("quarot", {"w_bits": 8, "a_bits": 8, "kv_bits": 8}),
     "quarot-gptq W6A6KV6": ("quarot", {"w_bits": 6, "a_bits": 6, "kv_bits": 6}),
     "quarot-gptq W4A4KV4": ("quarot", {}),
     "quarot-gptq W4A16": ("quarot", {"a_bits": 16, "kv_bits": 16}),
+    "quarot-gptq W4A16 g64": ("quarot", {"w_group": 64, "a_bits": 16, "kv_bits": 16}),
     "quarot-gptq W4A4KV4 g32": ("quarot", {"w_group": 32, "a_group": 32}),
     "quarot-gptq W4A4KV4 g64": ("quarot", {"w_group": 64, "a_group": 64}),
     "quarot-gptq W4A4KV4 random orthogonal": ("quarot", {"rotation": "random"}),
