@@ -121,7 +121,7 @@ def main() -> None:
     command = "benchmarks/bench_kv_methods.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items()
-        if not isinstance(v, bool) and v is not None
+        if not isinstance(v, bool) and v is not None and v != []
     )
     print()
     print(stamp(command) + f" KV heads {h}, head_dim {d}.")

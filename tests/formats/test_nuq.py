@@ -49,6 +49,22 @@ def test_fit_codebook_matches_naive_weighted_lloyd():
     assert torch.allclose(ours.double(), ref, atol=1e-5)
 
 
+def test_pinned_ends_stay_at_the_data_extremes_and_inner_levels_follow_lloyd():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4000, generator=g).clamp(-1.5, 1.5).double()  # clamped mass at both ends
+    w = torch.rand(4000, generator=g).double()
+    pinned = fit_codebook(x.float(), 8, w.float(), pin_ends=True, max_iter=40, tol=0.0)
+    assert pinned[0] == -1.5 and pinned[-1] == 1.5
+    assert fit_codebook(x.float(), 8, w.float())[-1] < 1.5  # free Lloyd pulls the end inward
+    # the inner levels are the weighted means of their cells given the pinned ends
+    bounds = (pinned[1:] + pinned[:-1]).double() / 2
+    cell = torch.searchsorted(bounds, x.contiguous(), right=False)  # [N], ties to the lower
+    for j in range(1, 7):
+        m = cell == j
+        want = (w[m] * x[m]).sum() / w[m].sum()
+        assert abs(float(pinned[j]) - float(want)) < 1e-5
+
+
 def test_weights_pull_centroids_and_fit_is_deterministic():
     x = torch.linspace(-1, 1, 10001)
     heavy_right = torch.where(x > 0.5, 100.0, 1.0)

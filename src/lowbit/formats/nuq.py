@@ -93,6 +93,7 @@ def fit_codebook(
     *,
     max_iter: int = 100,
     tol: float = 1e-7,
+    pin_ends: bool = False,
 ) -> Tensor:
     """Weighted 1-D k-means (Lloyd-Max) codebook.
 
@@ -106,6 +107,8 @@ def fit_codebook(
         samples: float tensor, any shape (flattened), finite.
         n_levels: number of centroids ``K`` (2..65536).
         weights: non-negative tensor of ``samples``' shape (e.g. Fisher information), or None.
+        pin_ends: keep the first and last centroid at the smallest and largest sample (only
+            the inner ones move), e.g. for data clamped to a range whose ends must stay exact.
 
     Returns:
         fp32 ``[K]`` ascending (duplicates possible if the data has fewer distinct values).
@@ -128,6 +131,9 @@ def fit_codebook(
     w_sorted = w[order]
     probs = (torch.arange(n_levels, dtype=torch.float64, device=x.device) + 0.5) / n_levels
     centroids = _weighted_quantiles(x_sorted, w_sorted, probs)  # [K]
+    ends = x_sorted[[0, -1]]
+    if pin_ends:
+        centroids[[0, -1]] = ends
     span = float(x_sorted[-1] - x_sorted[0]) or 1.0
     # samples are sorted, so each cluster is a contiguous run: use prefix sums, O(K log N) a step
     zero = torch.zeros(1, dtype=torch.float64, device=x.device)
@@ -141,6 +147,8 @@ def fit_codebook(
         mass = cum_w[edges[1:]] - cum_w[edges[:-1]]  # [K]
         moment = cum_wx[edges[1:]] - cum_wx[edges[:-1]]
         updated = torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)
+        if pin_ends:
+            updated[[0, -1]] = ends
         updated = updated.sort().values
         moved = float((updated - centroids).abs().max())
         centroids = updated
