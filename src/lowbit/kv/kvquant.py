@@ -21,12 +21,12 @@ same storage). Their dense code is whatever the clamped value maps to; dequantiz
 overwrites it with the stored fp16 value, so outliers come back exactly as fp16.
 
 The codebook is ``lowbit.formats.nuq.fit_codebook`` on the calibration samples' normalized
-non-outlier values, weighted by their Fisher information (KVQuant's nuqX); without outliers its
-end levels stay at ±1, where each range's largest-magnitude elements sit (measured on SmolLM2,
-2 windows, ``kvquant-ladder-nuq``: KL 0.8415 with pinned ends vs 0.9281 with free ends at 2
-bits, where the uniform grid gives 0.9832); ``nuq=False`` uses
-the uniform grid ``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer
-quantization. Codebooks and key ranges are the calibrated state (buffers, saved with
+non-outlier values, weighted by their Fisher information (KVQuant's nuqX). Without outliers
+its end levels stay at ±1, where each range's largest-magnitude elements sit (measured on
+SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``: KL 0.8415 with both streams' ends pinned,
+0.9281 with only the keys', 0.9832 for the uniform grid). ``nuq=False`` uses the uniform grid
+``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer quantization. Codebooks and
+key ranges are the calibrated state (buffers, saved with
 ``state_dict``); everything else is computed online.
 """
 
