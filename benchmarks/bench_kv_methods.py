@@ -47,6 +47,7 @@ def main() -> None:
     )
     parser.add_argument("--calib-cache", default=None, help="save/load the Fisher pass here")
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--rungs", nargs="+", default=None, help="ladder rungs (default: all)")
     parser.add_argument("--skip-ladder", action="store_true")
     parser.add_argument("--skip-ksort", action="store_true")
     args = parser.parse_args()
@@ -90,7 +91,11 @@ def main() -> None:
                 torch.save(vars(calib), cache)
         took = time.perf_counter() - start
         print(f"Fisher pass on {calib_name}: {tuple(samples.shape)} in {took:.0f} s", flush=True)
-        runs = [(b, name) for b in args.bits for name in LADDER]
+        rungs = args.rungs or LADDER
+        unknown = sorted(set(rungs) - set(LADDER))
+        if unknown:
+            parser.error(f"unknown rungs {unknown}; choose from {list(LADDER)}")
+        runs = [(b, name) for b in args.bits for name in rungs]
         runs += [(b, "kvquant") for b in args.full_bits]
         for bits, name in runs:
             recipe = get_recipe(name, bits=bits)
