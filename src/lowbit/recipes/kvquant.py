@@ -7,9 +7,10 @@ its rungs, so ``lowbit eval --recipe kvquant-ladder-int --recipe kvquant-ladder-
 --recipe kvquant --set bits=3`` prints it in one command.
 
 Calibration: the first token of each sample (the attention sink) calibrates the key ranges and
-outlier thresholds only when the cache quantizes it (``sink_tokens=0``): its keys lie far
-outside every other token's range. Codebooks are always fitted without it, as KVQuant does:
-its loss gradients are orders of magnitude larger than any other token's, so with it the
+outlier thresholds only when the cache quantizes it (``sink_tokens=0``): many of its key
+channels lie outside every other token's range (see :mod:`lowbit.kv.fisher`). Codebooks are
+always fitted without it, as KVQuant does: its loss gradients are orders of magnitude larger
+than any other token's, so with it the
 Fisher-weighted fit spends levels on one token (measured on SmolLM2, 2 windows, 3 bits,
 ``kvquant-ladder-outliers``: ppl 22.09 with it in the fit, 21.06 without).
 """
