@@ -67,17 +67,15 @@ def main() -> None:
 
     loaded = load_model(None)
     model = loaded.model
-    windows = eval_windows(tokenize(loaded.tokenizer, load_corpus(str(WIKI)).text), args.seqlen,
-                           args.windows)  # fmt: skip
+    tokens = tokenize(loaded.tokenizer, load_corpus(str(WIKI)).text)
+    windows = eval_windows(tokens, args.seqlen, args.windows)
     reference = FloatReference(model)
     fp = evaluate(model, windows, reference=reference, progress=False)
     table = [["fp", f"{fp.ppl:.3f}", "0", "1.000"]]
     print(" | ".join(table[-1]), flush=True)
     for name, settings, overrides in _rows():
-        candidate = quantize(
-            copy.deepcopy(model), get_recipe("quarot", **settings), overrides=overrides,
-            progress=False,
-        )  # fmt: skip
+        recipe = get_recipe("quarot", **settings)
+        candidate = quantize(copy.deepcopy(model), recipe, overrides=overrides, progress=False)
         result = evaluate(candidate, windows, reference=reference, progress=False)
         table.append([name, f"{result.ppl:.3f}", f"{result.kl:.4f}", f"{result.top1:.3f}"])
         print(" | ".join(table[-1]), flush=True)
