@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, fmt, markdown_table, stamp  # noqa: E402
+from common import WIKITEXT, command_line, fmt, markdown_table, stamp  # noqa: E402
 
 from lowbit.cli import build_parser, run_eval  # noqa: E402
 
@@ -25,7 +25,7 @@ ROWS = ["fp", "w8a16", "w4a16", "w4a16-g64", "w8a8", "w8a4", "w4a4"]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default="../shared/data/wikitext-2-raw/wiki.test.raw")
+    parser.add_argument("--dataset", default=str(WIKITEXT))
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--model", default=None)

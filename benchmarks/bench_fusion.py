@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, markdown_table, stamp  # noqa: E402
+from common import WIKITEXT, command_line, markdown_table, stamp  # noqa: E402
 
 from lowbit.algorithms.rtn import IntWeightSpec  # noqa: E402
 from lowbit.algorithms.weights import quantize_linears  # noqa: E402
@@ -29,8 +29,6 @@ from lowbit.models.adapter import adapter_for  # noqa: E402
 from lowbit.models.loader import load_model  # noqa: E402
 from lowbit.transforms.fuse import fuse_norms  # noqa: E402
 from lowbit.transforms.rotate import rotate_model  # noqa: E402
-
-WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 STEPS = {
     "none": lambda model: None,
@@ -42,7 +40,7 @@ STEPS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default=str(WIKI))
+    parser.add_argument("--dataset", default=str(WIKITEXT))
     parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, markdown_table, stamp  # noqa: E402
+from common import WIKITEXT, fmt, markdown_table, stamp  # noqa: E402
 
 from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
@@ -95,7 +95,7 @@ def peer_gptq(model_dir: Path, tokens: torch.Tensor, group: int | None, threads:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default="../shared/data/wikitext-2-raw/wiki.test.raw")
+    parser.add_argument("--dataset", default=str(WIKITEXT))
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--calib", nargs="+", default=["wiki", "pydoc"], choices=["wiki", "pydoc"])

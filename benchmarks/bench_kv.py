@@ -45,9 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, markdown_table, stamp  # noqa: E402
-
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+from common import WIKITEXT, fmt, markdown_table, stamp  # noqa: E402
 
 
 @dataclass

@@ -17,9 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import fmt, markdown_table, stamp
-
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+from common import WIKITEXT, fmt, markdown_table, stamp
 
 
 def _row(name, calib_name, result, bits, kv_bytes):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PeakRSS, command_line, fmt, stamp  # noqa: E402
+from common import WIKITEXT, PeakRSS, command_line, fmt, stamp  # noqa: E402
 
 from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
@@ -33,8 +33,6 @@ from lowbit.models.adapter import adapter_for  # noqa: E402
 from lowbit.models.loader import load_model  # noqa: E402
 from lowbit.quantize import quantize  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
-
-WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 # name -> (method, settings); quarot rows without "w_algo" use GPTQ
 ROWS: dict[str, tuple[str, dict]] = {
@@ -82,7 +80,7 @@ ROWS: dict[str, tuple[str, dict]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default=str(WIKI))
+    parser.add_argument("--dataset", default=str(WIKITEXT))
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--calib", nargs="+", default=["wiki", "pydoc"], choices=["wiki", "pydoc"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, markdown_table, stamp  # noqa: E402
+from common import WIKITEXT, command_line, markdown_table, stamp  # noqa: E402
 
 from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
@@ -33,7 +33,6 @@ from lowbit.models.loader import load_model  # noqa: E402
 from lowbit.quantize import quantize  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
-WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 FLOAT = dict(w_bits=16, a_bits=16, kv_bits=16)
 SITES = {
     "q/k/v": ["*q_proj", "*k_proj", "*v_proj"],
@@ -67,7 +66,7 @@ def main() -> None:
 
     loaded = load_model(None)
     model = loaded.model
-    tokens = tokenize(loaded.tokenizer, load_corpus(str(WIKI)).text)
+    tokens = tokenize(loaded.tokenizer, load_corpus(str(WIKITEXT)).text)
     windows = eval_windows(tokens, args.seqlen, args.windows)
     reference = FloatReference(model)
     fp = evaluate(model, windows, reference=reference, progress=False)

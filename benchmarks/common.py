@@ -1,10 +1,14 @@
-"""Helpers shared by the benchmark scripts: machine description and markdown tables."""
+"""Helpers shared by the benchmark scripts: machine description, markdown tables, data paths."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+from pathlib import Path
+
+#: the WikiText-2 raw test split beside the repository (``../shared/data``)
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 
 def machine() -> str:
