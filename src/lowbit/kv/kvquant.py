@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lowbit.errors import LowbitError
 from lowbit.formats.accounting import kvquant_bits
-from lowbit.formats.nuq import fit_codebook, nuq_dequantize, nuq_quantize
+from lowbit.formats.nuq import fake_quant_nuq, fit_codebook, nuq_dequantize, nuq_quantize
 from lowbit.formats.packing import pack_bits, packed_words_per_row, unpack_bits
 from lowbit.formats.sparse import pack_index_value, unpack_index_value
 from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
@@ -210,23 +210,17 @@ def _clipped_channel_range(x: Tensor, fisher: Tensor | None, bits: int) -> tuple
     """
     q = torch.tensor(CLIP_QUANTILES, dtype=x.dtype)
     lows, highs = torch.quantile(x, q, dim=0), torch.quantile(x, 1 - q, dim=0)  # [Q, H, D]
+    centers = (highs + lows) / 2
+    halves = ((highs - lows) / 2).clamp_min(torch.finfo(torch.float32).tiny)
     weights = torch.ones_like(x) if fisher is None else fisher.float()
-    levels = 2**bits - 1
-    best_err = best_center = best_half = None
-    for lo, hi in zip(lows, highs, strict=True):
-        center = (hi + lo) / 2
-        half = ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+    grid = uniform_codebook(bits)
+    errors = []
+    for center, half in zip(centers, halves, strict=True):
         normalized = ((x - center) / half).clamp(-1.0, 1.0)  # [N, H, D]
-        restored = torch.round((normalized + 1) * (levels / 2)) * (2 / levels) - 1
-        err = (weights * (restored * half + center - x).square()).sum(0)  # [H, D]
-        if best_err is None:
-            best_err, best_center, best_half = err, center, half
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_center = torch.where(better, center, best_center)
-        best_half = torch.where(better, half, best_half)
-    return best_center, best_half
+        restored = fake_quant_nuq(normalized, grid, normalize=None) * half + center
+        errors.append((weights * (restored - x).square()).sum(0))  # [H, D]
+    best = torch.stack(errors).argmin(0, keepdim=True)  # [1, H, D], first of equals
+    return centers.gather(0, best)[0], halves.gather(0, best)[0]
 
 
 @register_kv_quantizer
