@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument(
         "--full-bits", type=int, nargs="*", default=[], help="more bits, full kvquant row only"
     )
+    parser.add_argument(
+        "--kv-alone", type=int, nargs="*", default=[], help="kvquant with only K, only V"
+    )
     parser.add_argument("--calib-cache", default=None, help="save/load the Fisher pass here")
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--rungs", nargs="+", default=None, help="ladder rungs (default: all)")
@@ -93,18 +96,23 @@ def main() -> None:
         unknown = sorted(set(rungs) - set(LADDER))
         if unknown:
             parser.error(f"unknown rungs {unknown}; choose from {list(LADDER)}")
-        runs = [(b, name) for b in args.bits for name in rungs]
-        runs += [(b, "kvquant") for b in args.full_bits]
-        for bits, name in runs:
-            recipe = get_recipe(name, bits=bits)
+        runs = [(b, name, {}, "") for b in args.bits for name in rungs]
+        runs += [(b, "kvquant", {}, "") for b in args.full_bits]
+        for b in args.kv_alone:  # one stream quantized, the other in fp16
+            runs += [(b, "kvquant", {"v_bits": 16}, ", keys only")]
+            runs += [(b, "kvquant", {"k_bits": 16}, ", values only")]
+        for bits, name, settings, suffix in runs:
+            recipe = get_recipe(name, bits=bits, **settings)
             candidate = copy.deepcopy(model)
             cand_adapter = adapter_for(candidate)
             keys, values = recipe.quantizers(cand_adapter, calib)
             recipe.install(candidate, cand_adapter, keys, values)
             result = evaluate(candidate, windows, reference=reference, progress=False)
-            bpe = (keys[0].bits_per_element(d) + values[0].bits_per_element(d)) / 2
+            bpe = (
+                sum(16.0 if q is None else q.bits_per_element(d) for q in (keys[0], values[0])) / 2
+            )
             kv_bytes = recipe.kv_bytes_per_token(adapter, args.seqlen)
-            rows.append(_row(f"{name} ({bits}b)", calib_name, result, bpe, kv_bytes))
+            rows.append(_row(f"{name} ({bits}b{suffix})", calib_name, result, bpe, kv_bytes))
             print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
             del candidate
 
