@@ -42,7 +42,7 @@ PEER_VENV = Path("/tmp/llmc-venv")
 PEER_SCRIPT = textwrap.dedent(
     """
     import sys, time, torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -52,7 +52,7 @@ PEER_SCRIPT = textwrap.dedent(
 
     model_dir, tokens_path, group, out_path = sys.argv[1:5]
     torch.set_num_threads(int(sys.argv[5]))
-    tokens = torch.load(tokens_path)
+    tokens = load_file(tokens_path)["tokens"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights = QuantizationArgs(
         num_bits=4, type="int", symmetric=True,
@@ -63,34 +63,39 @@ PEER_SCRIPT = textwrap.dedent(
                           block_size=128, dampening_frac=0.01, actorder="static")
     data = Dataset.from_dict({"input_ids": tokens.tolist(),
                               "attention_mask": torch.ones_like(tokens).tolist()})
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(tokens),
             max_seq_length=tokens.shape[1])
     seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     state = {n: m.weight.detach().float().contiguous() for n, m in model.named_modules()
              if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    save_file(state, out_path, metadata={"seconds": str(seconds)})
+    save_file(state, out_path, metadata={"seconds": str(seconds), "cpu_seconds": str(cpu_seconds)})
     """
 )
 
 
 def peer_gptq(model_dir: Path, tokens: torch.Tensor, group: int | None, threads: int, workdir):
-    """llm-compressor GPTQ in its own venv -> ({linear name: dequantized weight}, seconds)."""
+    """llm-compressor GPTQ in its own venv -> ({linear name: dequantized weight}, wall seconds,
+    process CPU seconds)."""
     python = PEER_VENV / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
         pip = [str(PEER_VENV / "bin" / "pip"), "install", "-q"]
         subprocess.run(pip + ["torch==2.13.0", "llmcompressor"], check=True)
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    tokens_path, script, out = workdir / "tokens.pt", workdir / "peer.py", workdir / "peer.st"
-    torch.save(tokens, tokens_path)
+    tokens_path, script, out = workdir / "tokens.st", workdir / "peer.py", workdir / "peer.st"
+    save_file({"tokens": tokens.contiguous()}, str(tokens_path))
     script.write_text(PEER_SCRIPT)
     group_arg = "none" if group is None else str(group)
     command = [str(python), str(script), str(model_dir), str(tokens_path), group_arg, str(out)]
     subprocess.run(command + [str(threads)], check=True)
     with safe_open(str(out), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, float(f.metadata()["seconds"])
+        meta = f.metadata()
+        weights = {k: f.get_tensor(k) for k in f.keys()}
+    return weights, float(meta["seconds"]), float(meta["cpu_seconds"])
 
 
 def main() -> None:
@@ -141,13 +146,12 @@ def main() -> None:
                     import tempfile
 
                     with tempfile.TemporaryDirectory() as tmp:
-                        weights, peer_seconds = peer_gptq(
+                        weights, seconds, cpu_seconds = peer_gptq(
                             Path(_model_dir()), calibrations[calib], group, args.threads, Path(tmp)
                         )
                     with torch.no_grad():
                         for name, weight in weights.items():
                             model.get_submodule(name).weight.copy_(weight)
-                    seconds, cpu_seconds = peer_seconds, None
                 else:
                     settings = {"w_bits": 4, "w_group": group}
                     if row != "rtn":

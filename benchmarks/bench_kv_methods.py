@@ -49,11 +49,16 @@ def main() -> None:
     parser.add_argument("--calib-cache", default=None, help="save/load the Fisher pass here")
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--rungs", nargs="+", default=None, help="ladder rungs (default: all)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a kvquant setting for every ladder row, e.g. --set channel_codebooks=true",
+    )  # fmt: skip
     parser.add_argument("--skip-ladder", action="store_true")
     parser.add_argument("--skip-ksort", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
+    from lowbit.cli import parse_settings
     from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
@@ -63,6 +68,7 @@ def main() -> None:
     from lowbit.recipes.kvquant import LADDER
     from lowbit.recipes.registry import get_recipe
 
+    extra = parse_settings(args.set)
     loaded = load_model(None)
     model, tokenizer = loaded.model.float(), loaded.tokenizer
     adapter = adapter_for(model)
@@ -102,7 +108,7 @@ def main() -> None:
             runs += [(b, "kvquant", {"v_bits": 16}, ", keys only")]
             runs += [(b, "kvquant", {"k_bits": 16}, ", values only")]
         for bits, name, settings, suffix in runs:
-            recipe = get_recipe(name, bits=bits, **settings)
+            recipe = get_recipe(name, bits=bits, **settings, **extra)
             candidate = copy.deepcopy(model)
             cand_adapter = adapter_for(candidate)
             keys, values = recipe.quantizers(cand_adapter, calib)
@@ -112,6 +118,7 @@ def main() -> None:
                 sum(16.0 if q is None else q.bits_per_element(d) for q in (keys[0], values[0])) / 2
             )
             kv_bytes = recipe.kv_bytes_per_token(adapter, args.seqlen)
+            suffix += "".join(f", {k}={v}" for k, v in extra.items())
             rows.append(_row(f"{name} ({bits}b{suffix})", calib_name, result, bpe, kv_bytes))
             print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
             del candidate

@@ -128,6 +128,33 @@ def test_per_channel_ranges_without_outliers_clip_to_least_error(bits):
     assert err["clip"] < 0.5 * err["minmax"]
 
 
+def test_channel_codebooks_fit_each_channel_on_its_own_values():
+    x, fisher = _data(n=2000)
+    x[:, 1, 7] = torch.where(x[:, 1, 7] > 0, 3.0, -3.0) + 0.05 * x[:, 1, 7]  # two clusters
+    kw = dict(bits=2, per_channel=True, outlier_fraction=0.0)
+    shared = KVQuantQuantizer.calibrate(x, fisher, **kw)
+    own = KVQuantQuantizer.calibrate(x, fisher, channel_codebooks=True, **kw)
+    assert own.codebook.shape == (3 * 64, 4) and shared.codebook.shape == (4,)
+    # channel (1, 7) alone, normalized by its calibrated range: its codebook is that fit
+    center, half = own.center[1, 7].float(), own.half_range[1, 7].float()
+    alone = KVQuantQuantizer.calibrate(
+        ((x[:, 1:2, 7:8] - center) / half).clamp(-1, 1) * half + center,
+        fisher[:, 1:2, 7:8], **kw,
+    )  # fmt: skip
+    torch.testing.assert_close(own.codebook[64 + 7], alone.codebook, rtol=0, atol=1e-6)
+    t = _cache_view(x)
+    err = {k: (_cache_view(fisher) * (q.quantize(t).dequantize() - t) ** 2)[0, 1, :, 7].sum()
+           for k, q in (("shared", shared), ("own", own))}  # fmt: skip
+    # measured on that channel, own/shared Fisher-weighted squared error: 0.22
+    assert float(err["own"]) < 0.4 * float(err["shared"])
+    rebuilt = kv_quantizer_from_dict(own.to_dict(), own.state_dict())
+    assert torch.equal(rebuilt.quantize(t).dequantize(), own.quantize(t).dequantize())
+    with pytest.raises(LowbitError, match="per-channel ranges"):
+        KVQuantQuantizer(per_channel=False, channel_codebooks=True)
+    with pytest.raises(LowbitError, match="per_channel_keys"):
+        get_recipe("kvquant", per_channel_keys="false", channel_codebooks="true")
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_bits_per_element_matches_paper_accounting_and_measured_bytes(bits):
     x, fisher = _data()

@@ -25,7 +25,12 @@ non-outlier values, weighted by their Fisher information (KVQuant's nuqX). Witho
 its end levels stay at ±1, where each range's largest-magnitude elements sit (measured on
 SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``: KL 0.8415 with both streams' ends pinned,
 0.9281 with only the keys', 0.9832 for the uniform grid). ``nuq=False`` uses the uniform grid
-``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer quantization. Codebooks and
+``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer quantization.
+``channel_codebooks=True`` (per-channel keys) fits one codebook per channel instead, as seed
+003's Algorithm 1 stores them (``[H_kv * D, 2**bits]`` per layer). On SmolLM2 it helps at 2 bits
+and not at 3 (``bench_kv_methods.py --windows 2 --calib wikitext --bits 3 2 --rungs kvquant
+--set channel_codebooks=true`` and ``=false``: KL 0.3221 vs 0.3446 at 2 bits, 0.0706 vs 0.0677
+at 3), so it is off by default. Codebooks and
 key ranges are the calibrated state (buffers, saved with
 ``state_dict``); everything else is computed online.
 """
@@ -33,6 +38,7 @@ key ranges are the calibrated state (buffers, saved with
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -106,7 +112,7 @@ class KVQuantPackedKV(PackedKV):
             half = q.half_range.float()[None, :, None, :]
         else:
             center, half = self.center.float(), self.half_range.float()
-        out = nuq_dequantize(idx, q.codebook, center, half)  # [B, H, T, D] fp32
+        out = q.decode(idx) * half + center  # [B, H, T, D] fp32
         if self.col_val.numel():
             rows, channels, values = self._outliers()
             flat = out.permute(2, 0, 1, 3).reshape(t * b, h * d)  # [T*B, H*D], a copy
@@ -223,6 +229,24 @@ def _clipped_channel_range(x: Tensor, fisher: Tensor | None, bits: int) -> tuple
     return centers.gather(0, best)[0], halves.gather(0, best)[0]
 
 
+def _fit(
+    normalized: Tensor, weights: Tensor | None, bits: int, outlier_fraction: float, seed: int
+) -> Tensor:
+    """The nuqX codebook ``[2**bits]`` of normalized calibration values ``[M]`` weighted by
+    ``weights`` ``[M]`` (Fisher information; None or all zero = plain k-means)."""
+    if normalized.numel() > MAX_CODEBOOK_SAMPLES:
+        generator = torch.Generator().manual_seed(seed)
+        keep = torch.randperm(normalized.numel(), generator=generator)[:MAX_CODEBOOK_SAMPLES]
+        normalized = normalized[keep]
+        weights = None if weights is None else weights[keep]
+    if weights is not None and float(weights.sum()) <= 0:
+        weights = None  # no gradient reached these values: fall back to plain k-means
+    # without outliers the ends of each range hold the largest-magnitude elements (each
+    # token's min and max; each channel's clamped extremes): keep levels there, as the
+    # uniform grid does. With outliers those are stored exactly and the ends move freely.
+    return fit_codebook(normalized, 2**bits, weights, pin_ends=outlier_fraction == 0)
+
+
 @register_kv_quantizer
 class KVQuantQuantizer(KVQuantizer):
     """KVQuant nuqX quantizer of one layer's keys or values (see module doc).
@@ -232,6 +256,8 @@ class KVQuantQuantizer(KVQuantizer):
         num_heads, head_dim: the layer's KV heads and channels per head.
         per_channel: calibrated per-channel ranges (keys) instead of online per-token ones.
         outlier_fraction: share of elements kept as fp16 outliers (0 = none).
+        channel_codebooks: one codebook per channel (``[H_kv * D, 2**bits]``, as in seed 003's
+            Algorithm 1) instead of one per layer; needs ``per_channel``.
 
     Build calibrated quantizers with :meth:`calibrate`; the constructor gives the uniform
     codebook and unit channel ranges (state then comes from ``load_state_dict``).
@@ -247,13 +273,20 @@ class KVQuantQuantizer(KVQuantizer):
         head_dim: int = 64,
         per_channel: bool = False,
         outlier_fraction: float = 0.01,
+        channel_codebooks: bool = False,
     ) -> None:
         super().__init__()
         _check_settings(bits, num_heads, head_dim, outlier_fraction)
+        if channel_codebooks and not per_channel:
+            raise LowbitError("per-channel codebooks need per-channel ranges (per_channel=True)")
         self.bits, self.num_heads, self.head_dim = bits, num_heads, head_dim
         self.per_channel = bool(per_channel)
         self.outlier_fraction = float(outlier_fraction)
-        self.register_buffer("codebook", uniform_codebook(bits))
+        self.channel_codebooks = bool(channel_codebooks)
+        grid = uniform_codebook(bits)
+        if channel_codebooks:
+            grid = grid.repeat(num_heads * head_dim, 1)  # [H*D, K]
+        self.register_buffer("codebook", grid)
         shape = (num_heads, head_dim) if per_channel else (0, 0)
         self.register_buffer("center", torch.zeros(shape, dtype=torch.float16))
         self.register_buffer("half_range", torch.ones(shape, dtype=torch.float16))
@@ -270,6 +303,7 @@ class KVQuantQuantizer(KVQuantizer):
             head_dim=self.head_dim,
             per_channel=self.per_channel,
             outlier_fraction=self.outlier_fraction,
+            channel_codebooks=self.channel_codebooks,
         )
 
     def check(self, head_dim: int) -> None:
@@ -296,6 +330,24 @@ class KVQuantQuantizer(KVQuantizer):
         return index_bits + kvquant_bits(0, fraction, hidden) + 32 / head_dim
 
     # -- quantization ------------------------------------------------------------------------
+    def encode(self, normalized: Tensor) -> Tensor:
+        """uint8 index of the nearest codebook level of each normalized ``[B, H, T, D]``."""
+        if not self.channel_codebooks:
+            return nuq_quantize(normalized, self.codebook, axis=-1, normalize=None)[0]
+        b, h, t, d = normalized.shape
+        rows = normalized.permute(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*D]
+        idx, _, _ = nuq_quantize(rows, self.codebook, axis=-1, normalize=None, codebook_axis=-1)
+        return idx.view(b, t, h, d).permute(0, 2, 1, 3)
+
+    def decode(self, idx: Tensor) -> Tensor:
+        """fp32 normalized levels ``[B, H, T, D]`` of indices ``idx`` (inverse of encode)."""
+        if not self.channel_codebooks:
+            return nuq_dequantize(idx, self.codebook, 0.0, 1.0)
+        b, h, t, d = idx.shape
+        rows = idx.permute(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*D]
+        levels = nuq_dequantize(rows, self.codebook, 0.0, 1.0, codebook_axis=-1)
+        return levels.view(b, t, h, d).permute(0, 2, 1, 3)
+
     def _outlier_mask(self, xf: Tensor) -> Tensor:
         if self.per_channel:
             if self.outlier_fraction == 0:
@@ -320,8 +372,7 @@ class KVQuantQuantizer(KVQuantizer):
         else:
             center16, half16 = _token_range(xf, outliers)  # [B, H, T, 1]
             center, half = center16.float(), half16.float()
-        normalized = ((xf - center) / half).clamp_(-1.0, 1.0).contiguous()
-        idx, _, _ = nuq_quantize(normalized, self.codebook, axis=-1, normalize=None)
+        idx = self.encode(((xf - center) / half).clamp_(-1.0, 1.0))  # [B, H, T, D] uint8
         values = xf.permute(2, 0, 1, 3).reshape(t, b, h * d)  # [T, B, H*D]
         mask = outliers.permute(2, 0, 1, 3).reshape(t, b, h * d)
         row_ptr, col_val = _csr(values, mask)
@@ -346,6 +397,7 @@ class KVQuantQuantizer(KVQuantizer):
         bits: int,
         per_channel: bool,
         outlier_fraction: float = 0.01,
+        channel_codebooks: bool = False,
         nuq: bool = True,
         codebook_tokens: Tensor | None = None,
         seed: int = 0,
@@ -355,7 +407,7 @@ class KVQuantQuantizer(KVQuantizer):
         Args:
             samples: ``[N, H_kv, D]`` keys or values (sink tokens already masked out).
             fisher: ``[N, H_kv, D]`` Fisher information of ``samples``; None = unweighted.
-            bits, per_channel, outlier_fraction: as for the constructor.
+            bits, per_channel, outlier_fraction, channel_codebooks: as for the constructor.
             nuq: fit the codebook (else the uniform grid).
             codebook_tokens: ``[N]`` bool, the samples the codebook is fitted on (None: all);
                 ranges and thresholds always use every sample.
@@ -365,7 +417,7 @@ class KVQuantQuantizer(KVQuantizer):
         if samples.dim() != 3:
             raise LowbitError("calibration samples must be [tokens, heads, head_dim]")
         n, h, d = samples.shape
-        quantizer = cls(bits, h, d, per_channel, outlier_fraction)
+        quantizer = cls(bits, h, d, per_channel, outlier_fraction, channel_codebooks)
         x = samples.float()
         if per_channel:
             if outlier_fraction > 0:
@@ -389,22 +441,20 @@ class KVQuantQuantizer(KVQuantizer):
         fit = ~outliers
         if codebook_tokens is not None:
             fit &= codebook_tokens.view(1, 1, -1, 1)
-        normalized = ((batch - center) / half).clamp(-1.0, 1.0)[fit]  # [M]
-        weights = None
-        if fisher is not None:
-            weights = fisher.float().transpose(0, 1).unsqueeze(0)[fit]
-        if normalized.numel() > MAX_CODEBOOK_SAMPLES:
-            generator = torch.Generator().manual_seed(seed)
-            keep = torch.randperm(normalized.numel(), generator=generator)[:MAX_CODEBOOK_SAMPLES]
-            normalized = normalized[keep]
-            weights = None if weights is None else weights[keep]
-        if weights is not None and float(weights.sum()) <= 0:
-            weights = None  # no gradient reached this layer: fall back to plain k-means
-        # without outliers the ends of each range hold the largest-magnitude elements (each
-        # token's min and max; each channel's clamped extremes): keep levels there, as the
-        # uniform grid does. With outliers those are stored exactly and the ends move freely.
-        codebook = fit_codebook(normalized, 2**bits, weights, pin_ends=outlier_fraction == 0)
-        quantizer.codebook.copy_(codebook)
+        normalized = ((batch - center) / half).clamp(-1.0, 1.0)  # [1, H, N, D]
+        weights = None if fisher is None else fisher.float().transpose(0, 1).unsqueeze(0)
+        if not channel_codebooks:
+            codebook = _fit(normalized[fit], None if weights is None else weights[fit], bits,
+                            outlier_fraction, seed)  # fmt: skip
+            quantizer.codebook.copy_(codebook)
+            return quantizer
+        for channel, (head, dim) in enumerate(itertools.product(range(h), range(d))):
+            keep = fit[0, head, :, dim]  # [N]
+            if int(keep.sum()) < 2**bits:
+                continue  # too few samples: the channel keeps the uniform grid
+            w = None if weights is None else weights[0, head, :, dim][keep]
+            codebook = _fit(normalized[0, head, :, dim][keep], w, bits, outlier_fraction, seed)
+            quantizer.codebook[channel].copy_(codebook)
         return quantizer
 
     def extra_repr(self) -> str:

@@ -57,6 +57,8 @@ class KVQuantRecipe(Recipe):
         pre_rope: quantize keys before RoPE (false: after; their calibrated ranges then come
             from the calibration keys rotated to positions drawn over the model's context).
         per_channel_keys: keys normalized per channel (offline ranges); false = per token.
+        channel_codebooks: a key codebook per channel instead of per layer (needs
+            ``per_channel_keys``); values keep one per layer.
         nuq: fitted non-uniform codebooks (nuqX); false = uniform integer levels.
         fisher: weight the codebook fit by Fisher information; false = plain k-means.
         calib_tokens: calibration tokens kept per layer from the Fisher pass.
@@ -72,6 +74,7 @@ class KVQuantRecipe(Recipe):
     sink_tokens: int = 1
     pre_rope: bool = True
     per_channel_keys: bool = True
+    channel_codebooks: bool = False
     nuq: bool = True
     fisher: bool = True
     calib_tokens: int = 8192
@@ -93,6 +96,8 @@ class KVQuantRecipe(Recipe):
             raise LowbitError(f"outlier_fraction must be in [0, 0.5), not {self.outlier_fraction}")
         if isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
             raise LowbitError(f"sink_tokens must be a non-negative integer, not {self.sink_tokens}")
+        if self.channel_codebooks and not self.per_channel_keys:
+            raise LowbitError("channel_codebooks needs per_channel_keys (per-channel key ranges)")
         if isinstance(self.calib_tokens, bool) or self.calib_tokens < 1:
             raise LowbitError(f"calib_tokens must be a positive integer, not {self.calib_tokens}")
 
@@ -115,7 +120,12 @@ class KVQuantRecipe(Recipe):
                 if bits == OFF_BITS:
                     out.append(None)
                 elif calib is None:
-                    out.append(KVQuantQuantizer(bits, h, d, per_channel, self.outlier_fraction))
+                    out.append(
+                        KVQuantQuantizer(
+                            bits, h, d, per_channel, self.outlier_fraction,
+                            channel_codebooks=per_channel and self.channel_codebooks,
+                        )
+                    )  # fmt: skip
                 else:
                     samples, fisher = self._samples(adapter, calib, layer, stream)
                     out.append(
@@ -125,6 +135,7 @@ class KVQuantRecipe(Recipe):
                             bits=bits,
                             per_channel=per_channel,
                             outlier_fraction=self.outlier_fraction,
+                            channel_codebooks=per_channel and self.channel_codebooks,
                             nuq=self.nuq,
                             codebook_tokens=calib.positions >= 1,
                         )
