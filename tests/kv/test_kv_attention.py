@@ -13,6 +13,7 @@ from lowbit.errors import LowbitError
 from lowbit.eval.evaluate import window_logits
 from lowbit.kv import IntTokenQuantizer, install_kv_quantization
 from lowbit.kv.attention import KVQuantAttention
+from lowbit.kv.cache import QuantizedKVLayer
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.quantize import quantize
@@ -115,6 +116,28 @@ def test_generate_8bit_matches_fp_greedy(models):
     assert cache.get_seq_length() == ids.shape[1] + 5  # the last token is never fed back
     fp_bytes = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x heads x head_dim x fp32 bytes
     assert cache.bytes_per_token() < fp_bytes / 3
+
+
+def test_assisted_generation_crops_and_matches_plain_greedy(models, monkeypatch):
+    model = copy.deepcopy(models["llama"])
+    quantize(model, get_recipe("kv-int", bits=4), progress=False)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])  # n-grams to look up
+    crops = []
+    original = QuantizedKVLayer.crop
+    monkeypatch.setattr(
+        QuantizedKVLayer, "crop", lambda self, n: crops.append(n) or original(self, n)
+    )
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+        assert not crops
+        cache = model.lowbit_make_cache()
+        assisted = model.generate(
+            ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=4,
+            past_key_values=cache,
+        )  # fmt: skip
+    assert crops, "no draft token was rejected: the test did not exercise crop"
+    assert torch.equal(assisted, plain)
+    assert cache.get_seq_length() == assisted.shape[1] - 1
 
 
 def test_kivi_generate_runs_with_default_cache(models):

@@ -13,6 +13,8 @@ from lowbit.kv import (
     KVCacheLayout,
     QuantizedKVLayer,
 )
+from lowbit.kv.bfp_quant import BFPKVQuantizer
+from lowbit.kv.kvquant import KVQuantQuantizer
 
 
 def _kv(batch, tokens, seed=0):
@@ -161,9 +163,63 @@ def test_bad_use():
         QuantizedKVLayer(sink_tokens=-1)
     layer = QuantizedKVLayer(IntTokenQuantizer(4))
     layer.update(*_kv(1, 3))
-    with pytest.raises(LowbitError, match="cannot be cropped"):
-        layer.crop(-1)
+    with pytest.raises(LowbitError, match="negative number"):
+        layer.crop(2)
     with pytest.raises(LowbitError, match="does not track positions"):
         layer.positions()
     with pytest.raises(LowbitError, match="empty"):
         LAYOUTS["kivi2"](1).make_cache().bytes_per_token()
+
+
+def _stored(layer):
+    return [t for s in (layer.k, layer.v) for t in (s.sink, s.residual, s.pinned)] + [
+        t for s in (layer.k, layer.v) for c in s.chunks for t in c.stored_tensors().values()
+    ]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        (IntTokenQuantizer(3), IntTokenQuantizer(2)),
+        (KVQuantQuantizer(3, 2, 16, outlier_fraction=0.1), KVQuantQuantizer(2, 2, 16)),
+        (BFPKVQuantizer(4, 8, 2, 16), BFPKVQuantizer(8, 16, 2, 16)),
+    ],
+)
+def test_crop_of_per_token_formats_equals_never_having_the_tokens(key, value):
+    k, v = _kv(2, 30)
+    positions = torch.stack([torch.arange(30), torch.tensor([1, 1, 1, *range(27)])])
+    layers = [QuantizedKVLayer(key, value, sink_tokens=1) for _ in range(2)]
+    for start, stop in ((0, 12), (12, 13), (13, 30)):  # 30 tokens, then the last 9 are dropped
+        span = slice(start, stop)
+        layers[0].update(k[:, :, span], v[:, :, span], {"positions": positions[:, span]})
+    assert layers[0].k.pinned is not None  # row 1's first real token, slot 3
+    layers[0].crop(-9)
+    layers[1].update(k[:, :, :21], v[:, :, :21], {"positions": positions[:, :21]})
+    assert layers[0].get_seq_length() == 21
+    new = _kv(2, 4, seed=5)
+    got = layers[0].update(*new, {"positions": positions[:, 21:25]})
+    want = layers[1].update(*new, {"positions": positions[:, 21:25]})
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert layers[0].nbytes() == layers[1].nbytes()
+    layers[0].crop(-23)  # below the pinned slot: the pin goes too
+    assert layers[0].k.pinned.shape[0] == 0 and layers[0].get_seq_length() == 2
+
+
+def test_crop_within_a_token_group_keeps_the_dequantized_tokens():
+    layer = QuantizedKVLayer(
+        IntChannelQuantizer(3, token_group=4), IntTokenQuantizer(3), sink_tokens=2, fp_window=3
+    )
+    k, v = _kv(1, 20)
+    keys, values = _feed(layer, k, v, [20])  # keys: 2 sinks, 12 packed (3 groups), 6 fp
+    layer.crop(-11)  # keep 9 = 2 sinks + 1 whole group + 3 tokens of the next
+    assert layer.get_seq_length() == 9
+    assert layer.k.chunks[0].num_tokens == 4 and layer.k.residual.shape[2] == 3
+    assert layer.v.chunks[0].num_tokens == 7 and layer.v.residual is None  # per token: cut
+    kept_k, kept_v = layer.k.full(torch.float32), layer.v.full(torch.float32)
+    assert torch.equal(kept_k, keys[:, :, :9]) and torch.equal(kept_v, values[:, :, :9])
+    layer.crop(-8)  # into the sinks
+    assert layer.get_seq_length() == 1 and layer.k.chunks == [] and layer.k.residual is None
+    assert torch.equal(layer.k.full(torch.float32), k[:, :, :1])
+    keys, _ = layer.update(*_kv(1, 6, seed=2))  # refills the sink, then quantizes again
+    assert keys.shape[2] == 7 and layer.k.sink.shape[2] == 2

@@ -30,8 +30,12 @@ Decisions:
 * ``nbytes()`` is measured from the stored tensors (``numel * element_size``);
   ``get_seq_length`` counts tokens; ``get_mask_sizes`` is ``(past + query, 0)`` as for
   transformers' ``DynamicLayer`` (nothing is evicted, sliding windows are left to the mask).
-* Not croppable (quantized tokens cannot be un-appended); beam search works through
-  ``reorder_cache`` / ``batch_select_indices`` on every stored tensor.
+* ``crop`` (assisted decoding) drops trailing tokens. Per-token formats cut exactly, so the
+  cache equals one that never saw the dropped tokens; with token-grouped formats (KIVI's
+  per-channel keys) the kept tokens of a split group return to the fp residual as their
+  dequantized values, and are quantized again with their group once it completes. The fp
+  window is not refilled from packed tokens. Beam search works through ``reorder_cache`` /
+  ``batch_select_indices`` on every stored tensor.
 """
 
 from __future__ import annotations
@@ -129,6 +133,36 @@ class _Stream:
             out[self.pinned_rows.long(), :, self.pinned_slots.long()] = self.pinned.to(dtype)
         return out
 
+    def crop(self, keep: int, fp_dtype: torch.dtype) -> None:
+        """Keep the first ``keep`` cache slots. Whole token groups stay packed; the kept tokens
+        of a group the cut splits go back to the fp residual as their dequantized values."""
+        if self.pinned is not None:
+            kept = self.pinned_slots < keep
+            self.pinned_rows, self.pinned_slots = self.pinned_rows[kept], self.pinned_slots[kept]
+            self.pinned = self.pinned[kept]
+        sink = 0 if self.sink is None else self.sink.shape[2]
+        if self.sink is not None:
+            self.sink = self.sink[:, :, :keep]
+        rest = max(keep - sink, 0)
+        chunks, tail = [], None
+        for chunk in self.chunks:
+            if rest >= chunk.num_tokens:
+                chunks.append(chunk)
+                rest -= chunk.num_tokens
+                continue
+            whole = rest // self.quantizer.token_group * self.quantizer.token_group
+            if whole:
+                chunks.append(chunk.head(whole))
+            if rest > whole:
+                tail = chunk.dequantize(fp_dtype)[:, :, whole:rest]
+            rest = 0
+            break
+        else:
+            if self.residual is not None:
+                tail = self.residual[:, :, :rest]
+        self.chunks = chunks
+        self.residual = tail if tail is not None and tail.shape[2] else None
+
     def nbytes(self) -> int:
         total = sum(c.nbytes() for c in self.chunks)
         for t in (self.sink, self.residual, self.pinned, self.pinned_rows, self.pinned_slots):
@@ -167,7 +201,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-    is_croppable = False
+    is_croppable = True
     supports_early_init = False
 
     def __init__(
@@ -267,7 +301,20 @@ class QuantizedKVLayer(CacheLayerMixin):
         pass
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise LowbitError("a quantized KV cache cannot be cropped (quantized tokens are final)")
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
+        count; assisted decoding rolls rejected draft tokens back this way)."""
+        if tokens_to_remove > 0:
+            raise LowbitError(
+                f"crop takes a negative number of tokens to remove, not {tokens_to_remove}"
+            )
+        if tokens_to_remove == 0 or self.length == 0:
+            return
+        keep = max(self.length + tokens_to_remove, 0)
+        self.k.crop(keep, self.residual_dtype)
+        self.v.crop(keep, self.residual_dtype)
+        if self.track is not None and self.owns_positions and self.track.positions is not None:
+            self.track.positions = self.track.positions[:, :keep]
+        self.length = keep
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self.length == 0:

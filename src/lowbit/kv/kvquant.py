@@ -144,6 +144,21 @@ class KVQuantPackedKV(PackedKV):
             col_val=col_val,
         )
 
+    def head(self, tokens: int) -> KVQuantPackedKV:
+        b, h, t, d = self.shape
+        if not 0 <= tokens <= t:
+            raise LowbitError(f"cannot keep {tokens} of {t} tokens")
+        row_ptr = self.row_ptr[: tokens * b + 1]  # CSR rows are token-major
+        return dataclasses.replace(
+            self,
+            shape=torch.Size((b, h, tokens, d)),
+            codes=self.codes[:, :, :tokens],
+            center=None if self.center is None else self.center[:, :, :tokens],
+            half_range=None if self.half_range is None else self.half_range[:, :, :tokens],
+            row_ptr=row_ptr,
+            col_val=self.col_val[: int(row_ptr[-1])],
+        )
+
     @classmethod
     def concat(cls, parts: list[KVQuantPackedKV]) -> KVQuantPackedKV:
         if len(parts) == 1:

@@ -13,9 +13,9 @@ Decisions:
   attention sinks, so the same tokens form the same groups however the sequence arrives.
 * Stored tensors are batch-first: every tensor a :class:`PackedKV` stores has the batch as
   axis 0 and a token-proportional axis 2 (``T`` or ``T / token_group`` rows). That is what lets
-  the cache select batch rows (beam search, ``batch_select_indices``) and append chunks
-  (``concat``) without knowing the format. A format that breaks this overrides ``select_batch``
-  / ``concat``. State shared across tokens (a codebook) stays on the quantizer; a PackedKV may
+  the cache select batch rows (beam search, ``batch_select_indices``), append chunks
+  (``concat``) and drop trailing tokens (``head``, for ``crop``) without knowing the format. A
+  format that breaks this overrides ``select_batch`` / ``concat`` / ``head``. State shared across tokens (a codebook) stays on the quantizer; a PackedKV may
   reference it, and it is not counted per token.
 * Two faces, one result: ``fake_quant(x)`` (simulated) equals ``quantize(x).dequantize()`` bit
   for bit. The default ``fake_quant`` is exactly that; a faster override must keep it.
@@ -84,6 +84,16 @@ class PackedKV:
             k: t.index_select(0, index.to(t.device)) for k, t in self.stored_tensors().items()
         }
         return dataclasses.replace(self, shape=torch.Size((len(index), *self.shape[1:])), **picked)
+
+    def head(self, tokens: int) -> PackedKV:
+        """The first ``tokens`` tokens (a multiple of the format's token group): each stored
+        tensor cut on axis 2 in proportion."""
+        n = self.num_tokens
+        if not 0 <= tokens <= n:
+            raise LowbitError(f"cannot keep {tokens} of {n} tokens")
+        cut = {k: t[:, :, : tokens * t.shape[2] // n] for k, t in self.stored_tensors().items()}
+        shape = torch.Size((*self.shape[:2], tokens, self.shape[3]))
+        return dataclasses.replace(self, shape=shape, **cut)
 
     @classmethod
     def concat(cls, parts: list[PackedKV]) -> PackedKV:
