@@ -7,7 +7,7 @@ Weights stay in float (w_bits=16) so each row isolates one quantizer of the rota
 
 * Clip rows: activations (KV off) or KV (activations off) at 4, 6 and 8 bits, with the
   paper's clip (0.9 activations, 0.95 KV) and without. They set
-  ``lowbit.recipes.base.CLIP_MAX_BITS``.
+  ``lowbit.recipes.base.CLIP_MAX_BITS``. Then 4-bit activations at tighter clips.
 * Site rows: 4-bit activations at the input of one kind of linear only (per-layer overrides of
   ``lowbit.quantize``), then at all of them.
 
@@ -50,6 +50,8 @@ def _rows() -> list[tuple[str, dict, dict]]:
             for clip in (paper, 1.0):
                 settings = {**FLOAT, f"{clip_key}_bits": bits, f"{clip_key}_clip_ratio": clip}
                 rows.append((f"{stream}{bits}, clip {clip}", settings, {}))
+    for clip in (0.85, 0.8, 0.75):
+        rows.append((f"A4, clip {clip}", {**FLOAT, "a_bits": 4, "a_clip_ratio": clip}, {}))
     for site, patterns in SITES.items():
         rows.append((f"A4 at {site} only", FLOAT, {p: {"a_bits": 4} for p in patterns}))
     rows.append(("A4 everywhere", {**FLOAT, "a_bits": 4}, {}))
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=None, help="rows whose name starts so")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -73,6 +76,8 @@ def main() -> None:
     table = [["fp", f"{fp.ppl:.3f}", "0", "1.000"]]
     print(" | ".join(table[-1]), flush=True)
     for name, settings, overrides in _rows():
+        if args.only is not None and not name.startswith(tuple(args.only)):
+            continue
         recipe = get_recipe("quarot", **settings)
         candidate = quantize(copy.deepcopy(model), recipe, overrides=overrides, progress=False)
         result = evaluate(candidate, windows, reference=reference, progress=False)

@@ -10,6 +10,7 @@ SPECS = [
     IntWeightSpec(4, 40, True),
     IntWeightSpec(3, 40, False),
     IntWeightSpec(4, 40, True, mse_clip=True),
+    IntWeightSpec(4, None, True, scale_rule="absmax_half"),
 ]
 
 
@@ -135,3 +136,19 @@ def test_bad_input_raises():
         gptq_quantize(torch.randn(8, 64), torch.eye(64), IntWeightSpec(4, 48))
     with pytest.raises(LowbitError, match="NaN"):
         gptq_quantize(torch.randn(8, 4), torch.full((4, 4), float("nan")), IntWeightSpec(4))
+
+
+def test_absmax_half_scale_lowers_gptq_error_per_channel():
+    torch.manual_seed(0)
+    weight = torch.randn(48, 200)
+    x = correlated_inputs(2000, 200)
+    errors = {
+        rule: output_error(
+            x,
+            weight,
+            gptq_quantize(weight, hessian_of(x), IntWeightSpec(4, scale_rule=rule)).weight,
+        )
+        for rule in ("absmax", "absmax_half")
+    }
+    # measured ratio 0.90 (Gaussian weights: a 1/15 finer step, clamped ends fed back)
+    assert errors["absmax_half"] < 0.95 * errors["absmax"]

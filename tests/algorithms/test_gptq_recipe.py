@@ -61,3 +61,18 @@ def test_per_layer_bits_override_and_w16_keeps_float():
     assert wins["float"] == 10 and wins.get("gptq", 0) + wins.get("rtn", 0) == 4
     name = "model.layers.0.mlp.up_proj"
     assert torch.equal(model.get_submodule(name).weight, reference.get_submodule(name).weight)
+
+
+def test_unset_scale_rule_follows_the_weight_algorithm():
+    rules = {
+        (name, tuple(settings.items())): get_recipe(name, **settings).weight_spec().scale_rule
+        for name, settings in (
+            ("rtn", {}), ("gptq", {}), ("quarot", {}), ("quarot", {"w_algo": "rtn"}),
+            ("gptq", {"w_scale_rule": "absmax"}), ("gptq", {"w_symmetric": "false"}),
+        )
+    }  # fmt: skip
+    assert list(rules.values()) == [
+        "absmax", "absmax_half", "absmax_half", "absmax", "absmax", "absmax"
+    ]  # fmt: skip
+    with pytest.raises(LowbitError, match="symmetric"):
+        get_recipe("rtn", w_symmetric="false", w_scale_rule="absmax_half")

@@ -211,8 +211,33 @@ def test_storage_accounting_counts_every_statistic():
             lambda: fake_quant_int(torch.randn(4, 8), 4, symmetric=False, scale_rule="signed_max"),
             "signed_max",
         ),
+        (
+            lambda: fake_quant_int(torch.randn(4, 8), 4, symmetric=False, scale_rule="absmax_half"),
+            "absmax_half",
+        ),
     ],
 )
 def test_bad_input_raises_lowbit_error(call, match):
     with pytest.raises(LowbitError, match=match):
         call()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_absmax_half_has_a_finer_step_and_half_a_step_at_the_ends(bits):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    qmin, qmax = int_qrange(bits, True)
+    scale, _ = int_scale_zero(x, bits, scale_rule="absmax_half")  # [64, 1]
+    torch.testing.assert_close(scale, x.abs().amax(1, keepdim=True) / (qmax + 0.5))
+    codes = int_quantize_with(x, scale, None, bits)  # [64, 256]
+    assert int(codes.min()) >= qmin and int(codes.max()) <= qmax
+    row = x.abs().argmax(1, keepdim=True)  # each row's extreme: half a step past ±qmax
+    extreme = codes.gather(1, row).abs()
+    assert bool(((extreme == qmax) | (extreme == qmax + 1)).all())
+    restored = int_dequantize_with(codes, scale, None)
+    assert bool(((restored - x).abs() <= scale * 0.5001).all())  # within half a step
+    half = fake_quant_int(x, bits, scale_rule="absmax_half")
+    plain = fake_quant_int(x, bits)
+    ratio = float((half - x).square().sum() / (plain - x).square().sum())
+    # measured squared-error ratio (Gaussian rows of 256): 0.54 / 0.75 / 0.88 at 2 / 3 / 4 bits
+    assert ratio < 0.95

@@ -109,6 +109,7 @@ def _stats(weight: Tensor, spec: IntWeightSpec, group_size: int | None):
         axis=-1,
         group_size=group_size,
         mse_search=spec.mse_clip,
+        scale_rule=spec.scale_rule,
     )
     return scale, scale.to(torch.float16).float(), zero
 

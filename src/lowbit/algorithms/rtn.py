@@ -22,6 +22,7 @@ class IntWeightSpec:
     group_size: int | None = None
     symmetric: bool = True
     mse_clip: bool = False
+    scale_rule: str = "absmax"  # or "absmax_half" (symmetric: all 2**bits codes used)
 
     def check(self, weight: torch.Tensor, name: str = "weight") -> None:
         in_features = weight.shape[-1]
@@ -35,7 +36,8 @@ class IntWeightSpec:
         group = f"g{self.group_size}" if self.group_size else "per-channel"
         kind = "sym" if self.symmetric else "asym"
         clip = ", mse-clip" if self.mse_clip else ""
-        return f"int{self.bits} {group} {kind}{clip}"
+        rule = "" if self.scale_rule == "absmax" else f", {self.scale_rule}"
+        return f"int{self.bits} {group} {kind}{clip}{rule}"
 
 
 def rtn_quantize(weight: torch.Tensor, spec: IntWeightSpec) -> IntQuantized:
@@ -48,5 +50,6 @@ def rtn_quantize(weight: torch.Tensor, spec: IntWeightSpec) -> IntQuantized:
         axis=-1,
         group_size=spec.group_size,
         mse_search=spec.mse_clip,
+        scale_rule=spec.scale_rule,
         scale_dtype=torch.float16,  # what packed formats store; codes are chosen to match it
     )

@@ -14,6 +14,10 @@ Conventions (used everywhere in lowbit):
   ``scale[:, g:g+1]``.
 * Symmetric (QuaRot convention): codes ``q`` in ``[-2**(b-1), 2**(b-1) - 1]``,
   ``scale = clip_ratio * max|x| / (2**(b-1) - 1)``, ``x ≈ q * scale``; ``zero`` is None.
+* Symmetric with ``scale_rule="absmax_half"`` (compressed-tensors / llm-compressor): ``scale =
+  clip_ratio * max|x| / (2**(b-1) - 1/2)``, a step ``1 / (2**b - 1)`` finer than ``absmax``.
+  The largest magnitudes sit half a step beyond ``±(2**(b-1) - 1)`` and round to either
+  neighbour (``-2**(b-1)`` is a code; ``+2**(b-1)`` clamps back), half a step off at most.
 * Symmetric with ``scale_rule="signed_max"`` (llama.cpp Q4_0): ``scale = clip_ratio * x_ext /
   -(2**(b-1))`` where ``x_ext`` is the signed value of largest magnitude, so ``x_ext`` lands on
   code ``-2**(b-1)`` exactly and the other side reaches ``2**(b-1) - 1`` steps. The scale may
@@ -55,7 +59,7 @@ __all__ = [
 ]
 
 _ROUNDINGS = ("half_even", "half_away", "half_up")
-_SCALE_RULES = ("absmax", "signed_max")
+_SCALE_RULES = ("absmax", "absmax_half", "signed_max")
 _TINY = torch.finfo(torch.float32).tiny
 _STAT_BITS = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 16}
 
@@ -99,8 +103,8 @@ def _check_options(clip_ratio: float, rounding: str, scale_rule: str, symmetric:
         raise LowbitError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
     if scale_rule not in _SCALE_RULES:
         raise LowbitError(f"scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}")
-    if scale_rule == "signed_max" and not symmetric:
-        raise LowbitError("scale_rule='signed_max' is a symmetric rule; pass symmetric=True")
+    if scale_rule != "absmax" and not symmetric:
+        raise LowbitError(f"scale_rule={scale_rule!r} is a symmetric rule; pass symmetric=True")
 
 
 # ----------------------------------------------------------------------------- group layout
@@ -217,7 +221,7 @@ def _scale_zero_from_range(
         if clip != 1.0:  # x * 1.0 == x: the multiply is skipped
             lo, hi = lo * clip, hi * clip
         scale = hi - lo
-    scale.div_(float(qmax))  # >= 0
+    scale.div_(qmax + 0.5 if scale_rule == "absmax_half" else float(qmax))  # >= 0
     smin, smax = torch.aminmax(scale)
     if not math.isfinite(smax):  # NaN/Inf in x, or a finite range that overflowed
         _require_finite(lo, hi)

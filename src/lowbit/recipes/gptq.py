@@ -48,6 +48,8 @@ class GPTQRecipe(LinearQuantSettings, Recipe):
     heldout_fraction: float = 0.125
     sequential: bool = True
 
+    gptq_weights = True
+
     def validate(self) -> None:
         self.validate_linear_settings()
         if isinstance(self.block_size, bool) or self.block_size < 1:

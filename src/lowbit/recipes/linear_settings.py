@@ -26,6 +26,13 @@ class LinearQuantSettings:
         w_group: input channels per weight scale; none = one scale per output channel.
         w_symmetric: symmetric weights (no zero point).
         w_mse_clip: search the clip range per row/group that minimises the squared error.
+        w_scale_rule: symmetric weight scale: ``absmax`` (``max|w| / (2**(b-1) - 1)``, QuaRot's
+            code) or ``absmax_half`` (``max|w| / (2**(b-1) - 1/2)``, a finer step whose ends
+            clamp half a step, as GPTQ's and llm-compressor's code do; see
+            ``lowbit.formats.intq``); none = ``absmax_half`` for GPTQ weights, ``absmax`` for
+            RTN. Measured on SmolLM2, W4A16 per channel, 2 WikiText-2 windows: GPTQ 38.66 ->
+            31.68 ppl with ``absmax_half`` (its error feedback absorbs the clamped ends), RTN
+            43.93 -> 48.25 (nothing absorbs them).
         a_bits: activation bits 2-8 at the input of every block linear, 16 = off.
         a_symmetric: symmetric activations.
         a_clip_ratio: scale each token's range by this before rounding; none = the recipe's
@@ -37,6 +44,7 @@ class LinearQuantSettings:
     w_group: int | None = None
     w_symmetric: bool = True
     w_mse_clip: bool = False
+    w_scale_rule: str | None = None
     a_bits: int = OFF_BITS
     a_symmetric: bool = True
     a_clip_ratio: float | None = 1.0
@@ -45,17 +53,31 @@ class LinearQuantSettings:
     #: the clip an unset ``a_clip_ratio`` takes at 4 bits or fewer (not a setting)
     paper_a_clip = 1.0
 
+    @property
+    def gptq_weights(self) -> bool:
+        """Whether the weights are quantized by GPTQ (sets the unset ``w_scale_rule``)."""
+        return False
+
     def validate_linear_settings(self) -> None:
         check_bits("w_bits", self.w_bits)
         check_bits("a_bits", self.a_bits)
         check_group("w_group", self.w_group)
         check_group("a_group", self.a_group)
         check_clip("a_clip_ratio", self.a_clip_ratio)
+        if self.w_scale_rule not in (None, "absmax", "absmax_half"):
+            raise LowbitError(
+                f"w_scale_rule must be 'absmax' or 'absmax_half', not {self.w_scale_rule!r}"
+            )
+        if self.w_scale_rule == "absmax_half" and not self.w_symmetric:
+            raise LowbitError("w_scale_rule=absmax_half needs symmetric weights")
 
     def weight_spec(self) -> IntWeightSpec | None:
         if self.w_bits == OFF_BITS:
             return None
-        return IntWeightSpec(self.w_bits, self.w_group, self.w_symmetric, self.w_mse_clip)
+        rule = self.w_scale_rule
+        if rule is None:
+            rule = "absmax_half" if self.gptq_weights and self.w_symmetric else "absmax"
+        return IntWeightSpec(self.w_bits, self.w_group, self.w_symmetric, self.w_mse_clip, rule)
 
     def act_quantizer(self) -> ActivationQuantizer | None:
         if self.a_bits == OFF_BITS:

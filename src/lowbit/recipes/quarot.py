@@ -71,6 +71,10 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
     damp: float = 0.01
 
     @property
+    def gptq_weights(self) -> bool:
+        return self.w_algo == "gptq"
+
+    @property
     def needs_calibration(self) -> bool:
         return self.w_algo == "gptq" and self.w_bits != OFF_BITS
 
