@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,7 +84,8 @@ def test_gptq_beats_rtn_on_a_tiny_model_and_calibrates_with_float_activations():
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in gptq_model.modules())
 
 
-def test_guard_keeps_rtn_when_gptq_is_made_worse(monkeypatch):
+@pytest.mark.parametrize("scale_rule", ["absmax", "absmax_half"])
+def test_guard_keeps_rtn_when_gptq_is_made_worse(monkeypatch, scale_rule):
     real = weights_module.gptq_quantize
 
     def gptq_with_wrong_hessian(weight, hessian, spec, **options):
@@ -93,8 +96,9 @@ def test_guard_keeps_rtn_when_gptq_is_made_worse(monkeypatch):
 
     monkeypatch.setattr(weights_module, "gptq_quantize", gptq_with_wrong_hessian)
     model, original = tiny_model("mistral"), tiny_model("mistral")
+    spec = dataclasses.replace(SPEC, scale_rule=scale_rule)
     report = quantize_linears(
-        model, adapter_for(model), spec_for=lambda f: SPEC, calibration=calibration(),
+        model, adapter_for(model), spec_for=lambda f: spec, calibration=calibration(),
         guard=True, progress=False,
     )  # fmt: skip
     assert report.wins() == {"rtn": 14}
@@ -102,6 +106,7 @@ def test_guard_keeps_rtn_when_gptq_is_made_worse(monkeypatch):
     assert report.calibration_samples == 7 and report.heldout_samples == 1
     assert all(layer.rtn_error < layer.gptq_error for layer in report.layers)
     name = "model.layers.1.mlp.up_proj"
+    # the RTN candidate rounds with the absmax rule whatever GPTQ's is
     expected = rtn_quantize(original.get_submodule(name).weight.detach(), SPEC).dequantize()
     assert torch.equal(model.get_submodule(name).weight, expected)
 

@@ -17,11 +17,14 @@ Choices:
   outputs from the Hessian pass instead (one pass per block).
 * Guard: the last ``heldout_fraction`` of the calibration samples (at least one) are kept out
   of the Hessians; per layer, GPTQ's and RTN's output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those
-  samples (``tr(ΔW H_heldout ΔWᵀ)``) are compared and the smaller one's weight is kept.
+  samples (``tr(ΔW H_heldout ΔWᵀ)``) are compared and the smaller one's weight is kept. The
+  RTN candidate takes the ``absmax`` scale rule whatever GPTQ's is (same stored format): it is
+  RTN's better rule (see ``lowbit.recipes.linear_settings``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -249,7 +252,7 @@ def _quantize_gptq(
             choice = LayerChoice(name, "gptq", damp=result.damp)
             packed, dequantized = result.quantized, result.weight
             if guard:
-                rtn = rtn_quantize(weight, spec)
+                rtn = rtn_quantize(weight, dataclasses.replace(spec, scale_rule="absmax"))
                 rtn_weight = rtn.dequantize()
                 heldout_hessian = accumulator.hessian("heldout")
                 choice.gptq_error = _heldout_error(weight - dequantized, heldout_hessian)
