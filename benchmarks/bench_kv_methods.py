@@ -69,6 +69,7 @@ def main() -> None:
     from lowbit.recipes.registry import get_recipe
 
     extra = parse_settings(args.set)
+    shown = "".join(f", {k}={v}" for k, v in extra.items())
     loaded = load_model(None)
     model, tokenizer = loaded.model.float(), loaded.tokenizer
     adapter = adapter_for(model)
@@ -118,8 +119,7 @@ def main() -> None:
                 sum(16.0 if q is None else q.bits_per_element(d) for q in (keys[0], values[0])) / 2
             )
             kv_bytes = recipe.kv_bytes_per_token(adapter, args.seqlen)
-            suffix += "".join(f", {k}={v}" for k, v in extra.items())
-            rows.append(_row(f"{name} ({bits}b{suffix})", calib_name, result, bpe, kv_bytes))
+            rows.append(_row(f"{name} ({bits}b{suffix}{shown})", calib_name, result, bpe, kv_bytes))
             print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
             del candidate
 

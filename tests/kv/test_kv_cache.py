@@ -171,12 +171,6 @@ def test_bad_use():
         LAYOUTS["kivi2"](1).make_cache().bytes_per_token()
 
 
-def _stored(layer):
-    return [t for s in (layer.k, layer.v) for t in (s.sink, s.residual, s.pinned)] + [
-        t for s in (layer.k, layer.v) for c in s.chunks for t in c.stored_tensors().values()
-    ]
-
-
 @pytest.mark.parametrize(
     "key, value",
     [

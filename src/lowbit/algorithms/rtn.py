@@ -22,7 +22,7 @@ class IntWeightSpec:
     group_size: int | None = None
     symmetric: bool = True
     mse_clip: bool = False
-    scale_rule: str = "absmax"  # or "absmax_half" (symmetric: all 2**bits codes used)
+    scale_rule: str = "absmax"  # or "absmax_half" (symmetric only; lowbit.formats.intq)
 
     def check(self, weight: torch.Tensor, name: str = "weight") -> None:
         in_features = weight.shape[-1]

@@ -140,10 +140,10 @@ class _Stream:
             kept = self.pinned_slots < keep
             self.pinned_rows, self.pinned_slots = self.pinned_rows[kept], self.pinned_slots[kept]
             self.pinned = self.pinned[kept]
-        sink = 0 if self.sink is None else self.sink.shape[2]
+        rest = keep
         if self.sink is not None:
+            rest = max(keep - self.sink.shape[2], 0)
             self.sink = self.sink[:, :, :keep]
-        rest = max(keep - sink, 0)
         chunks, tail = [], None
         for chunk in self.chunks:
             if rest >= chunk.num_tokens:

@@ -27,12 +27,11 @@ SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``: KL 0.8415 with both streams'
 0.9281 with only the keys', 0.9832 for the uniform grid). ``nuq=False`` uses the uniform grid
 ``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer quantization.
 ``channel_codebooks=True`` (per-channel keys) fits one codebook per channel instead, as seed
-003's Algorithm 1 stores them (``[H_kv * D, 2**bits]`` per layer). On SmolLM2 it helps at 2 bits
-and not at 3 (``bench_kv_methods.py --windows 2 --calib wikitext --bits 3 2 --rungs kvquant
---set channel_codebooks=true`` and ``=false``: KL 0.3221 vs 0.3446 at 2 bits, 0.0706 vs 0.0677
-at 3), so it is off by default. Codebooks and
-key ranges are the calibrated state (buffers, saved with
-``state_dict``); everything else is computed online.
+003's Algorithm 1 stores them (``[H_kv * D, 2**bits]`` per layer). On SmolLM2 it helps at 2
+bits and not at 3 (``bench_kv_methods.py --windows 2 --calib wikitext --bits 3 2 --rungs
+kvquant --set channel_codebooks=true`` and ``=false``: KL 0.3221 vs 0.3446 at 2 bits, 0.0706
+vs 0.0677 at 3), so it is off by default. Codebooks and key ranges are the calibrated state
+(buffers, saved with ``state_dict``); everything else is computed online.
 """
 
 from __future__ import annotations

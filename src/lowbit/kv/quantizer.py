@@ -15,8 +15,9 @@ Decisions:
   axis 0 and a token-proportional axis 2 (``T`` or ``T / token_group`` rows). That is what lets
   the cache select batch rows (beam search, ``batch_select_indices``), append chunks
   (``concat``) and drop trailing tokens (``head``, for ``crop``) without knowing the format. A
-  format that breaks this overrides ``select_batch`` / ``concat`` / ``head``. State shared across tokens (a codebook) stays on the quantizer; a PackedKV may
-  reference it, and it is not counted per token.
+  format that breaks this overrides ``select_batch`` / ``concat`` / ``head``. State shared
+  across tokens (a codebook) stays on the quantizer; a PackedKV may reference it, and it is not
+  counted per token.
 * Two faces, one result: ``fake_quant(x)`` (simulated) equals ``quantize(x).dequantize()`` bit
   for bit. The default ``fake_quant`` is exactly that; a faster override must keep it.
 * ``nbytes()`` is measured (``numel * element_size`` of the stored tensors), never computed from

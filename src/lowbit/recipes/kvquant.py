@@ -113,19 +113,18 @@ class KVQuantRecipe(Recipe):
             calib = calib.without_leading(self.sink_tokens)
         keys, values = [], []
         for layer in range(adapter.num_layers):
-            for bits, per_channel, out, stream in (
-                (self.key_bits, self.per_channel_keys, keys, "k"),
-                (self.value_bits, False, values, "v"),
+            for bits, per_channel, channel_codebooks, out, stream in (
+                (self.key_bits, self.per_channel_keys, self.channel_codebooks, keys, "k"),
+                (self.value_bits, False, False, values, "v"),
             ):
                 if bits == OFF_BITS:
                     out.append(None)
                 elif calib is None:
                     out.append(
                         KVQuantQuantizer(
-                            bits, h, d, per_channel, self.outlier_fraction,
-                            channel_codebooks=per_channel and self.channel_codebooks,
+                            bits, h, d, per_channel, self.outlier_fraction, channel_codebooks
                         )
-                    )  # fmt: skip
+                    )
                 else:
                     samples, fisher = self._samples(adapter, calib, layer, stream)
                     out.append(
@@ -135,7 +134,7 @@ class KVQuantRecipe(Recipe):
                             bits=bits,
                             per_channel=per_channel,
                             outlier_fraction=self.outlier_fraction,
-                            channel_codebooks=per_channel and self.channel_codebooks,
+                            channel_codebooks=channel_codebooks,
                             nuq=self.nuq,
                             codebook_tokens=calib.positions >= 1,
                         )
