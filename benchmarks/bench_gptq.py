@@ -6,8 +6,9 @@
 Weights W4A16 symmetric, per output channel (``none``) or in groups of 64; calibration 32 x
 2048 tokens either from the evaluated text itself (windows >= 16, never the evaluated ones:
 ``calibration_samples(tokens, 32, 2048, seed=0, skip_windows=16)``) or from the pydoc
-calibration text. Rows: RTN, GPTQ (all samples in the Hessians, no guard), GPTQ + guard
-(1/8 of the samples held out; per layer the smaller held-out output error wins). Columns: ppl,
+calibration text. Rows: RTN, RTN with the absmax_half scale (``rtn-half``), GPTQ (all samples
+in the Hessians, no guard), GPTQ + guard (1/8 of the samples held out; per layer the smaller
+held-out output error wins). Columns: ppl,
 KL to the fp model, quantize wall seconds (and process CPU seconds), guard wins.
 
 ``--peer`` also runs llm-compressor's GPTQModifier (W4A16, same group size, same calibration
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--groups", nargs="+", default=["none", "64"])
     parser.add_argument(
         "--rows", nargs="+", default=["rtn", "gptq", "gptq-guard"],
-        choices=["rtn", "gptq", "gptq-guard"],
+        choices=["rtn", "rtn-half", "gptq", "gptq-guard"],
     )  # fmt: skip
     parser.add_argument("--no-sequential", action="store_true", help="one pass per block")
     parser.add_argument("--peer", action="store_true", help="also run llm-compressor's GPTQ")
@@ -137,7 +138,7 @@ def main() -> None:
         for group_text in args.groups:
             group = None if group_text == "none" else int(group_text)
             for row in args.rows + (["llm-compressor"] if args.peer else []):
-                if row == "rtn" and calib != args.calib[0]:
+                if row.startswith("rtn") and calib != args.calib[0]:
                     continue  # RTN does not calibrate: one row per group is enough
                 model = load_model(None).model
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -154,14 +155,17 @@ def main() -> None:
                             model.get_submodule(name).weight.copy_(weight)
                 else:
                     settings = {"w_bits": 4, "w_group": group}
-                    if row != "rtn":
+                    if row == "rtn-half":
+                        settings["w_scale_rule"] = "absmax_half"
+                    elif row != "rtn":
                         settings.update(
                             guard=row == "gptq-guard", sequential=not args.no_sequential
                         )
-                    recipe = get_recipe("rtn" if row == "rtn" else "gptq", **settings)
+                    rtn = row.startswith("rtn")
+                    recipe = get_recipe("rtn" if rtn else "gptq", **settings)
                     quantize(
                         model, recipe,
-                        calibration=None if row == "rtn" else calibrations[calib],
+                        calibration=None if rtn else calibrations[calib],
                         progress=False,
                     )  # fmt: skip
                     seconds = time.perf_counter() - wall
@@ -172,7 +176,7 @@ def main() -> None:
                         print(report.summary(), flush=True)
                 result = evaluate(model, windows, reference=reference, progress=False)
                 entry = {
-                    "calib": "—" if row == "rtn" else calib,
+                    "calib": "—" if row.startswith("rtn") else calib,
                     "group": group_text,
                     "row": row,
                     "ppl": result.ppl,

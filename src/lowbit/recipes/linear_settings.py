@@ -31,8 +31,8 @@ class LinearQuantSettings:
             clamp half a step, as GPTQ's and llm-compressor's code do; see
             ``lowbit.formats.intq``); none = ``absmax_half`` for GPTQ weights, ``absmax`` for
             RTN. Measured on SmolLM2, W4A16 per channel, 2 WikiText-2 windows, ``absmax`` ->
-            ``absmax_half``: RTN 43.93 -> 47.98 ppl (``lowbit eval --windows 2 --recipe rtn
-            --set w_scale_rule=...``; nothing absorbs the clamped ends), GPTQ on 8 x 2048
+            ``absmax_half``: RTN 43.93 -> 47.98 ppl (``benchmarks/bench_gptq.py --windows 2
+            --rows rtn rtn-half``; nothing absorbs the clamped ends), GPTQ on 8 x 2048
             WikiText-2 tokens 38.66 -> 31.68 (a one-off script; its error feedback absorbs
             them); 8 windows, 32 samples: README, ``benchmarks/bench_gptq.py``.
         a_bits: activation bits 2-8 at the input of every block linear, 16 = off.
