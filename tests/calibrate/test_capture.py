@@ -7,7 +7,7 @@ from lowbit.calibrate.capture import (
     calibrate_layer_by_layer,
     capture_first_block_inputs,
 )
-from lowbit.calibrate.hessian import HessianAccumulator, HessianCollector
+from lowbit.calibrate.hessian import AllInputsSeen, HessianAccumulator, HessianCollector
 from lowbit.errors import LowbitError
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
@@ -81,6 +81,48 @@ def test_sequential_pipeline_propagates_the_quantized_block():
     expected = whole_model_hessians(model, adapter, tokens)  # the model with both blocks changed
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_hessian_pass_stops_once_every_input_is_seen(sequential):
+    # sequential: the Hessian pass ends at down_proj's input (its product is never computed),
+    # the propagation pass runs the whole block; one pass per block runs it whole, once
+    model = tiny_model("llama")
+    adapter = adapter_for(model)
+    tokens = calibration_tokens(n=3)
+    calls = []
+    for index in range(adapter.num_layers):
+        down = model.get_submodule(f"{adapter.block_prefix(index)}.mlp.down_proj")
+        down.register_forward_hook(lambda *_, index=index: calls.append(index))
+    got = {}
+
+    def record(index, collector):
+        got.update({n: a.hessian() for n, a in collector.accumulators.items()})
+
+    calibrate_layer_by_layer(
+        model, adapter, tokens, record, sequential=sequential, propagate_last=True, progress=False
+    )
+    assert calls == [0, 0, 0, 1, 1, 1]  # one down_proj product per sample and block
+    expected = whole_model_hessians(model, adapter, tokens)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_collector_raises_after_the_last_input_of_the_sample():
+    model = tiny_model("qwen3")
+    adapter = adapter_for(model)
+    linears = block_linears(model, adapter, 0)
+    x = adapter.embed_tokens(calibration_tokens(n=1))  # [1, S, hidden]
+    block = adapter.blocks_module[0]
+    kwargs = capture_first_block_inputs(model, adapter, calibration_tokens(n=1)).kwargs
+    with HessianCollector(linears, stop_when_complete=True) as collector, torch.no_grad():
+        for _ in range(2):  # each sample starts a new count
+            collector.new_sample()
+            with pytest.raises(AllInputsSeen):
+                block(x, **kwargs)
+    assert set(collector.accumulators) == set(linears)
+    assert collector.accumulators[next(iter(linears))].tokens() == 2 * x.shape[1]
+    assert no_hooks_left(model)
 
 
 def test_hessian_is_taken_after_the_input_transform():

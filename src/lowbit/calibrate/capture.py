@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from lowbit.calibrate.hessian import HessianCollector
+from lowbit.calibrate.hessian import AllInputsSeen, HessianCollector
 from lowbit.errors import LowbitError
 
 __all__ = [
@@ -158,6 +158,9 @@ def run_block(
         out: [N, S, hidden] buffer on the offload device for the outputs, or None to discard.
         before_sample: called with the sample index before each call (e.g. to route Hessians).
 
+    A call cut short by :class:`~lowbit.calibrate.hessian.AllInputsSeen` (a collector that has
+    all it needs) moves on to the next sample; it must not happen when ``out`` is wanted.
+
     Returns:
         ``out``.
     """
@@ -167,7 +170,12 @@ def run_block(
             if before_sample is not None:
                 before_sample(i)
             x = inputs.hidden[i : i + 1].to(device)  # [1, S, hidden]
-            y = block(x, **inputs.kwargs)
+            try:
+                y = block(x, **inputs.kwargs)
+            except AllInputsSeen:
+                if out is not None:
+                    raise
+                continue
             if isinstance(y, tuple):  # older transformers return (hidden, ...)
                 y = y[0]
             if out is not None:
@@ -243,7 +251,9 @@ def calibrate_layer_by_layer(
         block.to(device)
         try:
             if wanted[index]:
-                with HessianCollector(wanted[index], device) as collector:
+                with HessianCollector(
+                    wanted[index], device, stop_when_complete=sequential
+                ) as collector:
 
                     def route(i: int, collector=collector) -> None:
                         collector.new_sample()

@@ -5,6 +5,11 @@ The Hessian belongs to what the weight multiplies: for a
 Hadamard, say) it is taken after the transform; an activation quantizer, if any, is not applied
 (calibration sees float activations). Linears that read the same input tensor through the same
 transform (q/k/v, gate/up) share one accumulator, found from the first forward pass.
+
+When only the Hessians are wanted (not the block's output), a collector built with
+``stop_when_complete=True`` raises :class:`AllInputsSeen` as soon as every linear has seen its
+input for the current sample, so the rest of the forward pass (down_proj's product, the
+residual) is not computed; :func:`lowbit.calibrate.capture.run_block` catches it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
 
-__all__ = ["HessianAccumulator", "HessianCollector"]
+__all__ = ["AllInputsSeen", "HessianAccumulator", "HessianCollector"]
+
+
+class AllInputsSeen(Exception):
+    """Raised by a collector's hook once every linear has seen the current sample's input."""
 
 
 class HessianAccumulator:
@@ -63,32 +72,46 @@ class HessianCollector:
         linears: ``{name: module}``; modules are ``nn.Linear`` or anything with a ``weight``
             [out, in] and an optional ``input_transform`` module.
         device: where the sums live (default: each module's weight device).
+        stop_when_complete: raise :class:`AllInputsSeen` once every linear has seen the
+            current sample's input (for passes whose output is not needed).
     """
 
-    def __init__(self, linears: dict[str, nn.Module], device: torch.device | str | None = None):
+    def __init__(
+        self,
+        linears: dict[str, nn.Module],
+        device: torch.device | str | None = None,
+        *,
+        stop_when_complete: bool = False,
+    ):
         self.linears = dict(linears)
         self.device = device
+        self.stop_when_complete = stop_when_complete
         self.split = "train"
         self.accumulators: dict[str, HessianAccumulator] = {}
         self._seen: dict[tuple[int, int], tuple[Tensor, HessianAccumulator]] = {}
+        self._recorded: set[str] = set()  # linears that saw the current sample
         self._handles: list = []
 
     def new_sample(self) -> None:
         """Forget which inputs were seen (call before each forward pass)."""
         self._seen.clear()
+        self._recorded.clear()
 
     def _record(self, name: str, source: Tensor, key_module: nn.Module | None, x: Tensor) -> None:
         key = (id(source), id(key_module))
         seen = self._seen.get(key)
         if seen is not None and seen[0] is source:  # same tensor object: a shared input
             self.accumulators.setdefault(name, seen[1])
-            return
-        accumulator = self.accumulators.get(name)
-        if accumulator is None:
-            device = self.device or self.linears[name].weight.device
-            accumulator = self.accumulators[name] = HessianAccumulator(x.shape[-1], device)
-        accumulator.add(x.detach(), self.split)
-        self._seen[key] = (source, accumulator)  # holds ``source`` so its id is not reused
+        else:
+            accumulator = self.accumulators.get(name)
+            if accumulator is None:
+                device = self.device or self.linears[name].weight.device
+                accumulator = self.accumulators[name] = HessianAccumulator(x.shape[-1], device)
+            accumulator.add(x.detach(), self.split)
+            self._seen[key] = (source, accumulator)  # holds ``source`` so its id is not reused
+        self._recorded.add(name)
+        if self.stop_when_complete and len(self._recorded) == len(self.linears):
+            raise AllInputsSeen
 
     def __enter__(self) -> HessianCollector:
         try:
