@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, command_line, fmt, markdown_table, stamp  # noqa: E402
+from common import add_window_arguments, command_line, fmt, markdown_table, stamp  # noqa: E402
 
 from lowbit.cli import build_parser, run_eval  # noqa: E402
 
@@ -25,12 +25,9 @@ ROWS = ["fp", "w8a16", "w4a16", "w4a16-g64", "w8a8", "w8a4", "w4a4"]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default=str(WIKITEXT))
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=2048)
+    add_window_arguments(parser)
     parser.add_argument("--model", default=None)
     parser.add_argument("--recipes", nargs="*", default=ROWS)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     eval_args = build_parser().parse_args(

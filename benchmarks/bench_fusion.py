@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, command_line, markdown_table, stamp  # noqa: E402
+from common import add_window_arguments, command_line, markdown_table, stamp  # noqa: E402
 
 from lowbit.algorithms.rtn import IntWeightSpec  # noqa: E402
 from lowbit.algorithms.weights import quantize_linears  # noqa: E402
@@ -40,10 +40,7 @@ STEPS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default=str(WIKITEXT))
-    parser.add_argument("--windows", type=int, default=1)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2)
+    add_window_arguments(parser, windows=1, seqlen=512)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

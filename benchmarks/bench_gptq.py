@@ -29,9 +29,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, fmt, markdown_table, stamp  # noqa: E402
+from common import (  # noqa: E402
+    add_window_arguments,
+    fmt,
+    markdown_table,
+    stamp,
+    weight_calibrations,
+)
 
-from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize  # noqa: E402
+from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
 from lowbit.models.loader import load_model  # noqa: E402
 from lowbit.quantize import quantize  # noqa: E402
@@ -101,9 +107,7 @@ def peer_gptq(model_dir: Path, tokens: torch.Tensor, group: int | None, threads:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default=str(WIKITEXT))
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=2048)
+    add_window_arguments(parser)
     parser.add_argument("--calib", nargs="+", default=["wiki", "pydoc"], choices=["wiki", "pydoc"])
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--groups", nargs="+", default=["none", "64"])
@@ -113,7 +117,6 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--no-sequential", action="store_true", help="one pass per block")
     parser.add_argument("--peer", action="store_true", help="also run llm-compressor's GPTQ")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,13 +125,7 @@ def main() -> None:
     text = load_corpus(args.dataset).text
     tokens = tokenize(fp.tokenizer, text)
     windows = eval_windows(tokens, args.seqlen, args.windows)
-    calibrations = {
-        "wiki": calibration_samples(tokens, args.calib_samples, args.seqlen, seed=0, skip_windows=16),
-        "pydoc": calibration_samples(
-            tokenize(fp.tokenizer, load_corpus("pydoc", "calibration").text),
-            args.calib_samples, args.seqlen, seed=0,
-        ),
-    }  # fmt: skip
+    calibrations = weight_calibrations(fp.tokenizer, tokens, args.calib_samples, args.seqlen)
     reference = FloatReference(fp.model)
     fp_result = evaluate(fp.model, windows, reference=reference, progress=False)
     print(f"fp: ppl {fp_result.ppl:.2f} ({fp_result.seconds:.0f} s)", flush=True)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, fmt, markdown_table, stamp  # noqa: E402
+from common import add_window_arguments, fmt, markdown_table, stamp  # noqa: E402
 
 
 @dataclass
@@ -205,12 +205,9 @@ def _available(package: str | None) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default=str(WIKITEXT))
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=2048)
+    add_window_arguments(parser)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--rows", nargs="*", default=None, help="row names (default: all)")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calib-samples", type=int, default=16, help="KVQuant Fisher windows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

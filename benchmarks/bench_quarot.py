@@ -24,9 +24,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, PeakRSS, command_line, fmt, stamp  # noqa: E402
+from common import (  # noqa: E402
+    PeakRSS,
+    add_window_arguments,
+    command_line,
+    fmt,
+    stamp,
+    weight_calibrations,
+)
 
-from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize  # noqa: E402
+from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
 from lowbit.eval.memory import memory_report  # noqa: E402
 from lowbit.models.adapter import adapter_for  # noqa: E402
@@ -81,9 +88,7 @@ ROWS: dict[str, tuple[str, dict]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default=str(WIKITEXT))
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=2048)
+    add_window_arguments(parser)
     parser.add_argument("--calib", nargs="+", default=["wiki", "pydoc"], choices=["wiki", "pydoc"])
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--rows", nargs="*", default=list(ROWS), metavar="NAME")
@@ -93,7 +98,6 @@ def main() -> None:
         default="true",
         help="the weights' MSE clip search in every quarot row (the recipe's default: true)",
     )
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
     args = parser.parse_args()
     unknown = [r for r in args.rows if r not in ROWS]
@@ -105,17 +109,7 @@ def main() -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     wiki_tokens = tokenize(tokenizer, load_corpus(args.dataset).text)
     windows = eval_windows(wiki_tokens, args.seqlen, args.windows)
-    calibrations = {
-        "wiki": calibration_samples(
-            wiki_tokens, args.calib_samples, args.seqlen, seed=0, skip_windows=16
-        ),
-        "pydoc": calibration_samples(
-            tokenize(tokenizer, load_corpus("pydoc", part="calibration").text),
-            args.calib_samples,
-            args.seqlen,
-            seed=0,
-        ),
-    }
+    calibrations = weight_calibrations(tokenizer, wiki_tokens, args.calib_samples, args.seqlen)
     reference = FloatReference(model)
     print(stamp(command_line()))
     print(

@@ -11,6 +11,29 @@ from pathlib import Path
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 
+def add_window_arguments(parser, *, windows: int = 8, seqlen: int = 2048, dataset: bool = True):
+    """The evaluation arguments most benchmarks share: ``--dataset`` (WikiText-2 test beside the
+    repository), ``--windows``, ``--seqlen`` and ``--threads`` (2, this machine's cores)."""
+    if dataset:
+        parser.add_argument("--dataset", default=str(WIKITEXT))
+    parser.add_argument("--windows", type=int, default=windows)
+    parser.add_argument("--seqlen", type=int, default=seqlen)
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def weight_calibrations(tokenizer, wiki_tokens, samples: int, seqlen: int) -> dict:
+    """``{"wiki", "pydoc": [samples, seqlen] token ids}``: the weight-calibration sets of the GPTQ
+    and QuaRot tables, from WikiText-2 windows >= 16 (never the evaluated ones) and from the
+    pydoc calibration text, both drawn with seed 0."""
+    from lowbit.data import calibration_samples, load_corpus, tokenize
+
+    pydoc = tokenize(tokenizer, load_corpus("pydoc", part="calibration").text)
+    return {
+        "wiki": calibration_samples(wiki_tokens, samples, seqlen, seed=0, skip_windows=16),
+        "pydoc": calibration_samples(pydoc, samples, seqlen, seed=0),
+    }
+
+
 def machine() -> str:
     """'<CPU model>, <n> threads used of <m> cores, torch <version>'."""
     import torch
