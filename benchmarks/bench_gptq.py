@@ -135,7 +135,8 @@ def main() -> None:
         for group_text in args.groups:
             group = None if group_text == "none" else int(group_text)
             for row in args.rows + (["llm-compressor"] if args.peer else []):
-                if row.startswith("rtn") and calib != args.calib[0]:
+                rtn = row.startswith("rtn")
+                if rtn and calib != args.calib[0]:
                     continue  # RTN does not calibrate: one row per group is enough
                 model = load_model(None).model
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -158,7 +159,6 @@ def main() -> None:
                         settings.update(
                             guard=row == "gptq-guard", sequential=not args.no_sequential
                         )
-                    rtn = row.startswith("rtn")
                     recipe = get_recipe("rtn" if rtn else "gptq", **settings)
                     quantize(
                         model, recipe,
@@ -173,7 +173,7 @@ def main() -> None:
                         print(report.summary(), flush=True)
                 result = evaluate(model, windows, reference=reference, progress=False)
                 entry = {
-                    "calib": "—" if row.startswith("rtn") else calib,
+                    "calib": "—" if rtn else calib,
                     "group": group_text,
                     "row": row,
                     "ppl": result.ppl,
