@@ -21,7 +21,11 @@ same storage). Their dense code is whatever the clamped value maps to; dequantiz
 overwrites it with the stored fp16 value, so outliers come back exactly as fp16.
 
 The codebook is ``lowbit.formats.nuq.fit_codebook`` on the calibration samples' normalized
-non-outlier values, weighted by their Fisher information (KVQuant's nuqX). Without outliers
+non-outlier values, weighted by their Fisher information (KVQuant's nuqX) as it is, in normalized
+units. Weighting by ``F · half²`` instead, which is the seed's objective ``Σ F (a - â)²`` in
+activation units, measured worse on SmolLM2 (8 windows, wiki calibration, ``bench_kv_methods.py
+--bits 4 3 --rungs kvquant-ladder-nuq kvquant``: ``kvquant`` 4-bit ppl 19.667 against 19.546,
+``kvquant-ladder-nuq`` 4-bit 20.458 against 20.166), so it is not used. Without outliers
 its end levels stay at ±1, where each range's largest-magnitude elements sit (measured on
 SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``: KL 0.8415 with both streams' ends pinned,
 0.9281 with only the keys', 0.9832 for the uniform grid). ``nuq=False`` uses the uniform grid
