@@ -23,7 +23,8 @@ Rows (``ROWS``; another module adds rows by appending ``KVRow``s):
 - kivi-*: KIVI, keys per channel in groups of 32 tokens, values per token in groups of 32
   channels, last 128 tokens in float16.
 - kvquant-*: KVQuant (nuqX, 1% outliers, sink), calibrated once by one Fisher pass over
-  ``--calib-samples`` windows of WikiText-2 from window 16 on (never the evaluated ones).
+  ``--calib-samples`` windows of WikiText-2 from window 16 on (never the evaluated ones);
+  "kvquant-4, 1.5%/2.0% outliers" spend more of the bytes the 4-bit peers use.
 - hf-quanto-* / hf-hqq-*: transformers' QuantizedCache (residual 128, group 64, its defaults).
 
 Columns: perplexity, KL to the float model, top-1 agreement, analytic bits per element of the
@@ -105,11 +106,11 @@ def _hf_row(backend: str, bits: int) -> KVRow:
 KVQUANT_CALIBRATION: dict = {}
 
 
-def _kvquant_row(bits: int) -> KVRow:
+def _kvquant_row(bits: int, outlier_fraction: float = 0.01) -> KVRow:
     def install(model, adapter, seqlen):
         from lowbit.recipes.registry import get_recipe
 
-        recipe = get_recipe("kvquant", bits=bits)
+        recipe = get_recipe("kvquant", bits=bits, outlier_fraction=outlier_fraction)
         keys, values = recipe.quantizers(adapter, KVQUANT_CALIBRATION["calibration"])
         recipe.install(model, adapter, keys, values)
         return (
@@ -118,7 +119,8 @@ def _kvquant_row(bits: int) -> KVRow:
             recipe.kv_bytes_per_token(adapter, seqlen),
         )
 
-    return KVRow(f"kvquant-{bits}", install)
+    suffix = "" if outlier_fraction == 0.01 else f", {outlier_fraction:.1%} outliers"
+    return KVRow(f"kvquant-{bits}{suffix}", install)
 
 
 ROWS: list[KVRow] = [_fp_row()]
@@ -142,6 +144,8 @@ for _b in (4, 2):
     ROWS.append(_recipe_row(f"kivi-{_b}", "kivi", bits=_b))
 for _b in (4, 3, 2):
     ROWS.append(_kvquant_row(_b))
+for _fraction in (0.015, 0.02):  # 4 bits with the bytes of quanto-4 / fewer than KIVI-4's
+    ROWS.append(_kvquant_row(4, _fraction))
 for _backend in ("quanto", "hqq"):
     for _b in (4, 2):
         ROWS.append(_hf_row(_backend, _b))
