@@ -3,9 +3,10 @@
     python benchmarks/bench_passkey.py --contexts 2048 4096 8192 --depths 0 0.25 0.5 0.75 1 \\
         --trials 3 --caches fp kv-int quarot-kv kivi kvquant ksort-bfp
 
-A five-digit number is hidden at a relative depth of filler text; the prompt ends by asking for
-it; the model (embedded SmolLM2-135M-Instruct) greedily generates 8 tokens through the row's
-cache, and the trial counts as found when the number appears in them. The prompt is prefilled
+A five-digit number is hidden at a relative depth of filler text, after an intro that says
+something is hidden (the task of Mohtashami & Jaggi's landmark-attention paper); the prompt
+ends by asking for it; the model (embedded SmolLM2-135M-Instruct) greedily generates 8 tokens
+through the row's cache, and the trial counts as found when the number appears in them. The prompt is prefilled
 through the quantized cache (lowbit's caches quantize the prefill's keys and values too), then
 decoding reads the cached, quantized context. Accuracy per depth, over ``--trials`` numbers.
 KVQuant calibrates on 4 x 512 tokens of the pydoc calibration text.
@@ -29,6 +30,11 @@ from lowbit.models.loader import load_model  # noqa: E402
 from lowbit.quantize import quantize  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
+# the passkey task of Mohtashami & Jaggi (2023, "Landmark Attention"): intro, filler, needle
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+    "it. I will quiz you about the important information there.\n"
+)
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
@@ -46,13 +52,15 @@ CACHES = {
 
 
 def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> torch.Tensor:
-    """Token ids [1, ~context]: filler with the key sentence inserted at ``depth`` of it."""
+    """Token ids [1, ~context]: the intro, then filler with the key sentence inserted at
+    ``depth`` of it, then the question."""
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    budget = context - len(tokenizer(needle + QUESTION, add_special_tokens=False).input_ids)
+    fixed = INTRO + needle + QUESTION
+    budget = context - len(tokenizer(fixed, add_special_tokens=False).input_ids)
     filler_ids = tokenizer(FILLER, add_special_tokens=False).input_ids
     repeats = max(1, budget // len(filler_ids))
     cut = round(depth * repeats)
-    text = FILLER * cut + needle + FILLER * (repeats - cut) + QUESTION
+    text = INTRO + FILLER * cut + needle + FILLER * (repeats - cut) + QUESTION
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
