@@ -79,6 +79,10 @@ ROWS: dict[str, tuple[str, dict]] = {
     "quarot-gptq W4A4KV4 g64": ("quarot", {"w_group": 64, "a_group": 64}),
     "quarot-gptq W4A4KV4 random orthogonal": ("quarot", {"rotation": "random"}),
     "quarot-gptq W4A4KV4 a_clip 0.75": ("quarot", {"a_clip_ratio": 0.75}),
+    "quarot-gptq W4A4KV4 g64 a_clip 0.75": (
+        "quarot",
+        {"w_group": 64, "a_group": 64, "a_clip_ratio": 0.75},
+    ),
     "quarot K4V4 only": ("quarot", {"w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 4}),
     "quarot K4V2 only": ("quarot", {"w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 2}),
     "quarot K3V3 only": ("quarot", {"w_bits": 16, "a_bits": 16, "kv_bits": 3}),
