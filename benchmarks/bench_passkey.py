@@ -6,10 +6,10 @@
 A five-digit number is hidden at a relative depth of filler text, after an intro that says
 something is hidden (the task of Mohtashami & Jaggi's landmark-attention paper); the prompt
 ends by asking for it; the model (embedded SmolLM2-135M-Instruct) greedily generates 8 tokens
-through the row's cache, and the trial counts as found when the number appears in them. The prompt is prefilled
-through the quantized cache (lowbit's caches quantize the prefill's keys and values too), then
-decoding reads the cached, quantized context. Accuracy per depth, over ``--trials`` numbers.
-KVQuant calibrates on 4 x 512 tokens of the pydoc calibration text.
+through the row's cache, and the trial counts as found when the number appears in them. The
+prompt is prefilled through the quantized cache (lowbit's caches quantize the prefill's keys
+and values too), then decoding reads the cached, quantized context. Accuracy per depth, over
+``--trials`` numbers. KVQuant calibrates on 4 x 512 tokens of the pydoc calibration text.
 """
 
 from __future__ import annotations
