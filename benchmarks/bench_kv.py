@@ -106,11 +106,14 @@ def _hf_row(backend: str, bits: int) -> KVRow:
 KVQUANT_CALIBRATION: dict = {}
 
 
-def _kvquant_row(bits: int, outlier_fraction: float = 0.01) -> KVRow:
+def _kvquant_row(bits: int, outlier_fraction: float | None = None) -> KVRow:
+    """KVQuant at ``bits``, with the recipe's outlier fraction unless one is given."""
+    settings = {} if outlier_fraction is None else {"outlier_fraction": outlier_fraction}
+
     def install(model, adapter, seqlen):
         from lowbit.recipes.registry import get_recipe
 
-        recipe = get_recipe("kvquant", bits=bits, outlier_fraction=outlier_fraction)
+        recipe = get_recipe("kvquant", bits=bits, **settings)
         keys, values = recipe.quantizers(adapter, KVQUANT_CALIBRATION["calibration"])
         recipe.install(model, adapter, keys, values)
         return (
@@ -119,7 +122,7 @@ def _kvquant_row(bits: int, outlier_fraction: float = 0.01) -> KVRow:
             recipe.kv_bytes_per_token(adapter, seqlen),
         )
 
-    suffix = "" if outlier_fraction == 0.01 else f", {outlier_fraction:.1%} outliers"
+    suffix = "" if outlier_fraction is None else f", {outlier_fraction:.1%} outliers"
     return KVRow(f"kvquant-{bits}{suffix}", install)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, add_window_arguments, command_line, markdown_table, stamp  # noqa: E402
+from common import add_window_arguments, command_line, markdown_table, stamp  # noqa: E402
 
 from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
@@ -60,14 +60,14 @@ def _rows() -> list[tuple[str, dict, dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_window_arguments(parser, windows=2, dataset=False)
+    add_window_arguments(parser, windows=2)
     parser.add_argument("--only", nargs="*", default=None, help="rows whose name starts so")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     loaded = load_model(None)
     model = loaded.model
-    tokens = tokenize(loaded.tokenizer, load_corpus(str(WIKITEXT)).text)
+    tokens = tokenize(loaded.tokenizer, load_corpus(args.dataset).text)
     windows = eval_windows(tokens, args.seqlen, args.windows)
     reference = FloatReference(model)
     fp = evaluate(model, windows, reference=reference, progress=False)

@@ -11,11 +11,10 @@ from pathlib import Path
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 
-def add_window_arguments(parser, *, windows: int = 8, seqlen: int = 2048, dataset: bool = True):
+def add_window_arguments(parser, *, windows: int = 8, seqlen: int = 2048):
     """The evaluation arguments most benchmarks share: ``--dataset`` (WikiText-2 test beside the
     repository), ``--windows``, ``--seqlen`` and ``--threads`` (2, this machine's cores)."""
-    if dataset:
-        parser.add_argument("--dataset", default=str(WIKITEXT))
+    parser.add_argument("--dataset", default=str(WIKITEXT))
     parser.add_argument("--windows", type=int, default=windows)
     parser.add_argument("--seqlen", type=int, default=seqlen)
     parser.add_argument("--threads", type=int, default=2)
