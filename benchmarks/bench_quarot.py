@@ -83,6 +83,8 @@ ROWS: dict[str, tuple[str, dict]] = {
         "quarot",
         {"w_group": 64, "a_group": 64, "a_clip_ratio": 0.75},
     ),
+    "quarot A6KV6 only": ("quarot", {"w_bits": 16, "a_bits": 6, "kv_bits": 6}),
+    "quarot-gptq W6A16": ("quarot", {"w_bits": 6, "a_bits": 16, "kv_bits": 16}),
     "quarot K4V4 only": ("quarot", {"w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 4}),
     "quarot K4V2 only": ("quarot", {"w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 2}),
     "quarot K3V3 only": ("quarot", {"w_bits": 16, "a_bits": 16, "kv_bits": 3}),
