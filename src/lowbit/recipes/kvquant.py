@@ -25,7 +25,7 @@ from lowbit.errors import LowbitError
 from lowbit.kv.attention import install_kv_quantization
 from lowbit.kv.cache import KVCacheLayout
 from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
-from lowbit.kv.kvquant import KVQuantQuantizer
+from lowbit.kv.kvquant import KVQuantQuantizer, check_outlier_allocation
 from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
 from lowbit.recipes.registry import register, register_preset
 
@@ -53,6 +53,9 @@ class KVQuantRecipe(Recipe):
         bits: key and value bits, 2-8 (``k_bits``/``v_bits`` override it per stream; 16 = fp).
         k_bits, v_bits: per-stream bits, none = ``bits``.
         outlier_fraction: share of elements kept in fp16 (dense-and-sparse), 0 = none.
+        outlier_allocation: how the per-channel key ranges share the outliers of a layer:
+            ``least-error`` where they cut the most Fisher-weighted error, ``even`` the same
+            share of every channel (KVQuant's fixed per-channel quantiles).
         sink_tokens: leading tokens kept in fp16 (attention sink).
         pre_rope: quantize keys before RoPE (false: after; their calibrated ranges then come
             from the calibration keys rotated to positions drawn over the model's context).
@@ -71,6 +74,7 @@ class KVQuantRecipe(Recipe):
     k_bits: int | None = None
     v_bits: int | None = None
     outlier_fraction: float = 0.01
+    outlier_allocation: str = "least-error"
     sink_tokens: int = 1
     pre_rope: bool = True
     per_channel_keys: bool = True
@@ -94,6 +98,7 @@ class KVQuantRecipe(Recipe):
                 check_bits(name, getattr(self, name))
         if not 0.0 <= self.outlier_fraction < 0.5:
             raise LowbitError(f"outlier_fraction must be in [0, 0.5), not {self.outlier_fraction}")
+        check_outlier_allocation(self.outlier_allocation)
         if isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
             raise LowbitError(f"sink_tokens must be a non-negative integer, not {self.sink_tokens}")
         if self.channel_codebooks and not self.per_channel_keys:
@@ -136,6 +141,7 @@ class KVQuantRecipe(Recipe):
                             outlier_fraction=self.outlier_fraction,
                             channel_codebooks=channel_codebooks,
                             nuq=self.nuq,
+                            outlier_allocation=self.outlier_allocation,
                             codebook_tokens=calib.positions >= 1,
                         )
                     )
