@@ -12,7 +12,8 @@ indices into a per-layer codebook of ``2**bits`` levels on ``[-1, 1]`` after a n
   most Fisher-weighted error (``"least-error"``, :func:`_allocated_channel_range`), which
   SmolLM2's heavy-tailed key channels need (8 windows, wiki calibration, ``bench_kv_methods.py
   --rungs kvquant``: ppl at 4 / 3 / 2 bits 19.497 / 20.450 / 25.316, KL 0.0109 / 0.0489 /
-  0.2430, against 19.546 / 20.688 / 27.975, KL 0.0166 / 0.0671 / 0.3409 evenly; fp 19.265). With no outliers the range is the per-channel quantile range with the least
+  0.2430, against 19.546 / 20.688 / 27.975, KL 0.0166 / 0.0671 / 0.3409 evenly; fp 19.265).
+  With no outliers the range is the per-channel quantile range with the least
   (Fisher-weighted) squared error, and values beyond it clamp.
 * ``per_channel=False`` (values; keys in the per-token ablation): each token of each head is
   normalized online by the min/max of its non-outlier elements (fp16 center and half range per
@@ -314,7 +315,7 @@ def _allocated_channel_range(
     above = torch.stack([(x > high).sum(0) for high in highs]).double()
     count = (below[:, None] + above[None, :]).flatten(0, 1)  # [Q * Q, H, D], low-major
     sub = x[:: -(-n // ERROR_TOKENS)]  # [<= ERROR_TOKENS, H, D]
-    # the channel's mean Fisher information: per-element weights are too noisy to place ends
+    # each channel's mean Fisher information (see above)
     weights = torch.ones_like(x[:1]) if fisher is None else fisher.float().mean(0, keepdim=True)
     errors = []
     for low, high in itertools.product(lows, highs):  # Q * Q candidate ranges
