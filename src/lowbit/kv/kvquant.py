@@ -246,14 +246,19 @@ TAIL_QUANTILES = (0.0, 2.5e-4, 5e-4, 1e-3, 2e-3, 3.5e-3, 5e-3, 7.5e-3, 0.01, 0.0
 ERROR_TOKENS = 2048
 
 
+def _midrange(low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+    """(center, half_range) of the ranges ``[low, high]``."""
+    return (high + low) / 2, (high - low) / 2
+
+
 def _range_error(
     x: Tensor, weights: Tensor, bits: int, low: Tensor, high: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Per-channel weighted squared error ``[H, D]`` of ``x`` ``[N, H, D]`` on ``2**bits``
     uniform levels over ``[low, high]`` (``[H, D]``, values outside clamp), and the mask
     ``[N, H, D]`` of the elements outside."""
-    center = (high + low) / 2
-    half = ((high - low) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+    center, half = _midrange(low, high)
+    half = half.clamp_min(torch.finfo(torch.float32).tiny)
     normalized = (x - center) / half  # [N, H, D]
     steps = 2**bits - 1  # the nearest of the uniform levels, by rounding (ties: to even)
     restored = ((normalized.clamp(-1.0, 1.0) + 1) * (steps / 2)).round_() * (2 / steps) - 1
@@ -279,7 +284,7 @@ def _clipped_channel_range(x: Tensor, fisher: Tensor | None, bits: int) -> tuple
     ]
     best = torch.stack(errors).argmin(0, keepdim=True)  # [1, H, D], first of equals
     low, high = lows.gather(0, best)[0], highs.gather(0, best)[0]
-    return (high + low) / 2, (high - low) / 2
+    return _midrange(low, high)
 
 
 def _even_channel_range(x: Tensor, fraction: float) -> tuple[Tensor, Tensor]:
@@ -287,7 +292,7 @@ def _even_channel_range(x: Tensor, fraction: float) -> tuple[Tensor, Tensor]:
     ``[N, H, D]``: ``fraction / 2`` of every channel's elements outside at each end."""
     low = torch.quantile(x, fraction / 2, dim=0)  # [H, D]
     high = torch.quantile(x, 1 - fraction / 2, dim=0)
-    return (high + low) / 2, (high - low) / 2
+    return _midrange(low, high)
 
 
 def _allocated_channel_range(
@@ -339,7 +344,7 @@ def _allocated_channel_range(
     best = choose(top * 10**within)
     qn = len(q)
     low, high = lows.gather(0, best // qn)[0], highs.gather(0, best % qn)[0]
-    return (high + low) / 2, (high - low) / 2
+    return _midrange(low, high)
 
 
 def _fit(
