@@ -92,9 +92,11 @@ class KVCalibration:
         """Diagonal Fisher information of the pre-RoPE keys: ``[N, H_kv, D]``."""
         return self._grads(self.key_grads, layer).square()
 
-    def value_fisher(self, layer: int) -> Tensor:
-        """Diagonal Fisher information of the values: ``[N, H_kv, D]``."""
-        return self._grads(self.value_grads, layer).square()
+    def value_fisher(self, layer: int, rotation: Tensor | None = None) -> Tensor:
+        """Diagonal Fisher information of the values ``[N, H_kv, D]``, or of the rotated values
+        ``values @ rotation`` (orthonormal ``[D, D]``: their gradients are ``grads @ rotation``)."""
+        grads = self._grads(self.value_grads, layer)
+        return (grads if rotation is None else grads @ rotation).square()
 
     def post_rope_keys(
         self, adapter, layer: int, positions: Tensor | None = None

@@ -1,10 +1,12 @@
 """The ``kvquant`` recipe: KVQuant's KV cache (seed 003), every component switchable.
 
 Full method (defaults): 3-bit nuqX keys per channel before RoPE and values per token, codebooks
-fitted per layer with Fisher weights, 1% fp16 outliers, the first token in fp16. Switching
+fitted per layer with Fisher weights, 1% fp16 outliers, the first token in fp16, and (beyond
+the paper) each value token coded in a randomized-Hadamard basis over head_dim. Switching
 components off in order walks the paper's ablation ladder; the ``kvquant-ladder-*`` presets are
-its rungs, so ``lowbit eval --recipe kvquant-ladder-int --recipe kvquant-ladder-channel ...
---recipe kvquant --set bits=3`` prints it in one command.
+its rungs (``kvquant-ladder-sink`` is the paper's full method), so ``lowbit eval --recipe
+kvquant-ladder-int --recipe kvquant-ladder-channel ... --recipe kvquant --set bits=3`` prints it
+in one command.
 
 Calibration: the first token of each sample (the attention sink) calibrates the key ranges and
 outlier thresholds only when the cache quantizes it (``sink_tokens=0``): many of its key
@@ -25,7 +27,7 @@ from lowbit.errors import LowbitError
 from lowbit.kv.attention import install_kv_quantization
 from lowbit.kv.cache import KVCacheLayout
 from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
-from lowbit.kv.kvquant import KVQuantQuantizer, check_outlier_allocation
+from lowbit.kv.kvquant import KVQuantQuantizer, check_outlier_allocation, token_rotation
 from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
 from lowbit.recipes.registry import register, register_preset
 
@@ -37,11 +39,12 @@ _LADDER = {
     "kvquant-ladder-prerope": dict(nuq=False, outlier_fraction=0.0, sink_tokens=0),
     "kvquant-ladder-nuq": dict(outlier_fraction=0.0, sink_tokens=0),
     "kvquant-ladder-outliers": dict(sink_tokens=0),
+    "kvquant-ladder-sink": {},
 }
-#: the ablation ladder of seed 003 in order; its last rung is the full ``kvquant`` recipe
+#: the ablation ladder of seed 003 in order, then lowbit's value rotation: the full ``kvquant``
 LADDER = (*_LADDER, "kvquant")
-for _name, _settings in _LADDER.items():
-    register_preset(_name, "kvquant", _settings)
+for _name, _settings in _LADDER.items():  # the paper's rungs code values as they come
+    register_preset(_name, "kvquant", {**_settings, "rotate_values": False})
 
 
 @register
@@ -62,6 +65,8 @@ class KVQuantRecipe(Recipe):
         per_channel_keys: keys normalized per channel (offline ranges); false = per token.
         channel_codebooks: a key codebook per channel instead of per layer (needs
             ``per_channel_keys``); values keep one per layer.
+        rotate_values: code each value token in a randomized-Hadamard basis over head_dim
+            (:func:`lowbit.kv.kvquant.token_rotation`; not in KVQuant).
         nuq: fitted non-uniform codebooks (nuqX); false = uniform integer levels.
         fisher: weight the codebook fit by Fisher information; false = plain k-means.
         calib_tokens: calibration tokens kept per layer from the Fisher pass.
@@ -79,6 +84,7 @@ class KVQuantRecipe(Recipe):
     pre_rope: bool = True
     per_channel_keys: bool = True
     channel_codebooks: bool = False
+    rotate_values: bool = True
     nuq: bool = True
     fisher: bool = True
     calib_tokens: int = 8192
@@ -118,39 +124,41 @@ class KVQuantRecipe(Recipe):
             calib = calib.without_leading(self.sink_tokens)
         keys, values = [], []
         for layer in range(adapter.num_layers):
-            for bits, per_channel, channel_codebooks, out, stream in (
-                (self.key_bits, self.per_channel_keys, self.channel_codebooks, keys, "k"),
-                (self.value_bits, False, False, values, "v"),
+            for bits, per_channel, channel_codebooks, rotate, out, stream in (
+                (self.key_bits, self.per_channel_keys, self.channel_codebooks, False, keys, "k"),
+                (self.value_bits, False, False, self.rotate_values, values, "v"),
             ):
                 if bits == OFF_BITS:
                     out.append(None)
-                elif calib is None:
-                    out.append(
-                        KVQuantQuantizer(
-                            bits, h, d, per_channel, self.outlier_fraction, channel_codebooks
-                        )
+                    continue
+                settings = dict(
+                    bits=bits,
+                    per_channel=per_channel,
+                    outlier_fraction=self.outlier_fraction,
+                    channel_codebooks=channel_codebooks,
+                    rotate=rotate,
+                )
+                if calib is None:
+                    out.append(KVQuantQuantizer(num_heads=h, head_dim=d, **settings))
+                    continue
+                samples, fisher = self._samples(adapter, calib, layer, stream)
+                out.append(
+                    KVQuantQuantizer.calibrate(
+                        samples,
+                        fisher if self.fisher else None,
+                        nuq=self.nuq,
+                        outlier_allocation=self.outlier_allocation,
+                        codebook_tokens=calib.positions >= 1,
+                        **settings,
                     )
-                else:
-                    samples, fisher = self._samples(adapter, calib, layer, stream)
-                    out.append(
-                        KVQuantQuantizer.calibrate(
-                            samples,
-                            fisher if self.fisher else None,
-                            bits=bits,
-                            per_channel=per_channel,
-                            outlier_fraction=self.outlier_fraction,
-                            channel_codebooks=channel_codebooks,
-                            nuq=self.nuq,
-                            outlier_allocation=self.outlier_allocation,
-                            codebook_tokens=calib.positions >= 1,
-                        )
-                    )
+                )
         return keys, values
 
     def _samples(self, adapter, calib: KVCalibration, layer: int, stream: str):
         grads = calib.has_gradients
         if stream == "v":
-            return calib.values[layer], calib.value_fisher(layer) if grads else None
+            rotation = token_rotation(adapter.head_dim) if self.rotate_values else None
+            return calib.values[layer], calib.value_fisher(layer, rotation) if grads else None
         if self.pre_rope:
             return calib.keys[layer], calib.key_fisher(layer) if grads else None
         # post-RoPE ranges must hold at every position served, not only the calibration ones;
