@@ -11,8 +11,9 @@ indices into a per-layer codebook of ``2**bits`` levels on ``[-1, 1]`` after a n
   by default the layer's ``outlier_fraction`` goes to the channels and ends where it cuts the
   most Fisher-weighted error (``"least-error"``, :func:`_allocated_channel_range`), which
   SmolLM2's heavy-tailed key channels need (8 windows, wiki calibration, ``bench_kv_methods.py
-  --rungs kvquant``: ppl at 4 / 3 / 2 bits 19.497 / 20.450 / 25.316, KL 0.0109 / 0.0489 /
-  0.2430, against 19.546 / 20.688 / 27.975, KL 0.0166 / 0.0671 / 0.3409 evenly; fp 19.265).
+  --rungs kvquant-ladder-sink``: ppl at 4 / 3 / 2 bits 19.497 / 20.450 / 25.316, KL 0.0109 /
+  0.0489 / 0.2430, against 19.546 / 20.688 / 27.975, KL 0.0166 / 0.0671 / 0.3409 evenly; fp
+  19.265).
   With no outliers the range is the per-channel quantile range with the least
   (Fisher-weighted) squared error, and values beyond it clamp.
 * ``per_channel=False`` (values; keys in the per-token ablation): each token of each head is
@@ -26,8 +27,9 @@ dequantizes to ``x̂ Rᵀ``: a few large channels no longer set every token's ra
 rotated values are closer to Gaussian, which the codebook fits. Ranges, outliers, codes and the
 codebook all live in the rotated basis; the Fisher weights are those of the rotated values.
 A fused kernel would rotate back once per query instead, on ``Σ a_t x̂_t`` (``Rᵀ`` is linear).
-Measured on SmolLM2 (4 windows, wiki calibration, one-off script): values-only KL 0.0174 /
-0.0954 at 3 / 2 bits against 0.0209 / 0.1146 unrotated.
+Measured on SmolLM2 (8 windows, wiki calibration, ``bench_kv_methods.py --rungs
+kvquant-ladder-sink kvquant``): ppl at 4 / 3 / 2 bits 19.579 / 20.178 / 24.458 (KL 0.0107 /
+0.0444 / 0.2218) against 19.497 / 20.450 / 25.316 (KL 0.0109 / 0.0489 / 0.2430) unrotated.
 
 Outliers are kept as fp16 in CSR, one row per token (and batch row) over the token's
 ``H_kv * D`` channels, with :mod:`lowbit.formats.sparse`'s 32-bit words (16-bit channel index,
@@ -39,8 +41,9 @@ The codebook is ``lowbit.formats.nuq.fit_codebook`` on the calibration samples' 
 non-outlier values, weighted by their Fisher information (KVQuant's nuqX) as it is, in normalized
 units. Weighting by ``F · half²`` instead, which is the seed's objective ``Σ F (a - â)²`` in
 activation units, measured worse on SmolLM2 (8 windows, wiki calibration, ``bench_kv_methods.py
---bits 4 3 --rungs kvquant-ladder-nuq kvquant``: ``kvquant`` 4-bit ppl 19.667 against 19.546,
-``kvquant-ladder-nuq`` 4-bit 20.458 against 20.166), so it is not used. Without outliers
+--bits 4 3 --rungs kvquant-ladder-nuq kvquant``, before the value rotation: ``kvquant`` 4-bit
+ppl 19.667 against 19.546, ``kvquant-ladder-nuq`` 4-bit 20.458 against 20.166), so it is not
+used. Without outliers
 its end levels stay at ±1, where each range's largest-magnitude elements sit (measured on
 SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``: KL 0.8415 with both streams' ends pinned,
 0.9281 with only the keys', 0.9832 for the uniform grid). ``nuq=False`` uses the uniform grid
