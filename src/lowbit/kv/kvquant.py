@@ -43,8 +43,7 @@ units. Weighting by ``F · half²`` instead, which is the seed's objective ``Σ 
 activation units, measured worse on SmolLM2 (8 windows, wiki calibration, ``bench_kv_methods.py
 --bits 4 3 --rungs kvquant-ladder-nuq kvquant``, before the value rotation: ``kvquant`` 4-bit
 ppl 19.667 against 19.546, ``kvquant-ladder-nuq`` 4-bit 20.458 against 20.166), so it is not
-used. Without outliers
-its end levels stay at ±1, where each range's largest-magnitude elements sit (measured on
+used. Without outliers its end levels stay at ±1, where each range's largest-magnitude elements sit (measured on
 SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``: KL 0.8415 with both streams' ends pinned,
 0.9281 with only the keys', 0.9832 for the uniform grid). ``nuq=False`` uses the uniform grid
 ``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer quantization.
@@ -74,7 +73,7 @@ from lowbit.formats.sparse import pack_index_value, unpack_index_value
 from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
 from lowbit.transforms.hadamard import random_hadamard_matrix
 
-__all__ = ["KVQuantPackedKV", "KVQuantQuantizer", "uniform_codebook"]
+__all__ = ["KVQuantPackedKV", "KVQuantQuantizer", "token_rotation", "uniform_codebook"]
 
 #: how calibrated per-channel key ranges share the outliers (see ``KVQuantQuantizer.calibrate``)
 OUTLIER_ALLOCATIONS = ("least-error", "even")
