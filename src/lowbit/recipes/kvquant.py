@@ -123,6 +123,8 @@ class KVQuantRecipe(Recipe):
         if calib is not None:  # sinks kept in fp16 stay out of calibration (seed 003)
             calib = calib.without_leading(self.sink_tokens)
         keys, values = [], []
+        # the value basis of rotate_values, built once: its Fisher weights are those of x @ R
+        rotation = token_rotation(d) if self.rotate_values and calib is not None else None
         for layer in range(adapter.num_layers):
             for bits, per_channel, channel_codebooks, rotate, out, stream in (
                 (self.key_bits, self.per_channel_keys, self.channel_codebooks, False, keys, "k"),
@@ -141,7 +143,7 @@ class KVQuantRecipe(Recipe):
                 if calib is None:
                     out.append(KVQuantQuantizer(num_heads=h, head_dim=d, **settings))
                     continue
-                samples, fisher = self._samples(adapter, calib, layer, stream)
+                samples, fisher = self._samples(adapter, calib, layer, stream, rotation)
                 out.append(
                     KVQuantQuantizer.calibrate(
                         samples,
@@ -154,10 +156,9 @@ class KVQuantRecipe(Recipe):
                 )
         return keys, values
 
-    def _samples(self, adapter, calib: KVCalibration, layer: int, stream: str):
+    def _samples(self, adapter, calib: KVCalibration, layer: int, stream: str, rotation=None):
         grads = calib.has_gradients
         if stream == "v":
-            rotation = token_rotation(adapter.head_dim) if self.rotate_values else None
             return calib.values[layer], calib.value_fisher(layer, rotation) if grads else None
         if self.pre_rope:
             return calib.keys[layer], calib.key_fisher(layer) if grads else None
