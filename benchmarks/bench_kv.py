@@ -70,13 +70,8 @@ def _recipe_row(name: str, method: str, **settings) -> KVRow:
 
         recipe = get_recipe(method, **settings)
         quantize(model, recipe, progress=False)
-        layout = model.lowbit_kv
-        k, v = layout.key_quantizers[0], layout.value_quantizers[0]
-        return (
-            k.bits_per_element(adapter.head_dim),
-            v.bits_per_element(adapter.head_dim),
-            recipe.kv_bytes_per_token(adapter, seqlen),
-        )
+        k_bits, v_bits = model.lowbit_kv.bits_per_element(adapter.head_dim)
+        return k_bits, v_bits, recipe.kv_bytes_per_token(adapter, seqlen)
 
     return KVRow(name, install)
 
@@ -115,12 +110,9 @@ def _kvquant_row(bits: int, outlier_fraction: float | None = None) -> KVRow:
 
         recipe = get_recipe("kvquant", bits=bits, **settings)
         keys, values = recipe.quantizers(adapter, KVQUANT_CALIBRATION["calibration"])
-        recipe.install(model, adapter, keys, values)
-        return (
-            keys[0].bits_per_element(adapter.head_dim),
-            values[0].bits_per_element(adapter.head_dim),
-            recipe.kv_bytes_per_token(adapter, seqlen),
-        )
+        layout = recipe.install(model, adapter, keys, values)
+        k_bits, v_bits = layout.bits_per_element(adapter.head_dim)
+        return k_bits, v_bits, recipe.kv_bytes_per_token(adapter, seqlen)
 
     suffix = "" if outlier_fraction is None else f", {outlier_fraction:.1%} outliers"
     return KVRow(f"kvquant-{bits}{suffix}", install)

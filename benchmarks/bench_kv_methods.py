@@ -113,11 +113,9 @@ def main() -> None:
             candidate = copy.deepcopy(model)
             cand_adapter = adapter_for(candidate)
             keys, values = recipe.quantizers(cand_adapter, calib)
-            recipe.install(candidate, cand_adapter, keys, values)
+            layout = recipe.install(candidate, cand_adapter, keys, values)
             result = evaluate(candidate, windows, reference=reference, progress=False)
-            bpe = (
-                sum(16.0 if q is None else q.bits_per_element(d) for q in (keys[0], values[0])) / 2
-            )
+            bpe = sum(layout.bits_per_element(d)) / 2
             kv_bytes = recipe.kv_bytes_per_token(adapter, args.seqlen)
             rows.append(_row(f"{name} ({bits}b{suffix}{shown})", calib_name, result, bpe, kv_bytes))
             print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
@@ -128,8 +126,7 @@ def main() -> None:
             recipe = get_recipe("ksort-bfp", block=block, sort=sort)
             candidate = quantize(copy.deepcopy(model), recipe, progress=False)
             result = evaluate(candidate, windows, reference=reference, progress=False)
-            keys = candidate.lowbit_kv.key_quantizers
-            bpe = (keys[0].bits_per_element(d) + 16) / 2  # values stay fp16
+            bpe = sum(candidate.lowbit_kv.bits_per_element(d)) / 2  # values stay fp16
             name = f"BFP12 K, block {block}, {'K-sort' if sort else 'unsorted'}"
             kv_bytes = recipe.kv_bytes_per_token(adapter, args.seqlen)
             rows.append(_row(name, "none", result, bpe, kv_bytes))

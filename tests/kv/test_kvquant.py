@@ -6,8 +6,11 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.formats.accounting import kvquant_bits
 from lowbit.formats.nuq import fake_quant_nuq
+from lowbit.kv.cache import KVCacheLayout
+from lowbit.kv.fisher import collect_kv_fisher
 from lowbit.kv.kvquant import KVQuantPackedKV, KVQuantQuantizer, token_rotation, uniform_codebook
 from lowbit.kv.quantizer import kv_quantizer_from_dict
+from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.quantize import quantize
 from lowbit.recipes.kvquant import LADDER
@@ -275,3 +278,47 @@ def test_recipe_ladder_on_a_tiny_model():
     # measured: full kvquant ≈ 0.73x the logit MSE of int2 per token (random tiny model; the
     # paper's method, kvquant-ladder-sink, 0.79x)
     assert errors["kvquant"] < errors["kvquant-ladder-int"]
+
+
+def test_shared_outliers_take_the_split_with_least_added_loss():
+    model = tiny_model("llama")
+    adapter = adapter_for(model)
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    calib = collect_kv_fisher(model, adapter, ids)
+    recipe = get_recipe("kvquant", bits=2, outlier_fraction=0.05)
+    hidden = adapter.num_kv_heads * adapter.head_dim  # 32: even value count round(1.6) = 2
+    splits = recipe.outlier_splits(hidden)
+    counts = [round(v * hidden) for _, v in splits]
+    assert counts == [0, 1, 2, 3]  # 0, ½, 1, 1½ times the even count
+    for k, v in splits:  # every split stores as many outliers per token as the even one
+        assert (k + v) * hidden == pytest.approx(0.05 * hidden + 2)
+    keys, values = recipe.quantizers(adapter, calib)
+    trimmed = calib.without_leading(recipe.sink_tokens)
+    rotation = token_rotation(adapter.head_dim)
+    for layer, chosen in enumerate(zip(keys, values, strict=True)):
+        losses = [
+            recipe._added_loss(
+                (
+                    recipe._quantizer(adapter, trimmed, layer, "k", k, rotation),
+                    recipe._quantizer(adapter, trimmed, layer, "v", v, rotation),
+                ),
+                adapter,
+                trimmed,
+                layer,
+            )
+            for k, v in splits
+        ]
+        assert recipe._added_loss(chosen, adapter, trimmed, layer) == min(losses)
+        assert chosen[1].outliers_per_token == counts[losses.index(min(losses))]  # measured: 3
+    # the analytic bytes of the uncalibrated (even) split hold for the chosen ones
+    layout = KVCacheLayout(
+        keys, values, sink_tokens=1, residual_dtype=torch.float16, track_positions=True
+    )
+    measured = layout.bytes_per_token(adapter.num_kv_heads, adapter.head_dim, 2048)
+    assert recipe.kv_bytes_per_token(adapter, 2048) == pytest.approx(measured, rel=1e-12)
+    # without Fisher information, or with sharing off, each stream keeps outlier_fraction
+    for settings in ({"fisher": False}, {"share_outliers": False}):
+        other = get_recipe("kvquant", bits=2, outlier_fraction=0.05, **settings)
+        keys, values = other.quantizers(adapter, calib)
+        assert all(q.outlier_fraction == 0.05 for q in keys)
+        assert all(q.outliers_per_token == 2 for q in values)

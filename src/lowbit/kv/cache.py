@@ -417,6 +417,17 @@ class KVCacheLayout:
     def make_cache(self) -> QuantizedKVCache:
         return QuantizedKVCache(self.make_layers())
 
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
+        """Analytic bits per quantized element of the keys and of the values, each the mean
+        over the layers (16 where a layer keeps the stream in fp16): layers may differ, as
+        ``kvquant``'s shared outliers do."""
+
+        def mean(quantizers: list[KVQuantizer | None]) -> float:
+            bits = [16.0 if q is None else q.bits_per_element(head_dim) for q in quantizers]
+            return sum(bits) / len(bits)
+
+        return mean(self.key_quantizers), mean(self.value_quantizers)
+
     def bytes_per_token(
         self, num_kv_heads: int, head_dim: int, context_length: int, fp_bytes: float = 2.0
     ) -> float:

@@ -44,7 +44,9 @@ _LADDER = {
 #: the ablation ladder of seed 003 in order, then lowbit's value rotation: the full ``kvquant``
 LADDER = (*_LADDER, "kvquant")
 for _name, _settings in _LADDER.items():  # the paper's rungs code values as they come
-    register_preset(_name, "kvquant", {**_settings, "rotate_values": False})
+    register_preset(
+        _name, "kvquant", {**_settings, "rotate_values": False, "share_outliers": False}
+    )
 
 
 @register
@@ -67,6 +69,9 @@ class KVQuantRecipe(Recipe):
             ``per_channel_keys``); values keep one per layer.
         rotate_values: code each value token in a randomized-Hadamard basis over head_dim
             (:func:`lowbit.kv.kvquant.token_rotation`; not in KVQuant).
+        share_outliers: each layer's keys and values share their outlier budget, split where
+            the Fisher-weighted error of the two is least (:meth:`outlier_splits`; not in
+            KVQuant, which gives each stream ``outlier_fraction``).
         nuq: fitted non-uniform codebooks (nuqX); false = uniform integer levels.
         fisher: weight the codebook fit by Fisher information; false = plain k-means.
         calib_tokens: calibration tokens kept per layer from the Fisher pass.
@@ -85,6 +90,7 @@ class KVQuantRecipe(Recipe):
     per_channel_keys: bool = True
     channel_codebooks: bool = False
     rotate_values: bool = True
+    share_outliers: bool = True
     nuq: bool = True
     fisher: bool = True
     calib_tokens: int = 8192
@@ -114,7 +120,7 @@ class KVQuantRecipe(Recipe):
 
     @property
     def needs_gradients(self) -> bool:
-        return self.nuq and self.fisher
+        return self.fisher and (self.nuq or self.shares_outliers)
 
     def quantizers(self, adapter, calib: KVCalibration | None) -> tuple[list, list]:
         """Per-layer key and value quantizers, calibrated on ``calib`` (None: uncalibrated,
@@ -122,39 +128,83 @@ class KVQuantRecipe(Recipe):
         h, d = adapter.num_kv_heads, adapter.head_dim
         if calib is not None:  # sinks kept in fp16 stay out of calibration (seed 003)
             calib = calib.without_leading(self.sink_tokens)
-        keys, values = [], []
         # the value basis of rotate_values, built once: its Fisher weights are those of x @ R
         rotation = token_rotation(d) if self.rotate_values and calib is not None else None
+        shared = calib is not None and calib.has_gradients and self.shares_outliers
+        splits = self.outlier_splits(h * d) if shared else [(self.outlier_fraction,) * 2]
+        keys, values = [], []
         for layer in range(adapter.num_layers):
-            for bits, per_channel, channel_codebooks, rotate, out, stream in (
-                (self.key_bits, self.per_channel_keys, self.channel_codebooks, False, keys, "k"),
-                (self.value_bits, False, False, self.rotate_values, values, "v"),
-            ):
-                if bits == OFF_BITS:
-                    out.append(None)
-                    continue
-                settings = dict(
-                    bits=bits,
-                    per_channel=per_channel,
-                    outlier_fraction=self.outlier_fraction,
-                    channel_codebooks=channel_codebooks,
-                    rotate=rotate,
+            pairs = [
+                tuple(
+                    self._quantizer(adapter, calib, layer, stream, fraction, rotation)
+                    for stream, fraction in zip("kv", split, strict=True)
                 )
-                if calib is None:
-                    out.append(KVQuantQuantizer(num_heads=h, head_dim=d, **settings))
-                    continue
-                samples, fisher = self._samples(adapter, calib, layer, stream, rotation)
-                out.append(
-                    KVQuantQuantizer.calibrate(
-                        samples,
-                        fisher if self.fisher else None,
-                        nuq=self.nuq,
-                        outlier_allocation=self.outlier_allocation,
-                        codebook_tokens=calib.positions >= 1,
-                        **settings,
-                    )
-                )
+                for split in splits
+            ]
+            key, value = pairs[0]
+            if len(pairs) > 1:
+                key, value = min(pairs, key=lambda p: self._added_loss(p, adapter, calib, layer))
+            keys.append(key)
+            values.append(value)
         return keys, values
+
+    @property
+    def shares_outliers(self) -> bool:
+        """Whether each layer's keys and values share their outliers (``share_outliers`` with
+        both streams quantized, outliers kept and Fisher information to split them by)."""
+        both = OFF_BITS not in (self.key_bits, self.value_bits)
+        return self.share_outliers and both and self.outlier_fraction > 0 and self.fisher
+
+    def outlier_splits(self, hidden: int) -> list[tuple[float, float]]:
+        """The (key, value) outlier fractions ``share_outliers`` chooses from for each layer of
+        ``hidden = H_kv * D`` channels: the values keep 0, ½, 1 or 1½ times their even count per
+        token (``round(outlier_fraction * hidden)``), the keys take the difference, so every
+        split stores as many outliers per token as the even one."""
+        even = round(self.outlier_fraction * hidden)
+        counts = sorted({round(even * share) for share in (0, 0.5, 1, 1.5)})
+        splits = [(self.outlier_fraction + (even - n) / hidden, n / hidden) for n in counts]
+        return [(k, v) for k, v in splits if k >= 0]
+
+    def _quantizer(
+        self, adapter, calib, layer: int, stream: str, outlier_fraction: float, rotation
+    ) -> KVQuantQuantizer | None:
+        """Layer ``layer``'s quantizer of ``stream`` ("k" or "v"), None when it stays in fp16."""
+        key = stream == "k"
+        bits = self.key_bits if key else self.value_bits
+        if bits == OFF_BITS:
+            return None
+        settings = dict(
+            bits=bits,
+            per_channel=self.per_channel_keys if key else False,
+            outlier_fraction=outlier_fraction,
+            channel_codebooks=self.channel_codebooks if key else False,
+            rotate=False if key else self.rotate_values,
+        )
+        if calib is None:
+            h, d = adapter.num_kv_heads, adapter.head_dim
+            return KVQuantQuantizer(num_heads=h, head_dim=d, **settings)
+        samples, fisher = self._samples(adapter, calib, layer, stream, rotation)
+        return KVQuantQuantizer.calibrate(
+            samples,
+            fisher if self.fisher else None,
+            nuq=self.nuq,
+            outlier_allocation=self.outlier_allocation,
+            codebook_tokens=calib.positions >= 1,
+            **settings,
+        )
+
+    def _added_loss(self, pair: tuple, adapter, calib: KVCalibration, layer: int) -> float:
+        """``Σ F (x̂ - x)²`` of the layer's key and value quantizers ``pair`` over its calibration
+        samples (all but the first token of each), ``F`` the Fisher information of ``x`` as the
+        model sees it (values unrotated): the loss their quantization adds, to second order."""
+        kept = calib.positions >= 1  # the first token's gradients dwarf every other's
+        total = 0.0
+        for quantizer, stream in zip(pair, "kv", strict=True):
+            samples, fisher = self._samples(adapter, calib, layer, stream)
+            x = samples[kept].transpose(0, 1).unsqueeze(0).float()  # [1, H, N, D]
+            weights = fisher[kept].transpose(0, 1).unsqueeze(0).float()
+            total += float((weights * (quantizer.fake_quant(x) - x).square()).sum())
+        return total
 
     def _samples(self, adapter, calib: KVCalibration, layer: int, stream: str, rotation=None):
         grads = calib.has_gradients
