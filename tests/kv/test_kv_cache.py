@@ -217,3 +217,15 @@ def test_crop_within_a_token_group_keeps_the_dequantized_tokens():
     assert torch.equal(layer.k.full(torch.float32), k[:, :, :1])
     keys, _ = layer.update(*_kv(1, 6, seed=2))  # refills the sink, then quantizes again
     assert keys.shape[2] == 7 and layer.k.sink.shape[2] == 2
+
+
+def test_layout_bits_per_element_is_the_mean_over_layers():
+    # layers may differ: kvquant's shared outliers give each layer its own value outlier count
+    two = KVQuantQuantizer(bits=3, num_heads=2, head_dim=16, outlier_fraction=2 / 32)
+    none = KVQuantQuantizer(bits=3, num_heads=2, head_dim=16, outlier_fraction=0.0)
+    layout = KVCacheLayout([two, None], [two, none])
+    keys, values = layout.bits_per_element(16)
+    assert keys == pytest.approx((two.bits_per_element(16) + 16) / 2)
+    # two outliers of 32 bits per token of 32 elements: 2 bits per element between the layers
+    assert two.bits_per_element(16) - none.bits_per_element(16) == pytest.approx(2.0)
+    assert values == pytest.approx(none.bits_per_element(16) + 1.0)

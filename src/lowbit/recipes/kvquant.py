@@ -1,8 +1,11 @@
 """The ``kvquant`` recipe: KVQuant's KV cache (seed 003), every component switchable.
 
 Full method (defaults): 3-bit nuqX keys per channel before RoPE and values per token, codebooks
-fitted per layer with Fisher weights, 1% fp16 outliers, the first token in fp16, and (beyond
-the paper) each value token coded in a randomized-Hadamard basis over head_dim. Switching
+fitted per layer with Fisher weights, 1% fp16 outliers, the first token in fp16, and, beyond
+the paper, each value token coded in a randomized-Hadamard basis over head_dim
+(``rotate_values``) and each layer's outliers shared between its keys and values where they cut
+the most Fisher-weighted error (``share_outliers``; the values keep 0, ½, 1 or 1½ times their
+even count per token, the keys the rest, so the bytes do not change). Switching
 components off in order walks the paper's ablation ladder; the ``kvquant-ladder-*`` presets are
 its rungs (``kvquant-ladder-sink`` is the paper's full method), so ``lowbit eval --recipe
 kvquant-ladder-int --recipe kvquant-ladder-channel ... --recipe kvquant --set bits=3`` prints it
