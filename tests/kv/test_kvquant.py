@@ -13,7 +13,7 @@ from lowbit.kv.quantizer import kv_quantizer_from_dict
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.quantize import quantize
-from lowbit.recipes.kvquant import LADDER
+from lowbit.recipes.kvquant import LADDER, _added_loss
 from lowbit.recipes.registry import get_recipe
 
 
@@ -295,20 +295,21 @@ def test_shared_outliers_take_the_split_with_least_added_loss():
     keys, values = recipe.quantizers(adapter, calib)
     trimmed = calib.without_leading(recipe.sink_tokens)
     rotation = token_rotation(adapter.head_dim)
+    kept = trimmed.positions >= 1
     for layer, chosen in enumerate(zip(keys, values, strict=True)):
+        targets = [recipe._samples(adapter, trimmed, layer, stream) for stream in "kv"]
         losses = [
-            recipe._added_loss(
+            _added_loss(
                 (
                     recipe._quantizer(adapter, trimmed, layer, "k", k, rotation),
                     recipe._quantizer(adapter, trimmed, layer, "v", v, rotation),
                 ),
-                adapter,
-                trimmed,
-                layer,
+                targets,
+                kept,
             )
             for k, v in splits
         ]
-        assert recipe._added_loss(chosen, adapter, trimmed, layer) == min(losses)
+        assert _added_loss(chosen, targets, kept) == min(losses)
         assert chosen[1].outliers_per_token == counts[losses.index(min(losses))]  # measured: 3
     # the analytic bytes of the uncalibrated (even) split hold for the chosen ones
     layout = KVCacheLayout(

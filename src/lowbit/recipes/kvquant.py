@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from lowbit.errors import LowbitError
 from lowbit.kv.attention import install_kv_quantization
@@ -44,9 +45,11 @@ _LADDER = {
     "kvquant-ladder-outliers": dict(sink_tokens=0),
     "kvquant-ladder-sink": {},
 }
-#: the ablation ladder of seed 003 in order, then lowbit's value rotation: the full ``kvquant``
+#: the ablation ladder of seed 003 in order, then the full ``kvquant`` (value rotation, shared
+#: outliers)
 LADDER = (*_LADDER, "kvquant")
-for _name, _settings in _LADDER.items():  # the paper's rungs code values as they come
+# the paper's rungs code values as they come and give each stream outlier_fraction
+for _name, _settings in _LADDER.items():
     register_preset(
         _name, "kvquant", {**_settings, "rotate_values": False, "share_outliers": False}
     )
@@ -145,8 +148,10 @@ class KVQuantRecipe(Recipe):
                 for split in splits
             ]
             key, value = pairs[0]
-            if len(pairs) > 1:
-                key, value = min(pairs, key=lambda p: self._added_loss(p, adapter, calib, layer))
+            if len(pairs) > 1:  # keys and values as the model sees them (values unrotated)
+                targets = [self._samples(adapter, calib, layer, stream) for stream in "kv"]
+                kept = calib.positions >= 1  # the first token's gradients dwarf every other's
+                key, value = min(pairs, key=lambda pair: _added_loss(pair, targets, kept))
             keys.append(key)
             values.append(value)
         return keys, values
@@ -169,7 +174,13 @@ class KVQuantRecipe(Recipe):
         return [(k, v) for k, v in splits if k >= 0]
 
     def _quantizer(
-        self, adapter, calib, layer: int, stream: str, outlier_fraction: float, rotation
+        self,
+        adapter,
+        calib: KVCalibration | None,
+        layer: int,
+        stream: str,
+        outlier_fraction: float,
+        rotation: Tensor | None,
     ) -> KVQuantQuantizer | None:
         """Layer ``layer``'s quantizer of ``stream`` ("k" or "v"), None when it stays in fp16."""
         key = stream == "k"
@@ -195,19 +206,6 @@ class KVQuantRecipe(Recipe):
             codebook_tokens=calib.positions >= 1,
             **settings,
         )
-
-    def _added_loss(self, pair: tuple, adapter, calib: KVCalibration, layer: int) -> float:
-        """``Σ F (x̂ - x)²`` of the layer's key and value quantizers ``pair`` over its calibration
-        samples (all but the first token of each), ``F`` the Fisher information of ``x`` as the
-        model sees it (values unrotated): the loss their quantization adds, to second order."""
-        kept = calib.positions >= 1  # the first token's gradients dwarf every other's
-        total = 0.0
-        for quantizer, stream in zip(pair, "kv", strict=True):
-            samples, fisher = self._samples(adapter, calib, layer, stream)
-            x = samples[kept].transpose(0, 1).unsqueeze(0).float()  # [1, H, N, D]
-            weights = fisher[kept].transpose(0, 1).unsqueeze(0).float()
-            total += float((weights * (quantizer.fake_quant(x) - x).square()).sum())
-        return total
 
     def _samples(self, adapter, calib: KVCalibration, layer: int, stream: str, rotation=None):
         grads = calib.has_gradients
@@ -262,3 +260,15 @@ class KVQuantRecipe(Recipe):
             track_positions=self.pre_rope,
         )
         return layout.bytes_per_token(adapter.num_kv_heads, adapter.head_dim, context_length)
+
+
+def _added_loss(pair: tuple, targets: list[tuple[Tensor, Tensor]], kept: Tensor) -> float:
+    """``Σ F (x̂ - x)²`` of a layer's key and value quantizers ``pair`` over the calibration
+    samples ``x`` ``[N, H, D]`` and Fisher information ``F`` of ``targets`` (one per stream)
+    at the tokens ``kept`` ``[N]``: the loss their quantization adds, to second order."""
+    total = 0.0
+    for quantizer, (samples, fisher) in zip(pair, targets, strict=True):
+        x = samples[kept].transpose(0, 1).unsqueeze(0).float()  # [1, H, N, D]
+        weights = fisher[kept].transpose(0, 1).unsqueeze(0).float()
+        total += float((weights * (quantizer.fake_quant(x) - x).square()).sum())
+    return total
