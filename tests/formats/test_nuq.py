@@ -23,7 +23,7 @@ def test_nf4_matches_published_table():
     assert torch.allclose(normal_float_codebook(4), torch.tensor(NF4), atol=1e-6, rtol=0)
 
 
-def _naive_lloyd(x, w, centroids, iters):
+def _naive_lloyd(x, w, centroids, iters, pin_ends=False):
     for _ in range(iters):
         d = (x[:, None] - centroids[None, :]).abs()
         assign = d.argmin(1)  # first (lower) on ties
@@ -32,6 +32,8 @@ def _naive_lloyd(x, w, centroids, iters):
             m = assign == j
             if w[m].sum() > 0:
                 new[j] = (w[m] * x[m]).sum() / w[m].sum()
+        if pin_ends:
+            new[[0, -1]] = torch.stack([x.min(), x.max()])
         centroids = new.sort().values
     return centroids
 
@@ -63,6 +65,38 @@ def test_pinned_ends_stay_at_the_data_extremes_and_inner_levels_follow_lloyd():
         m = cell == j
         want = (w[m] * x[m]).sum() / w[m].sum()
         assert abs(float(pinned[j]) - float(want)) < 1e-5
+
+
+def _weighted_error(x, w, codebook):
+    bounds = (codebook[1:] + codebook[:-1]) / 2
+    return float((w * (codebook[torch.bucketize(x, bounds)] - x).square()).sum())
+
+
+def test_lloyd_from_a_given_grid_ends_no_worse_than_it_under_heavy_tailed_weights():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(20000, generator=g) * 0.4).clamp(-1, 1)
+    w = torch.exp(3 * torch.randn(20000, generator=g))  # heavy-tailed, like Fisher information
+    grid = torch.linspace(-1, 1, 16)
+    from_grid = fit_codebook(x, 16, w, pin_ends=True, init=grid)
+    # measured: 0.64 times the grid's weighted error
+    assert _weighted_error(x, w, from_grid) < 0.7 * _weighted_error(x, w, grid)
+    # the same steps as plain Lloyd from that start, ends held at the data extremes
+    ref = _naive_lloyd(x.double(), w.double(), grid.double(), 30, pin_ends=True)
+    ours = fit_codebook(x, 16, w, pin_ends=True, init=grid, max_iter=30, tol=0.0)
+    assert torch.allclose(ours.double(), ref, atol=1e-5)
+
+
+def test_dead_centroids_move_into_the_cells_with_the_largest_error():
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4000, generator=g) * 0.02 - 0.9, torch.randn(4000, generator=g) * 0.02 + 0.9])  # fmt: skip
+    w = torch.rand(8000, generator=g) + 0.5
+    grid = torch.linspace(-1, 1, 4)  # the inner two levels, at ±1/3, serve no sample
+    stuck = _naive_lloyd(x.double(), w.double(), grid.double(), 50)
+    assert torch.allclose(stuck[1:3], grid[1:3].double())  # plain Lloyd leaves them there
+    fitted = fit_codebook(x, 4, w, init=grid)
+    assert int((fitted < 0).sum()) == 2  # two levels per cluster
+    # measured: 0.37 times plain Lloyd's weighted error
+    assert _weighted_error(x, w, fitted) < 0.5 * _weighted_error(x, w, stuck.float())
 
 
 def test_weights_pull_centroids_and_fit_is_deterministic():
@@ -149,6 +183,8 @@ def test_storage_accounting():
         (lambda: fit_codebook(torch.randn(10), 1), "n_levels"),
         (lambda: fit_codebook(torch.randn(10), 4, -torch.ones(10)), "weights"),
         (lambda: fit_codebook(torch.empty(0), 4), "empty"),
+        (lambda: fit_codebook(torch.randn(10), 4, init=torch.zeros(3)), "init"),
+        (lambda: fit_codebook(torch.randn(10), 2, init=torch.tensor([1.0, 0.0])), "init"),
         (
             lambda: fake_quant_nuq(torch.randn(4, 8), torch.zeros(3, 4), codebook_axis=0),
             "per-channel",

@@ -94,14 +94,18 @@ def fit_codebook(
     max_iter: int = 100,
     tol: float = 1e-7,
     pin_ends: bool = False,
+    init: Tensor | None = None,
 ) -> Tensor:
     """Weighted 1-D k-means (Lloyd-Max) codebook.
 
-    Minimises ``sum_i w_i (x_i - c[a(i)])**2`` over ``n_levels`` centroids. Initialisation is
-    deterministic: the weighted quantiles at ``(j + 0.5) / n_levels``. Each step assigns
-    samples to the nearest centroid (midpoint boundaries, ties to the lower one) and moves each
-    centroid to the weighted mean of its samples; a centroid with no weight stays put. Stops
-    after ``max_iter`` steps or when no centroid moves more than ``tol`` times the data range.
+    Minimises ``sum_i w_i (x_i - c[a(i)])**2`` over ``n_levels`` centroids, starting from
+    ``init`` or, by default, the weighted quantiles at ``(j + 0.5) / n_levels``. Each step
+    assigns samples to the nearest centroid (midpoint boundaries, ties to the lower one) and
+    moves each centroid to the weighted mean of its samples; a centroid with no weight moves
+    into the cell with the largest error (:func:`_reseed`), so no step raises the objective. Stops after ``max_iter`` steps or when no centroid
+    moves more than ``tol`` times the data range. Lloyd finds a local minimum only: under
+    heavy-tailed weights the quantile start can end worse than a plain grid, and starting from
+    that grid (``init``, with its ends pinned where ``pin_ends`` pins them) ends no worse.
 
     Args:
         samples: float tensor, any shape (flattened), finite.
@@ -109,6 +113,7 @@ def fit_codebook(
         weights: non-negative tensor of ``samples``' shape (e.g. Fisher information), or None.
         pin_ends: keep the first and last centroid at the smallest and largest sample (only
             the inner ones move), e.g. for data clamped to a range whose ends must stay exact.
+        init: ``[n_levels]`` ascending starting centroids (None: the weighted quantiles).
 
     Returns:
         fp32 ``[K]`` ascending (duplicates possible if the data has fewer distinct values).
@@ -129,8 +134,13 @@ def fit_codebook(
             raise LowbitError("weights must be finite, non-negative and not all zero")
     x_sorted, order = torch.sort(x)  # [N]
     w_sorted = w[order]
-    probs = (torch.arange(n_levels, dtype=torch.float64, device=x.device) + 0.5) / n_levels
-    centroids = _weighted_quantiles(x_sorted, w_sorted, probs)  # [K]
+    if init is None:
+        probs = (torch.arange(n_levels, dtype=torch.float64, device=x.device) + 0.5) / n_levels
+        centroids = _weighted_quantiles(x_sorted, w_sorted, probs)  # [K]
+    else:
+        if init.shape != (n_levels,) or bool((init.diff() < 0).any()):
+            raise LowbitError(f"init must be {n_levels} ascending centroids")
+        centroids = init.to(x).clone()
     ends = x_sorted[[0, -1]]
     if pin_ends:
         centroids[[0, -1]] = ends
@@ -139,6 +149,7 @@ def fit_codebook(
     zero = torch.zeros(1, dtype=torch.float64, device=x.device)
     cum_w = torch.cat([zero, torch.cumsum(w_sorted, 0)])  # [N+1]
     cum_wx = torch.cat([zero, torch.cumsum(w_sorted * x_sorted, 0)])  # [N+1]
+    cum_wxx = torch.cat([zero, torch.cumsum(w_sorted * x_sorted.square(), 0)])  # [N+1]
     n = torch.tensor([x_sorted.numel()], device=x.device)
     for _ in range(max_iter):
         bounds = (centroids[1:] + centroids[:-1]) / 2  # [K-1]
@@ -149,12 +160,32 @@ def fit_codebook(
         updated = torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)
         if pin_ends:
             updated[[0, -1]] = ends
+        dead = mass <= 0
+        if pin_ends:
+            dead[[0, -1]] = False
+        if bool(dead.any()):
+            second = cum_wxx[edges[1:]] - cum_wxx[edges[:-1]]
+            _reseed(updated, dead, mass, moment, second)
         updated = updated.sort().values
         moved = float((updated - centroids).abs().max())
         centroids = updated
         if moved <= tol * span:
             break
     return centroids.float()
+
+
+def _reseed(centroids: Tensor, dead: Tensor, mass: Tensor, moment: Tensor, second: Tensor) -> None:
+    """Move each dead centroid (no weight in its cell) in place to one standard deviation
+    above the mean of a live cell, the cells with the largest weighted squared error first, so
+    the next step splits them. A centroid that served no sample can go anywhere without raising
+    the objective; where no cell has any error left it stays."""
+    safe = mass.clamp_min(1e-300)
+    error = (second - moment.square() / safe).clamp_min(0).masked_fill(mass <= 0, 0)  # [K]
+    top = error.topk(int(dead.sum()))
+    dead_index = dead.nonzero()[:, 0]
+    for index, cell, cell_error in zip(dead_index, top.indices, top.values, strict=True):
+        if cell_error > 0:
+            centroids[index] = moment[cell] / safe[cell] + (cell_error / safe[cell]).sqrt()
 
 
 _STAT_BITS = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 16}
