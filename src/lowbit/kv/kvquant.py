@@ -11,9 +11,9 @@ indices into a per-layer codebook of ``2**bits`` levels on ``[-1, 1]`` after a n
   by default the layer's ``outlier_fraction`` goes to the channels and ends where it cuts the
   most Fisher-weighted error (``"least-error"``, :func:`_allocated_channel_range`), which
   SmolLM2's heavy-tailed key channels need (8 windows, wiki calibration, ``bench_kv_methods.py
-  --rungs kvquant-ladder-sink``: ppl at 4 / 3 / 2 bits 19.497 / 20.450 / 25.316, KL 0.0109 /
-  0.0489 / 0.2430, against 19.546 / 20.688 / 27.975, KL 0.0166 / 0.0671 / 0.3409 evenly; fp
-  19.265).
+  --rungs kvquant-ladder-sink``, with the codebook fit before it started from the uniform grid:
+  ppl at 4 / 3 / 2 bits 19.497 / 20.450 / 25.316, KL 0.0109 / 0.0489 / 0.2430, against 19.546 /
+  20.688 / 27.975, KL 0.0166 / 0.0671 / 0.3409 evenly; fp 19.265).
   With no outliers the range is the per-channel quantile range with the least
   (Fisher-weighted) squared error, and values beyond it clamp.
 * ``per_channel=False`` (values; keys in the per-token ablation): each token of each head is
@@ -28,8 +28,9 @@ rotated values are closer to Gaussian, which the codebook fits. Ranges, outliers
 codebook all live in the rotated basis; the Fisher weights are those of the rotated values.
 A fused kernel would rotate back once per query instead, on ``Σ a_t x̂_t`` (``Rᵀ`` is linear).
 Measured on SmolLM2 (8 windows, wiki calibration, ``bench_kv_methods.py --rungs
-kvquant-ladder-sink kvquant``): ppl at 4 / 3 / 2 bits 19.579 / 20.178 / 24.458 (KL 0.0107 /
-0.0444 / 0.2218) against 19.497 / 20.450 / 25.316 (KL 0.0109 / 0.0489 / 0.2430) unrotated.
+kvquant-ladder-sink`` and ``--rungs kvquant --set share_outliers=false``): ppl at 4 / 3 / 2 bits
+19.483 / 20.142 / 23.974 (KL 0.0098 / 0.0433 / 0.2087) against 19.500 / 20.300 / 24.869 (KL
+0.0105 / 0.0473 / 0.2304) unrotated.
 
 Outliers are kept as fp16 in CSR, one row per token (and batch row) over the token's
 ``H_kv * D`` channels, with :mod:`lowbit.formats.sparse`'s 32-bit words (16-bit channel index,
