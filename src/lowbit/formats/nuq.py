@@ -102,10 +102,11 @@ def fit_codebook(
     ``init`` or, by default, the weighted quantiles at ``(j + 0.5) / n_levels``. Each step
     assigns samples to the nearest centroid (midpoint boundaries, ties to the lower one) and
     moves each centroid to the weighted mean of its samples; a centroid with no weight moves
-    into the cell with the largest error (:func:`_reseed`), so no step raises the objective. Stops after ``max_iter`` steps or when no centroid
-    moves more than ``tol`` times the data range. Lloyd finds a local minimum only: under
-    heavy-tailed weights the quantile start can end worse than a plain grid, and starting from
-    that grid (``init``, with its ends pinned where ``pin_ends`` pins them) ends no worse.
+    into the cell with the largest error (:func:`_reseed`), so no step raises the objective.
+    Stops after ``max_iter`` steps or when no centroid moves more than ``tol`` times the data
+    range. Lloyd finds a local minimum only: under heavy-tailed weights the quantile start can
+    end worse than a plain grid, and starting from that grid (``init``, its ends pinned where
+    ``pin_ends`` pins them) ends no worse.
 
     Args:
         samples: float tensor, any shape (flattened), finite.

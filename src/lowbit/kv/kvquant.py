@@ -49,8 +49,9 @@ other 8, layers 0, 3, …, 27, relative to the uniform grid), keys / values at 1
 0.887 / 1.014 (4 bits), 0.778 / 0.862 (3 bits), 0.480 / 0.589 (2 bits) with the quantile start
 and normalized-unit weights, 0.855 / 0.850, 0.751 / 0.815, 0.473 / 0.566 now (values rotated,
 as ``kvquant`` codes them). Without outliers the end levels stay at ±1, where each range's
-largest-magnitude elements sit (measured on SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``: KL 0.8415 with both streams' ends pinned,
-0.9281 with only the keys', 0.9832 for the uniform grid). ``nuq=False`` uses the uniform grid
+largest-magnitude elements sit (measured on SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``:
+KL 0.8415 with both streams' ends pinned, 0.9281 with only the keys', 0.9832 for the uniform
+grid). ``nuq=False`` uses the uniform grid
 ``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer quantization.
 ``channel_codebooks=True`` (per-channel keys) fits one codebook per channel instead, as seed
 003's Algorithm 1 stores them (``[H_kv * D, 2**bits]`` per layer). On SmolLM2 it helps at 2
