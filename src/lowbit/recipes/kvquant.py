@@ -140,9 +140,13 @@ class KVQuantRecipe(Recipe):
         splits = self.outlier_splits(h * d) if shared else [(self.outlier_fraction,) * 2]
         keys, values = [], []
         for layer in range(adapter.num_layers):
+            # each stream's calibration samples and Fisher weights, read once for every split
+            data = dict.fromkeys("kv")
+            if calib is not None:
+                data = {s: self._samples(adapter, calib, layer, s, rotation) for s in "kv"}
             pairs = [
                 tuple(
-                    self._quantizer(adapter, calib, layer, stream, fraction, rotation)
+                    self._quantizer(adapter, calib, stream, fraction, data[stream])
                     for stream, fraction in zip("kv", split, strict=True)
                 )
                 for split in splits
@@ -177,12 +181,13 @@ class KVQuantRecipe(Recipe):
         self,
         adapter,
         calib: KVCalibration | None,
-        layer: int,
         stream: str,
         outlier_fraction: float,
-        rotation: Tensor | None,
+        data: tuple[Tensor, Tensor | None] | None,
     ) -> KVQuantQuantizer | None:
-        """Layer ``layer``'s quantizer of ``stream`` ("k" or "v"), None when it stays in fp16."""
+        """A layer's quantizer of ``stream`` ("k" or "v") calibrated on ``data``, that layer's
+        ``(samples, fisher)`` from :meth:`_samples` (None without ``calib``); None when the stream
+        stays in fp16."""
         key = stream == "k"
         bits = self.key_bits if key else self.value_bits
         if bits == OFF_BITS:
@@ -197,7 +202,7 @@ class KVQuantRecipe(Recipe):
         if calib is None:
             h, d = adapter.num_kv_heads, adapter.head_dim
             return KVQuantQuantizer(num_heads=h, head_dim=d, **settings)
-        samples, fisher = self._samples(adapter, calib, layer, stream, rotation)
+        samples, fisher = data
         return KVQuantQuantizer.calibrate(
             samples,
             fisher if self.fisher else None,
