@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.formats.intq import IntQuantized
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.quant_linear import FakeQuantLinear
@@ -83,7 +84,7 @@ def _check_structure(model, report, path):
     assert not adapter.tied_embeddings
     for view in adapter.blocks():
         down = view.down_proj
-        assert isinstance(down, FakeQuantLinear) and down.weight_storage_bits is None
+        assert isinstance(down, FakeQuantLinear) and down.quantized_weight is None
         assert isinstance(down.input_transform, OnlineHadamard)
         assert down.input_transform.n == adapter.intermediate_size
         assert down.act_quantizer is None
@@ -245,7 +246,8 @@ def test_rotating_twice_or_a_quantized_model_is_refused():
 
     quantized = tiny_model("llama")
     view = adapter_for(quantized).block(0)
-    view.attn.q_proj = FakeQuantLinear(view.q_proj.weight, None, weight_storage_bits=4 * 96 * 96)
+    packed = IntQuantized.from_float(view.q_proj.weight, 4)
+    view.attn.q_proj = FakeQuantLinear(packed.dequantize(), None, quantized_weight=packed)
     with pytest.raises(LowbitError, match="before any quantization"):
         rotate_model(quantized)
 

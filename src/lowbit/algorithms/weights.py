@@ -120,7 +120,7 @@ def _replacement(
     return FakeQuantLinear(
         weight.to(linear.weight.dtype),
         linear.bias,
-        weight_storage_bits=None if packed is None else packed.storage_bits(),
+        quantized_weight=packed,
         input_transform=getattr(linear, "input_transform", None),
         weight_format=fmt,
     )

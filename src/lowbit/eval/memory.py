@@ -39,7 +39,7 @@ def linear_weight_bits(model: torch.nn.Module, adapter: DecoderAdapter) -> tuple
     bits = weights = 0
     for name in adapter.linear_names():
         module = model.get_submodule(name)
-        n = module.weight.numel()
+        n = module.weight_numel if hasattr(module, "weight_numel") else module.weight.numel()
         weights += n
         bias = getattr(module, "bias", None)
         bias_bits = 0 if bias is None else _tensor_bits(bias)

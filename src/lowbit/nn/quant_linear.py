@@ -1,9 +1,10 @@
 """Simulated quantized linear layers (fake-quant: quantized values held in float).
 
 A ``FakeQuantLinear`` replaces an ``nn.Linear``: its weight holds the dequantized values of a
-quantized weight (so it multiplies exactly like the packed weight would), it remembers the exact
-storage of that packed weight for accounting, and it can transform and quantize its input
-(online Hadamard, per-token activation quantization) before the product.
+quantized weight (so it multiplies exactly like the packed weight would), it keeps the packed
+container itself (codes and statistics: for accounting, saving, and turning it into the packed
+face, :class:`lowbit.nn.packed_linear.PackedLinear`), and it can transform and quantize its
+input (online Hadamard, per-token activation quantization) before the product.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.formats.intq import IntQuantized
+
 
 class FakeQuantLinear(nn.Module):
     """y = quantize_act(transform(x)) @ W_dq^T + b.
 
     Args:
-        weight: [out, in] dequantized weight (float).
+        weight: [out, in] dequantized weight (float): ``quantized_weight.dequantize()``.
         bias: [out] or None.
-        weight_storage_bits: exact bits the packed weight needs, metadata included
-            (None: the weight is unquantized and stored in its dtype).
+        quantized_weight: the packed weight ``weight`` was dequantized from (None: the weight
+            is unquantized and stored in its dtype).
         input_transform: module applied to the input first (e.g. an online Hadamard), or None.
         act_quantizer: module that fake-quantizes the input, or None.
         weight_format: short description of the weight format, for repr and reports.
@@ -31,7 +34,7 @@ class FakeQuantLinear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         *,
-        weight_storage_bits: int | None = None,
+        quantized_weight: IntQuantized | None = None,
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_format: str = "float",
@@ -40,7 +43,7 @@ class FakeQuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.weight_storage_bits = weight_storage_bits
+        self.quantized_weight = quantized_weight
         self.input_transform = input_transform
         self.act_quantizer = act_quantizer
         self.weight_format = weight_format
@@ -54,9 +57,10 @@ class FakeQuantLinear(nn.Module):
 
     def storage_bits(self) -> int:
         """Exact bits to store this layer's parameters (weight with metadata, plus bias)."""
-        weight_bits = self.weight_storage_bits
-        if weight_bits is None:
+        if self.quantized_weight is None:
             weight_bits = self.weight.numel() * self.weight.element_size() * 8
+        else:
+            weight_bits = self.quantized_weight.storage_bits()
         bias_bits = 0 if self.bias is None else self.bias.numel() * self.bias.element_size() * 8
         return weight_bits + bias_bits
 

@@ -1,0 +1,104 @@
+import copy
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.eval.memory import memory_report
+from lowbit.formats.intq import IntQuantized
+from lowbit.models.adapter import adapter_for
+from lowbit.models.tiny import tiny_model
+from lowbit.nn.act_quant import ActivationQuantizer
+from lowbit.nn.packed_linear import PackedLinear, pack_model, unpack_model
+from lowbit.nn.quant_linear import FakeQuantLinear
+from lowbit.quantize import quantize
+from lowbit.recipes.registry import get_recipe
+from lowbit.transforms.hadamard import OnlineHadamard
+
+IDS = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(1))
+
+
+def _weight(out_features=37, in_features=96, seed=0):
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("group", [None, 32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_equals_simulated_bit_for_bit(bits, group, symmetric, dtype):
+    weight = _weight()
+    q = IntQuantized.from_float(
+        weight, bits, symmetric=symmetric, group_size=group, scale_dtype=torch.float16
+    )
+    bias = torch.randn(37)
+    transform = OnlineHadamard(96, group_size=32)
+    act = ActivationQuantizer(6)
+    simulated = FakeQuantLinear(
+        q.dequantize(dtype), bias.to(dtype), quantized_weight=q, input_transform=transform,
+        act_quantizer=act,
+    )  # fmt: skip
+    packed = PackedLinear.from_quantized(
+        q, bias.to(dtype), input_transform=transform, act_quantizer=act, weight_dtype=dtype
+    )
+    x = torch.randn(3, 5, 96).to(dtype)  # [B, S, in]
+    assert torch.equal(packed(x), simulated(x))
+    assert torch.equal(packed.dequantize_weight(), simulated.weight)
+    assert packed.storage_bits() == simulated.storage_bits()
+
+
+def test_buffers_hold_the_packed_bits():
+    q = IntQuantized.from_float(_weight(), 4, group_size=32, scale_dtype=torch.float16)
+    layer = PackedLinear.from_quantized(q)
+    assert layer.qdata.dtype == torch.uint8 and layer.qdata.numel() == 37 * 96 // 2
+    assert layer.scale.dtype == torch.float16 and layer.scale.shape == (37, 3)
+    assert layer.zero is None and not any(True for _ in layer.parameters())
+    # 4-bit codes + one fp16 scale per 32 weights: the memory held is the analytic storage
+    assert layer.memory_bytes() * 8 == layer.storage_bits() == 37 * 96 * 4 + 37 * 3 * 16
+
+
+def test_asymmetric_zero_points_are_uint8():
+    q = IntQuantized.from_float(_weight(), 3, symmetric=False, scale_dtype=torch.float16)
+    layer = PackedLinear.from_quantized(q)
+    assert layer.zero.dtype == torch.uint8 and layer.zero.shape == (37, 1)
+    assert torch.equal(layer.zero.float(), q.zero)
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-g64", "w4a4", "w8a16", "quarot-rtn"])
+def test_pack_model_keeps_the_logits_bit_for_bit(recipe):
+    model = tiny_model("qwen2")
+    quantize(model, get_recipe(recipe, w_group="32") if "g64" in recipe else recipe,
+             progress=False)  # fmt: skip
+    expected = model(IDS).logits
+    bits_before = memory_report(model, adapter_for(model))
+    assert pack_model(model) == 14
+    assert not any(isinstance(m, FakeQuantLinear) and m.quantized_weight is not None
+                   for m in model.modules())  # fmt: skip
+    assert torch.equal(model(IDS).logits, expected)
+    after = memory_report(model, adapter_for(model))
+    assert after.bits_per_weight == bits_before.bits_per_weight
+    assert after.model_bytes == bits_before.model_bytes
+    assert unpack_model(model) == 14
+    assert torch.equal(model(IDS).logits, expected)
+
+
+def test_quantize_packed_frees_the_float_weights():
+    model = tiny_model("llama")
+    simulated = quantize(copy.deepcopy(model), "w4a16", progress=False)
+    packed = quantize(model, "w4a16", progress=False, packed=True)
+    assert torch.equal(packed(IDS).logits, simulated(IDS).logits)
+    names = adapter_for(packed).linear_names()
+    held = sum(packed.get_submodule(n).memory_bytes() for n in names)
+    floats = sum(simulated.get_submodule(n).weight.numel() * 4 for n in names)
+    # 4-bit codes and an fp16 scale per row, against fp32 weights: 96-160 wide rows
+    assert held < floats / 7
+
+
+def test_bad_construction_is_a_sentence():
+    with pytest.raises(LowbitError, match="2-8 bit"):
+        PackedLinear(8, 8, bits=1)
+    with pytest.raises(LowbitError, match="does not divide"):
+        PackedLinear(96, 8, bits=4, group_size=40)
+    q = IntQuantized.from_float(_weight(), 4, scale_bits=4)
+    with pytest.raises(LowbitError, match="double-quantized"):
+        PackedLinear.from_quantized(q)
