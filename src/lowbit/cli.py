@@ -1,4 +1,4 @@
-"""The ``lowbit`` command line: eval, info, recipes, demo.
+"""The ``lowbit`` command line: eval, quantize, info, recipes, demo.
 
 Bad input ends with one sentence on stderr and exit status 2, never a traceback; files are
 written under a temporary name and renamed, so nothing half-written is left behind.
@@ -58,26 +58,8 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_eval_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -> None:
-    parser.add_argument(
-        "--dataset",
-        default="pydoc",
-        metavar="NAME|PATH",
-        help="evaluation corpus: pydoc (its eval part), wikitext2, or a text file (default: pydoc)",
-    )
-    parser.add_argument(
-        "--seqlen",
-        type=int,
-        default=DEMO_SEQLEN if for_demo else 2048,
-        help="tokens per window (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--windows",
-        type=int,
-        default=DEMO_WINDOWS if for_demo else None,
-        metavar="N",
-        help="evaluate only the first N windows (default: %(default)s = all)",
-    )
+def _add_calibration_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -> None:
+    """Where calibration samples come from, for methods that calibrate."""
     parser.add_argument(
         "--calib",
         default="pydoc",
@@ -108,6 +90,29 @@ def _add_eval_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -
         "calibrating on the evaluation file (default: 0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for calibration sampling")
+
+
+def _add_eval_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -> None:
+    parser.add_argument(
+        "--dataset",
+        default="pydoc",
+        metavar="NAME|PATH",
+        help="evaluation corpus: pydoc (its eval part), wikitext2, or a text file (default: pydoc)",
+    )
+    parser.add_argument(
+        "--seqlen",
+        type=int,
+        default=DEMO_SEQLEN if for_demo else 2048,
+        help="tokens per window (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=DEMO_WINDOWS if for_demo else None,
+        metavar="N",
+        help="evaluate only the first N windows (default: %(default)s = all)",
+    )
+    _add_calibration_args(parser, for_demo=for_demo)
     parser.add_argument(
         "--chunk",
         type=int,
@@ -164,6 +169,32 @@ def build_parser() -> argparse.ArgumentParser:
         "has the setting; repeatable",
     )
     _add_eval_args(eval_parser)
+
+    quantize_parser = commands.add_parser(
+        "quantize",
+        help="quantize a model with a recipe and save it, packed, as a model directory",
+        description="Quantize the model with --recipe (calibrating where the method does) and "
+        "write it to --out: config.json with the recipe, packed weights in safetensors, the "
+        "tokenizer, and everything the recipe calibrated. `--model DIR` then loads it in every "
+        "command, and transformers' from_pretrained loads it after `import lowbit`.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_arg(quantize_parser)
+    quantize_parser.add_argument(
+        "--recipe", required=True, metavar="NAME", help="a method or preset (`lowbit recipes`)"
+    )
+    quantize_parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="change a recipe setting"
+    )
+    quantize_parser.add_argument(
+        "--seqlen", type=int, default=2048, help="tokens per calibration window (default: 2048)"
+    )
+    _add_calibration_args(quantize_parser)
+    quantize_parser.add_argument(
+        "--out", required=True, metavar="DIR", help="directory to write (new or empty)"
+    )
+    quantize_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     info_parser = commands.add_parser(
         "info", help="architecture, dimensions (as 2^m x odd), parameters, tied embeddings, GQA"
@@ -260,11 +291,24 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def build_calibration(args, corpus, tokenizer):
+    """[calib_samples, calib_seqlen] token ids from ``corpus`` as the calibration args say."""
+    from lowbit.data import calibration_samples, tokenize
+
+    return calibration_samples(
+        tokenize(tokenizer, corpus.text),
+        args.calib_samples,
+        args.calib_seqlen or args.seqlen,
+        seed=args.seed,
+        skip_windows=args.calib_skip,
+    )
+
+
 # -- commands --------------------------------------------------------------------------------------
 def run_eval(args, recipe_names: list[str]) -> list[dict]:
     import torch
 
-    from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
+    from lowbit.data import eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.eval.memory import memory_report
     from lowbit.models.adapter import adapter_for
@@ -295,22 +339,21 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         )
     windows = eval_windows(tokenize(tokenizer, corpus.text), args.seqlen, args.windows)
 
-    calibration = None
-    if calib_corpus is not None:
-        calib_seqlen = args.calib_seqlen or args.seqlen
-        calibration = calibration_samples(
-            tokenize(tokenizer, calib_corpus.text),
-            args.calib_samples,
-            calib_seqlen,
-            seed=args.seed,
-            skip_windows=args.calib_skip,
-        )
+    calibration = None if calib_corpus is None else build_calibration(args, calib_corpus, tokenizer)
 
-    reference = FloatReference(model)
+    saved = getattr(model, "lowbit_recipe", None)  # a lowbit checkpoint: already quantized
+    if saved is not None:
+        if any(recipe.method != "fp" for recipe in recipes):
+            raise LowbitError(
+                f"{loaded.name} is already quantized ({saved.method}); evaluate it without "
+                "--recipe, or quantize the float model instead"
+            )
+        labelled = [(f"{saved.method} (saved)", saved)]
+    reference = None if saved is not None else FloatReference(model)  # no float model to compare
     rows = []
     for label, recipe in labelled:
         start = time.perf_counter()
-        if recipe.method == "fp":
+        if recipe.method == "fp" or saved is not None:
             candidate = model
         else:
             candidate = copy.deepcopy(model)
@@ -359,6 +402,41 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         if candidate is not model:
             del candidate
     return rows
+
+
+def run_quantize(args) -> None:
+    from pathlib import Path
+
+    from lowbit.data import load_corpus
+    from lowbit.eval.memory import memory_report
+    from lowbit.io.checkpoint import check_save_target, save
+    from lowbit.models.adapter import adapter_for
+    from lowbit.models.loader import load_model
+    from lowbit.quantize import quantize
+
+    ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
+    if recipe.method == "fp":
+        raise LowbitError("recipe fp quantizes nothing: there is no quantized model to save")
+    if args.calib_samples < 1:
+        raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
+    out = Path(args.out).expanduser()
+    check_save_target(out)  # before the long work
+    calib_corpus = load_corpus(args.calib, part="calibration") if recipe.needs_calibration else None
+    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    calibration = None
+    if calib_corpus is not None:
+        calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
+    start = time.perf_counter()
+    model = quantize(
+        loaded.model, recipe, calibration=calibration, progress=not args.no_progress, packed=True
+    )
+    seconds = time.perf_counter() - start
+    save(model, out, tokenizer=loaded.tokenizer)
+    memory = memory_report(model, adapter_for(model))
+    print(
+        f"wrote {out}: {label}, {memory.bits_per_weight:.3f} bits per weight, "
+        f"{memory.model_bytes / 1e6:.1f} MB, quantized in {seconds:.1f} s"
+    )
 
 
 def report(rows: list[dict], args) -> None:
@@ -436,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             report(run_eval(args, args.recipe or ["fp"]), args)
         elif args.command == "demo":
             report(run_eval(args, list(DEMO_RECIPES)), args)
+        elif args.command == "quantize":
+            run_quantize(args)
         elif args.command == "info":
             run_info(args)
         elif args.command == "recipes":

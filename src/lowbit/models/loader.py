@@ -44,7 +44,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     name: str  # what the user asked for, resolved to something readable
-    source: str  # "embedded", "directory", "gguf" or "hub"
+    source: str  # "embedded", "directory", "lowbit" (a saved lowbit checkpoint), "gguf" or "hub"
 
 
 def cache_root() -> Path:
@@ -130,6 +130,20 @@ def _from_directory(path: Path, dtype: torch.dtype, trust_remote_code: bool):
     return model, tokenizer
 
 
+def _from_lowbit_checkpoint(path: Path, dtype: torch.dtype):
+    """A model saved by ``lowbit.save`` (already quantized, packed) and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from lowbit.io.checkpoint import load
+
+    model = load(path, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise LowbitError(f"{path} holds a lowbit model but no usable tokenizer ({err})") from err
+    return model, tokenizer
+
+
 def _from_gguf(path: Path, dtype: torch.dtype):
     cached = _gguf_cache_dir(path)
     if not (cached / "config.json").is_file():
@@ -209,8 +223,14 @@ def _load(spec, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise LowbitError(f"{path} is a directory but has no config.json: not a model")
-            model, tokenizer = _from_directory(path, dtype, trust_remote_code)
-            loaded = LoadedModel(model, tokenizer, str(path), "directory")
+            from lowbit.io.checkpoint import is_lowbit_checkpoint
+
+            if is_lowbit_checkpoint(path):
+                model, tokenizer = _from_lowbit_checkpoint(path, dtype)
+                loaded = LoadedModel(model, tokenizer, str(path), "lowbit")
+            else:
+                model, tokenizer = _from_directory(path, dtype, trust_remote_code)
+                loaded = LoadedModel(model, tokenizer, str(path), "directory")
         elif path.is_file():
             if path.suffix.lower() != ".gguf":
                 raise LowbitError(

@@ -1,0 +1,101 @@
+"""lowbit as a transformers quantization method: ``from_pretrained`` loads lowbit checkpoints.
+
+transformers lets a library register a quantization config class and a quantizer under a
+``quant_method`` name. Ours rebuilds lowbit's modules on the empty (meta) model before the
+weights load (:func:`lowbit.io.checkpoint.restructure`) and recomputes the derived buffers after.
+:func:`register_with_transformers` is idempotent; ``import lowbit`` arranges for it to run as
+soon as transformers' quantizer registry is imported (see :mod:`lowbit`), so
+``AutoModelForCausalLM.from_pretrained(dir)`` works after ``import lowbit`` without lowbit
+importing transformers itself.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any
+
+__all__ = ["register_with_transformers", "register_when_transformers_loads"]
+
+_REGISTERED = False
+_REGISTRY_MODULE = "transformers.quantizers.auto"
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds transformers' quantizer registry like the normal path finder does, and registers
+    lowbit right after that module has executed."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _REGISTRY_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            register_with_transformers()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def register_when_transformers_loads() -> None:
+    """Register now if transformers' quantizer registry is loaded, else as soon as it is."""
+    if _REGISTRY_MODULE in sys.modules:
+        register_with_transformers()
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+def register_with_transformers() -> None:
+    """Register the ``lowbit`` quantization method with transformers (once per process)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING,
+        AUTO_QUANTIZER_MAPPING,
+    )
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    from lowbit.io import checkpoint
+
+    class LowbitConfig(QuantizationConfigMixin):
+        """lowbit's ``quantization_config`` (see :mod:`lowbit.io.checkpoint`), kept as given."""
+
+        def __init__(self, **fields: Any):
+            checkpoint.check_format(fields, "the model's quantization_config")
+            self.__dict__.update(fields)
+            self.quant_method = checkpoint.QUANT_METHOD
+
+    class LowbitHfQuantizer(HfQuantizer):
+        """Loads lowbit checkpoints (pre-quantized only: quantizing goes through lowbit)."""
+
+        requires_calibration = True
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            checkpoint.restructure(model, self.quantization_config.to_dict())
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            checkpoint.refresh_derived_buffers(model)
+            return model
+
+        def is_serializable(self):
+            return (
+                False  # lowbit.save writes the format (with its checksums); save_pretrained can't
+            )
+
+        @property
+        def is_trainable(self):
+            return False
+
+    AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(checkpoint.QUANT_METHOD, LowbitConfig)
+    AUTO_QUANTIZER_MAPPING.setdefault(checkpoint.QUANT_METHOD, LowbitHfQuantizer)
+    _REGISTERED = True

@@ -1,0 +1,172 @@
+"""lowbit's runtime modules as JSON specs, and back: what a checkpoint needs to rebuild a model.
+
+A spec is a small JSON dict (``{"class": name, ...settings}``) from which an empty module of the
+right structure is built: buffers and parameters of the right shape and dtype, filled later by
+the checkpoint's tensors. Derived state (Hadamard factors, RoPE tables, token rotations) is
+recomputed by the constructor, never stored. A quantized ``FakeQuantLinear`` is saved as the
+``PackedLinear`` of the same weight (the canonical stored form); an unquantized one (a float
+linear behind an online transform) keeps its float weight.
+
+KV quantizers have their own ``to_dict`` / :func:`~lowbit.kv.quantizer.kv_quantizer_from_dict`
+and are handled with the cache layout in :mod:`lowbit.io.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError
+from lowbit.kv.bfp_quant import BFPQueryQuantizer
+from lowbit.nn.act_quant import ActivationQuantizer
+from lowbit.nn.packed_linear import PackedLinear
+from lowbit.nn.quant_linear import FakeQuantLinear
+from lowbit.transforms.hadamard import OnlineHadamard
+from lowbit.transforms.rotate import CrossHeadHadamard
+
+__all__ = ["module_spec", "build_module", "dtype_name", "dtype_from_name", "SPEC_CLASSES"]
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise LowbitError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def _linear_spec(module: nn.Module) -> dict[str, Any]:
+    if isinstance(module, PackedLinear):
+        return dict(
+            _packed_spec(
+                module.in_features, module.out_features, module.quantized_weight,
+                module.weight_dtype, module.bias is not None,
+            ),
+            backend=module.backend,
+        )  # fmt: skip
+    if module.quantized_weight is not None:
+        return _packed_spec(
+            module.in_features, module.out_features, module.quantized_weight,
+            module.weight.dtype, module.bias is not None,
+        )  # fmt: skip
+    return {
+        "class": "FloatLinear",
+        "in_features": module.in_features,
+        "out_features": module.out_features,
+        "bias": module.bias is not None,
+        "dtype": dtype_name(module.weight.dtype),
+    }
+
+
+def _packed_spec(in_features, out_features, weight, weight_dtype, bias) -> dict[str, Any]:
+    return {
+        "class": "PackedLinear",
+        "in_features": in_features,
+        "out_features": out_features,
+        "bits": weight.bits,
+        "group_size": weight.group_size,
+        "symmetric": weight.symmetric,
+        "scale_dtype": dtype_name(weight.scale_dtype),
+        "weight_dtype": dtype_name(weight_dtype),
+        "bias": bias,
+    }
+
+
+def module_spec(module: nn.Module) -> dict[str, Any] | None:
+    """The spec of a lowbit runtime module, or None for a module lowbit did not put there."""
+    if isinstance(module, (PackedLinear, FakeQuantLinear)):
+        return _linear_spec(module)
+    if isinstance(module, OnlineHadamard):
+        group = None if module.size == module.n else module.size
+        return {
+            "class": "OnlineHadamard",
+            "n": module.n,
+            "group_size": group,
+            "compute_dtype": dtype_name(module.compute_dtype),
+        }
+    if isinstance(module, CrossHeadHadamard):
+        return {
+            "class": "CrossHeadHadamard",
+            "num_heads": module.num_heads,
+            "head_dim": module.head_dim,
+            "compute_dtype": dtype_name(module.compute_dtype),
+        }
+    if isinstance(module, ActivationQuantizer):
+        return {
+            "class": "ActivationQuantizer",
+            "bits": module.bits,
+            "symmetric": module.symmetric,
+            "clip_ratio": module.clip_ratio,
+            "group_size": module.group_size,
+        }
+    if isinstance(module, BFPQueryQuantizer):
+        order = module.order
+        return {
+            "class": "BFPQueryQuantizer",
+            "mantissa_bits": module.mantissa_bits,
+            "block": module.block,
+            "order_shape": None if order is None else list(order.shape),
+        }
+    return None
+
+
+def _build_packed(spec: dict[str, Any]) -> nn.Module:
+    return PackedLinear(
+        spec["in_features"],
+        spec["out_features"],
+        bits=spec["bits"],
+        group_size=spec["group_size"],
+        symmetric=spec["symmetric"],
+        scale_dtype=dtype_from_name(spec["scale_dtype"]),
+        weight_dtype=dtype_from_name(spec["weight_dtype"]),
+        bias=spec["bias"],
+        backend=spec.get("backend", "reference"),
+    )
+
+
+def _build_float(spec: dict[str, Any]) -> nn.Module:
+    dtype = dtype_from_name(spec["dtype"])
+    weight = torch.zeros(spec["out_features"], spec["in_features"], dtype=dtype)
+    bias = torch.zeros(spec["out_features"], dtype=dtype) if spec["bias"] else None
+    return FakeQuantLinear(weight, bias, weight_format="float")
+
+
+def _build_query(spec: dict[str, Any]) -> nn.Module:
+    shape = spec["order_shape"]
+    order = None if shape is None else torch.zeros(shape, dtype=torch.long)
+    head_dim = shape[1] if shape else spec["block"]
+    return BFPQueryQuantizer(spec["mantissa_bits"], spec["block"], head_dim, order)
+
+
+SPEC_CLASSES = {
+    "PackedLinear": _build_packed,
+    "FloatLinear": _build_float,
+    "OnlineHadamard": lambda s: OnlineHadamard(
+        s["n"], group_size=s["group_size"], compute_dtype=dtype_from_name(s["compute_dtype"])
+    ),
+    "CrossHeadHadamard": lambda s: CrossHeadHadamard(
+        s["num_heads"], s["head_dim"], compute_dtype=dtype_from_name(s["compute_dtype"])
+    ),
+    "ActivationQuantizer": lambda s: ActivationQuantizer(
+        s["bits"], symmetric=s["symmetric"], clip_ratio=s["clip_ratio"], group_size=s["group_size"]
+    ),
+    "BFPQueryQuantizer": _build_query,
+}
+
+
+def build_module(spec: dict[str, Any]) -> nn.Module:
+    """An empty module from :func:`module_spec`'s output (its tensors come from a checkpoint)."""
+    if not isinstance(spec, dict) or spec.get("class") not in SPEC_CLASSES:
+        name = spec.get("class") if isinstance(spec, dict) else spec
+        raise LowbitError(f"unknown lowbit module {name!r} in the checkpoint")
+    try:
+        return SPEC_CLASSES[spec["class"]](spec)
+    except (KeyError, TypeError) as err:
+        raise LowbitError(f"the checkpoint's {spec['class']} entry is malformed ({err})") from err
