@@ -5,7 +5,7 @@ Layout of a saved directory::
     config.json          the model's config; ``quantization_config`` holds lowbit's part:
                          {"quant_method": "lowbit", "format_version": 1, "recipe": {...},
                           "modules": {fqn: spec}, "kv": {...} | null, "rope_orders": {...},
-                          "files": {"model.safetensors": sha256}}
+                          "checksums": {"model.safetensors": sha256, "config.json": sha256}}
     model.safetensors    every tensor: packed weights (qdata, scale, zero), float parameters,
                          calibrated KV state (codebooks, ranges, channel orders)
     tokenizer files, generation_config.json
@@ -83,7 +83,7 @@ def _kv_spec(model: nn.Module) -> dict[str, Any] | None:
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
-    """lowbit's ``quantization_config`` for ``model`` (everything but the file checksums)."""
+    """lowbit's ``quantization_config`` for ``model`` (everything but the checksums)."""
     from lowbit import __version__
     from lowbit.io.modules import module_spec
     from lowbit.models.adapter import adapter_for
@@ -144,9 +144,8 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, Tensor]:
 def restructure(model: nn.Module, qconfig: dict[str, Any]) -> None:
     """Give an empty model of the checkpoint's config lowbit's modules, in place (no tensors
     are filled: the checkpoint's are loaded afterwards)."""
-    from lowbit.io.modules import build_module, dtype_from_name
+    from lowbit.io.modules import build_module, check_linear_inputs, dtype_from_name
     from lowbit.kv.attention import install_kv_quantization
-    from lowbit.kv.quantizer import kv_quantizer_from_dict
     from lowbit.models.adapter import adapter_for
     from lowbit.nn.quant_linear import replace_module
     from lowbit.recipes.registry import recipe_from_dict
@@ -161,7 +160,9 @@ def restructure(model: nn.Module, qconfig: dict[str, Any]) -> None:
         with torch.device("cpu"):  # small, and the state they derive must be real numbers
 
             def quantizers(dicts):
-                return [None if d is None else kv_quantizer_from_dict(d) for d in dicts]
+                if not isinstance(dicts, list):
+                    raise LowbitError("the checkpoint's KV quantizers are malformed")
+                return [_kv_quantizer(d) for d in dicts]
 
             install_kv_quantization(
                 model,
@@ -183,7 +184,26 @@ def restructure(model: nn.Module, qconfig: dict[str, Any]) -> None:
                 f"the checkpoint names a module {fqn!r} this model does not have"
             ) from err
         replace_module(model, fqn, build_module(modules[fqn]))
+    for fqn in modules:
+        module = model.get_submodule(fqn)
+        if hasattr(module, "in_features"):
+            check_linear_inputs(module, fqn)
     model.lowbit_recipe = recipe_from_dict(qconfig["recipe"])
+
+
+def _kv_quantizer(data: Any):
+    """A KV quantizer from its ``to_dict()`` (None stays None), its fields type-checked."""
+    from lowbit.io.modules import check_fields, fields_from_signature
+    from lowbit.kv.quantizer import KV_QUANTIZERS, kv_quantizer_from_dict
+
+    if data is None:
+        return None
+    if not isinstance(data, dict) or data.get("kind") not in KV_QUANTIZERS:
+        raise LowbitError(f"the checkpoint has an unknown KV quantizer {data!r}"[:200])
+    cls = KV_QUANTIZERS[data["kind"]]
+    settings = {k: v for k, v in data.items() if k != "kind"}
+    check_fields(settings, fields_from_signature(cls.__init__), f"{data['kind']} KV quantizer")
+    return kv_quantizer_from_dict(data)
 
 
 def refresh_derived_buffers(model: nn.Module) -> None:
@@ -210,6 +230,15 @@ def refresh_derived_buffers(model: nn.Module) -> None:
 
 
 # -- saving ----------------------------------------------------------------------------------------
+def _config_checksum(config: dict[str, Any]) -> str:
+    """SHA-256 of the config as canonical JSON, its own checksums left out."""
+    config = dict(config)
+    qconfig = dict(config.get("quantization_config") or {})
+    qconfig.pop("checksums", None)
+    config["quantization_config"] = qconfig
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -260,9 +289,12 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> P
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        qconfig["files"] = {WEIGHTS_NAME: _sha256(tmp / WEIGHTS_NAME)}
-        config = model.config.to_dict()
+        config = json.loads(json.dumps(model.config.to_dict()))  # as it will read back
         config["quantization_config"] = qconfig
+        qconfig["checksums"] = {
+            WEIGHTS_NAME: _sha256(tmp / WEIGHTS_NAME),
+            "config.json": _config_checksum(config),
+        }
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = getattr(model, "generation_config", None)
         if generation is not None:
@@ -361,9 +393,10 @@ def check_format(qconfig: Any, where: str) -> None:
 def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     """Check a checkpoint directory without loading its tensors; returns its config dict.
 
-    Every tensor the described model needs must be in the weights file with its shape and
-    dtype, none may be extra, and the file's SHA-256 must match the one recorded at save time
-    (so a damaged file is refused rather than loaded as a silently different model).
+    The config and the weights file must match the SHA-256 sums recorded at save time (so a
+    damaged or edited checkpoint is refused rather than loaded as a silently different model),
+    and every tensor the described model needs must be in the weights file with its shape and
+    dtype, none extra.
     """
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -376,8 +409,12 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
         raise LowbitError(f"{directory} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
-    recorded = qconfig.get("files", {}).get(WEIGHTS_NAME)
-    if recorded != _sha256(weights):
+    checksums = qconfig.get("checksums")
+    if not isinstance(checksums, dict):
+        raise LowbitError(f"{where} has no checksums: it was not written by lowbit.save")
+    if checksums.get("config.json") != _config_checksum(raw):
+        raise LowbitError(f"{where} was changed after it was saved (its checksum differs)")
+    if checksums.get(WEIGHTS_NAME) != _sha256(weights):
         raise LowbitError(
             f"{weights} does not match the checksum recorded when it was saved: the file is "
             "damaged or was changed"
@@ -456,6 +493,7 @@ def load(
     from transformers import AutoModelForCausalLM
 
     from lowbit.io.hf import register_with_transformers
+    from lowbit.models.loader import quiet_transformers
 
     directory = Path(directory).expanduser()
     if not directory.is_dir():
@@ -466,7 +504,8 @@ def load(
         check_format(_read_config(directory).get("quantization_config"), str(directory))
     register_with_transformers()
     kwargs = {} if dtype is None else {"dtype": dtype}
-    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
     if device is not None:
         model = model.to(device)
     if not packed:

@@ -161,12 +161,83 @@ SPEC_CLASSES = {
 }
 
 
+_INT, _BOOL, _STR, _FLOAT, _LIST = (int,), (bool,), (str,), (int, float), (list,)
+_NONE = (type(None),)
+
+#: the JSON type of every field of each spec (what a checkpoint is checked against)
+SPEC_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "PackedLinear": {
+        "in_features": _INT, "out_features": _INT, "bits": _INT, "group_size": _INT + _NONE,
+        "symmetric": _BOOL, "scale_dtype": _STR, "weight_dtype": _STR, "bias": _BOOL,
+        "backend": _STR,
+    },
+    "FloatLinear": {"in_features": _INT, "out_features": _INT, "bias": _BOOL, "dtype": _STR},
+    "OnlineHadamard": {"n": _INT, "group_size": _INT + _NONE, "compute_dtype": _STR + _NONE},
+    "CrossHeadHadamard": {"num_heads": _INT, "head_dim": _INT, "compute_dtype": _STR + _NONE},
+    "ActivationQuantizer": {
+        "bits": _INT, "symmetric": _BOOL, "clip_ratio": _FLOAT, "group_size": _INT + _NONE,
+    },
+    "BFPQueryQuantizer": {"mantissa_bits": _INT, "block": _INT, "order_shape": _LIST + _NONE},
+}  # fmt: skip
+
+
+def check_fields(values: dict[str, Any], fields: dict[str, tuple[type, ...]], what: str) -> None:
+    """Raise LowbitError unless ``values`` has exactly ``fields`` (an optional ``backend``
+    aside) with values of their JSON types (a bool is not an int; integers are positive)."""
+    missing = sorted(set(fields) - set(values) - {"backend"})
+    extra = sorted(set(values) - set(fields) - {"class"})
+    if missing or extra:
+        raise LowbitError(f"the checkpoint's {what} entry has fields {missing or extra} wrong")
+    for key, value in values.items():
+        if key == "class":
+            continue
+        allowed = fields[key]
+        is_bool = isinstance(value, bool)
+        ok = isinstance(value, allowed) and (not is_bool or bool in allowed)
+        if ok and isinstance(value, int) and not is_bool and value < 1:
+            ok = False
+        if not ok:
+            raise LowbitError(f"the checkpoint's {what} entry has an invalid {key}: {value!r}")
+
+
+def check_linear_inputs(linear: nn.Module, name: str) -> None:
+    """Raise LowbitError unless a rebuilt linear's input transform and activation quantizer
+    fit its input width."""
+    width = linear.in_features
+    transform = getattr(linear, "input_transform", None)
+    if transform is not None:
+        n = getattr(transform, "n", None) or transform.num_heads * transform.head_dim
+        if n != width:
+            raise LowbitError(f"the checkpoint gives {name} an input transform of width {n}")
+    act = getattr(linear, "act_quantizer", None)
+    if act is not None and act.group_size and width % act.group_size:
+        raise LowbitError(f"the checkpoint's activation group of {name} does not divide {width}")
+
+
+def fields_from_signature(function) -> dict[str, tuple[type, ...]]:
+    """JSON field types from a constructor's annotations (int, bool, float, str, optional)."""
+    import inspect
+    import types
+    import typing
+
+    hints = typing.get_type_hints(function)
+    fields = {}
+    for name in inspect.signature(function).parameters:
+        if name == "self":
+            continue
+        hint = hints.get(name)
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        allowed: tuple[type, ...] = ()
+        for option in options:
+            allowed += {int: _INT, bool: _BOOL, float: _FLOAT, str: _STR}.get(option, _NONE)
+        fields[name] = allowed
+    return fields
+
+
 def build_module(spec: dict[str, Any]) -> nn.Module:
     """An empty module from :func:`module_spec`'s output (its tensors come from a checkpoint)."""
     if not isinstance(spec, dict) or spec.get("class") not in SPEC_CLASSES:
         name = spec.get("class") if isinstance(spec, dict) else spec
         raise LowbitError(f"unknown lowbit module {name!r} in the checkpoint")
-    try:
-        return SPEC_CLASSES[spec["class"]](spec)
-    except (KeyError, TypeError) as err:
-        raise LowbitError(f"the checkpoint's {spec['class']} entry is malformed ({err})") from err
+    check_fields(spec, SPEC_FIELDS[spec["class"]], spec["class"])
+    return SPEC_CLASSES[spec["class"]](spec)

@@ -173,7 +173,7 @@ def _looks_like_hub_id(spec: str) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """Hide transformers' per-tensor loading bars and info logs while lowbit loads a model."""
     from transformers.utils import logging as hf_logging
 
@@ -205,7 +205,7 @@ def load_model(
     Returns:
         LoadedModel with the model in eval mode.
     """
-    with _quiet_transformers():
+    with quiet_transformers():
         loaded = _load(spec, dtype, trust_remote_code)
     loaded.model.eval()
     from lowbit.models.adapter import adapter_for

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit.errors import LowbitError
 from lowbit.formats.intq import fake_quant_int
 
 
@@ -27,6 +28,20 @@ class ActivationQuantizer(nn.Module):
         group_size: int | None = None,
     ):
         super().__init__()
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise LowbitError(f"activation bits must be an integer in 2..8, not {bits!r}")
+        if (
+            isinstance(clip_ratio, bool)
+            or not isinstance(clip_ratio, (int, float))
+            or not (0.0 < clip_ratio <= 1.0)
+        ):
+            raise LowbitError(f"activation clip_ratio must be in (0, 1], not {clip_ratio!r}")
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+        ):
+            raise LowbitError(
+                f"activation group_size must be a positive integer, not {group_size!r}"
+            )
         self.bits = bits
         self.symmetric = symmetric
         self.clip_ratio = clip_ratio
