@@ -10,9 +10,10 @@ and the same output bit for bit. Its buffers are what a checkpoint stores:
 * ``scale``: ``[out, n_groups]`` in the scale dtype (fp16 for every weight recipe);
 * ``zero``: uint8 ``[out, n_groups]`` integer zero points, asymmetric formats only.
 
-The product runs on a backend chosen per module (``backend``): ``"reference"`` dequantizes the
-whole weight in fp32 (:meth:`IntQuantized.dequantize`), casts it to the input's dtype and calls
-``F.linear``; it is the oracle for faster backends and the CPU path.
+The product runs on a backend chosen per module (``backend``, see
+:mod:`lowbit.kernels.dispatch`): ``"reference"`` dequantizes the whole weight in fp32
+(:meth:`IntQuantized.dequantize`), casts it to the input's dtype and calls ``F.linear``; it is
+the oracle for faster backends. ``"auto"`` picks per device and input.
 
 :func:`pack_model` swaps every ``FakeQuantLinear`` that holds a quantized weight for a
 ``PackedLinear`` (freeing the float weight); :func:`unpack_model` goes back.
@@ -21,17 +22,16 @@ whole weight in fp32 (:meth:`IntQuantized.dequantize`), casts it to the input's 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized
 from lowbit.formats.packing import packed_words_per_row
+from lowbit.kernels.dispatch import backend_names, packed_matmul
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
 
-__all__ = ["PackedLinear", "BACKENDS", "pack_model", "unpack_model"]
+__all__ = ["PackedLinear", "pack_model", "unpack_model", "set_backend"]
 
-BACKENDS = ("reference",)
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -48,7 +48,8 @@ class PackedLinear(nn.Module):
         bias: whether the layer has a bias (a float parameter ``[out]``).
         input_transform, act_quantizer: modules applied to the input first (as on
             ``FakeQuantLinear``), or None.
-        backend: how the product is computed (see ``BACKENDS``).
+        backend: how the product is computed: a name from
+            :func:`lowbit.kernels.dispatch.backend_names` (``"reference"``, ``"auto"``, ...).
 
     Buffers are allocated empty (zeros); :meth:`from_quantized` or ``load_state_dict`` fill them.
     """
@@ -78,6 +79,8 @@ class PackedLinear(nn.Module):
             )
         if scale_dtype not in _SCALE_DTYPES:
             raise LowbitError(f"scales are stored as fp16, bf16 or fp32, not {scale_dtype}")
+        if backend not in backend_names():
+            raise LowbitError(f"unknown backend {backend!r}; choose one of {backend_names()}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.scale_dtype, self.weight_dtype = scale_dtype, weight_dtype
@@ -165,11 +168,7 @@ class PackedLinear(nn.Module):
             x = self.input_transform(x)
         if self.act_quantizer is not None:
             x = self.act_quantizer(x)
-        if self.backend != "reference":
-            raise LowbitError(f"backend {self.backend!r} is not available; use 'reference'")
-        weight = self.dequantize_weight(x.dtype)  # [out, in]
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, weight, bias)
+        return packed_matmul(self, x)  # [..., out]
 
     # -- accounting -----------------------------------------------------------------------------
     @property
@@ -236,3 +235,15 @@ def unpack_model(model: nn.Module) -> int:
         )
         replace_module(model, name, simulated)
     return len(targets)
+
+
+def set_backend(model: nn.Module, backend: str) -> int:
+    """Set the backend of every ``PackedLinear`` in ``model``; returns how many there are."""
+    if backend not in backend_names():
+        raise LowbitError(
+            f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}"
+        )
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for layer in layers:
+        layer.backend = backend
+    return len(layers)

@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.formats.intq import IntQuantized
+from lowbit.kernels import dispatch
+from lowbit.models.tiny import tiny_model
+from lowbit.nn.packed_linear import PackedLinear, set_backend
+from lowbit.quantize import quantize
+
+
+def _layer(backend="reference"):
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
+    q = IntQuantized.from_float(weight, 4, group_size=32, scale_dtype=torch.float16)
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(1))
+    return PackedLinear.from_quantized(q, bias, backend=backend)
+
+
+class _Counting(dispatch.WeightBackend):
+    """A test backend: the reference product, counting layout preparations; refuses M > 4."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.prepared = 0
+
+    def unsupported(self, layer, x):
+        return f"it takes at most 4 rows, not {x.shape[0]}" if x.shape[0] > 4 else None
+
+    def prepare(self, layer):
+        self.prepared += 1
+        return {"weight": layer.dequantize_weight()}
+
+    def matmul(self, layer, x, prepared, bias):
+        return torch.nn.functional.linear(x, prepared["weight"].to(x.dtype), bias)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    backend = _Counting()
+    monkeypatch.setitem(dispatch._BACKEND_MODULES, "counting", __name__)
+    monkeypatch.setitem(dispatch._REGISTRY, "counting", backend)
+    monkeypatch.setitem(dispatch.AUTO_ORDER, "cpu", ("counting", "reference"))
+    return backend
+
+
+def test_auto_takes_the_first_backend_that_fits_and_prepares_once(counting):
+    layer = _layer("auto")
+    reference = _layer("reference")
+    small, large = torch.randn(3, 64), torch.randn(2, 5, 64)  # M = 3, M = 10
+    assert torch.equal(layer(small), reference(small))
+    layer(small)
+    assert counting.prepared == 1  # the layout is cached on the layer
+    assert dispatch.choose(layer, small).name == "counting"
+    assert dispatch.choose(layer, large.reshape(-1, 64)).name == "reference"  # refused: M = 10
+    assert torch.equal(layer(large), reference(large))
+
+
+def test_a_forced_backend_that_cannot_run_says_why(counting):
+    layer = _layer("counting")
+    with pytest.raises(LowbitError, match="at most 4 rows, not 10"):
+        layer(torch.randn(10, 64))
+
+
+def test_unknown_backends_and_inputs_are_sentences():
+    with pytest.raises(LowbitError, match="unknown backend 'fast'"):
+        _layer("fast")
+    with pytest.raises(LowbitError, match="fp16, bf16 or fp32"):
+        _layer()(torch.ones(2, 64, dtype=torch.float64))
+    with pytest.raises(LowbitError, match="unknown backend"):
+        set_backend(tiny_model("llama"), "nope")
+
+
+def test_set_backend_reaches_every_packed_linear():
+    model = quantize(tiny_model("llama"), "w4a16", progress=False, packed=True)
+    assert set_backend(model, "auto") == 14
+    assert {m.backend for m in model.modules() if isinstance(m, PackedLinear)} == {"auto"}
