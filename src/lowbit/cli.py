@@ -488,6 +488,18 @@ def run_info(args) -> None:
     print(f"parameters: {params:,}")
     print(f"tied embeddings: {'yes' if adapter.tied_embeddings else 'no'}")
     print(f"max context: {adapter.max_context}")
+    recipe = getattr(loaded.model, "lowbit_recipe", None)
+    if recipe is not None:  # a saved lowbit model
+        from lowbit.eval.memory import memory_report
+
+        memory = memory_report(loaded.model, adapter)
+        settings = " ".join(f"{k}={v}" for k, v in recipe.settings().items())
+        print(f"quantized: {recipe.method} ({settings})")
+        print(
+            f"bits per weight: {memory.bits_per_weight:.3f}; model: "
+            f"{memory.model_bytes / 1e6:.1f} MB; KV cache: {memory.kv_bytes_per_token:.1f} "
+            f"bytes per token at context {memory.kv_context}"
+        )
 
 
 def run_recipes() -> None:
