@@ -112,7 +112,8 @@ def module_spec(module: nn.Module) -> dict[str, Any] | None:
             "class": "BFPQueryQuantizer",
             "mantissa_bits": module.mantissa_bits,
             "block": module.block,
-            "order_shape": None if order is None else list(order.shape),
+            "head_dim": module.head_dim,
+            "order_shape": None if order is None else list(order.shape),  # [H_kv, D]
         }
     return None
 
@@ -140,9 +141,12 @@ def _build_float(spec: dict[str, Any]) -> nn.Module:
 
 def _build_query(spec: dict[str, Any]) -> nn.Module:
     shape = spec["order_shape"]
+    if shape is not None and (
+        len(shape) != 2 or not all(isinstance(n, int) and n > 0 for n in shape)
+    ):
+        raise LowbitError(f"the checkpoint's BFPQueryQuantizer has a bad order shape {shape!r}")
     order = None if shape is None else torch.zeros(shape, dtype=torch.long)
-    head_dim = shape[1] if shape else spec["block"]
-    return BFPQueryQuantizer(spec["mantissa_bits"], spec["block"], head_dim, order)
+    return BFPQueryQuantizer(spec["mantissa_bits"], spec["block"], spec["head_dim"], order)
 
 
 SPEC_CLASSES = {
@@ -177,7 +181,9 @@ SPEC_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "ActivationQuantizer": {
         "bits": _INT, "symmetric": _BOOL, "clip_ratio": _FLOAT, "group_size": _INT + _NONE,
     },
-    "BFPQueryQuantizer": {"mantissa_bits": _INT, "block": _INT, "order_shape": _LIST + _NONE},
+    "BFPQueryQuantizer": {
+        "mantissa_bits": _INT, "block": _INT, "head_dim": _INT, "order_shape": _LIST + _NONE,
+    },
 }  # fmt: skip
 
 

@@ -162,7 +162,7 @@ class BFPQueryQuantizer(nn.Module):
         super().__init__()
         _check_mantissa(mantissa_bits)
         check_bfp_block(block, head_dim)
-        self.mantissa_bits, self.block = mantissa_bits, block
+        self.mantissa_bits, self.block, self.head_dim = mantissa_bits, block, head_dim
         self.register_buffer("order", order)
 
     def forward(self, q: Tensor) -> Tensor:
