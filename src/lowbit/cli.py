@@ -134,6 +134,30 @@ def _add_eval_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
+def _add_backend_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        metavar="NAME",
+        help="how packed linears multiply: auto (by device and input), reference, torch-cpu, ...; "
+        "a name other than auto packs simulated (fake-quantized) weights first so that the "
+        "backend is what runs (default: auto)",
+    )
+
+
+def use_backend(model, name: str) -> int:
+    """Put ``model``'s packed linears on backend ``name``; returns how many there are.
+
+    ``auto`` leaves a simulated model (``FakeQuantLinear``, float weights: the fast path on CPU)
+    as it is; any other name packs it first, so the named backend is what computes.
+    """
+    from lowbit.nn.packed_linear import pack_model, set_backend
+
+    if name != "auto":
+        pack_model(model)
+    return set_backend(model, name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lowbit",
@@ -168,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="change a recipe setting, e.g. --set w_bits=4; applies to every listed recipe that "
         "has the setting; repeatable",
     )
+    _add_backend_arg(eval_parser)
     _add_eval_args(eval_parser)
 
     quantize_parser = commands.add_parser(
@@ -324,6 +349,13 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         raise LowbitError(f"--chunk must be at least 1, not {args.chunk}")
     if args.json:
         check_writable(args.json)
+    from lowbit.kernels.dispatch import backend_names
+
+    backend = getattr(args, "backend", "auto")  # demo has no --backend
+    if backend not in backend_names():
+        raise LowbitError(
+            f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}"
+        )
     torch.manual_seed(args.seed)
     corpus = load_corpus(args.dataset, part="eval")  # cheap checks before the model loads
     calib_corpus = None
@@ -359,6 +391,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
             candidate = copy.deepcopy(model)
             quantize(candidate, recipe, calibration=calibration, progress=progress)
         quantize_seconds = time.perf_counter() - start
+        use_backend(candidate, backend)
         result = evaluate(
             candidate,
             windows,
@@ -394,6 +427,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
                     "seed": args.seed,
                 },
                 "chunk": args.chunk,
+                "backend": backend,
                 "quantize_seconds": quantize_seconds,
                 "eval_seconds": result.seconds,
                 "seconds": quantize_seconds + result.seconds,
