@@ -1,0 +1,323 @@
+"""Greedy decoding speed end to end: tokens/s at batch 1 and 16 and peak memory, per backend.
+
+Every row runs in a fresh process: load the model, quantize it (RTN, packed, for lowbit rows),
+prefill a fixed prompt into a transformers ``StaticCache``, then time ``--new-tokens`` greedy
+steps (prefill excluded). tokens/s counts every sequence's tokens (batch x steps / seconds).
+With ``--compile`` each row is also run with ``model.forward = torch.compile(model.forward)``
+(default mode on CPU, ``reduce-overhead``, i.e. CUDA graphs, on GPU); a row whose compile
+fails says so and keeps its eager figures. Peak memory: on CPU the process's resident set
+sampled during decoding (after ``malloc_trim``, so quantization's freed memory is not counted),
+on GPU ``torch.cuda.max_memory_allocated`` during decoding.
+
+CPU rows: the embedded SmolLM2-135M in transformers fp32 and bf16; lowbit W8 per channel and
+W4/W3/W2 g64 RTN-packed on each CPU backend that runs the format, on the bf16 model (the
+torch-cpu kernels take bf16 activations) and W4 on the fp32 model (torch-cpu's exact path); and
+llama.cpp on the same GGUF file (Q4_1) with the same threads, through ``llama-cpp-python`` built
+from source in its own virtual environment (``--llama-cpp-venv``, created when missing, ~5
+minutes; a benchmark dependency only).
+
+GPU rows (``--device cuda``): a 7B-shaped random-weight Llama (hidden 4096, intermediate 11008,
+32 layers, 32 heads, vocab 32000) in fp16 against lowbit W8/W4/W3/W2 with ``auto`` backends.
+
+Commands::
+
+    python benchmarks/bench_decode.py --compile --out docs/results/decode.md      # CPU
+    python benchmarks/bench_decode.py --device cuda --compile                      # GPU, 7B-shaped
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PeakRSS, command_line, markdown_table, stamp  # noqa: E402
+
+LLAMA_CPP_VENV = Path("/tmp/lowbit-llamacpp-venv")
+LLAMA_CPP_VERSION = "0.3.36"
+
+# label -> (float dtype, (bits, group) or None, backend); None backend = transformers
+CPU_ROWS = {
+    "transformers fp32": ("float32", None, None),
+    "transformers bf16": ("bfloat16", None, None),
+    "W8 per-channel, torch-cpu": ("bfloat16", (8, None), "torch-cpu"),
+    "W4 g64, torch-cpu": ("bfloat16", (4, 64), "torch-cpu"),
+    "W4 g64, fp32 model, torch-cpu": ("float32", (4, 64), "torch-cpu"),
+    "W3 g64, reference": ("bfloat16", (3, 64), "reference"),
+    "W2 g64, reference": ("bfloat16", (2, 64), "reference"),
+    "W8 per-channel, reference": ("bfloat16", (8, None), "reference"),
+    "W4 g64, reference": ("bfloat16", (4, 64), "reference"),
+}
+GPU_ROWS = {
+    "fp16": ("float16", None, None),
+    "W8 per-channel": ("float16", (8, None), "auto"),
+    "W4 g64": ("float16", (4, 64), "auto"),
+    "W3 g64": ("float16", (3, 64), "auto"),
+    "W2 g64": ("float16", (2, 64), "auto"),
+}
+SEVEN_B = dict(
+    hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+)  # fmt: skip
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+# -- one row, in a child process ------------------------------------------------------------------
+def build_model(device: str, dtype_name: str, quant, backend):
+    import torch
+
+    import lowbit
+    from lowbit.nn.packed_linear import set_backend
+    from lowbit.recipes.rtn import RTNRecipe
+
+    dtype = getattr(torch, dtype_name)
+    if device == "cpu":
+        from lowbit.models.loader import load_model
+
+        loaded = load_model(None, dtype=dtype)
+        model, tokenizer = loaded.model, loaded.tokenizer
+    else:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        torch.manual_seed(0)
+        config = LlamaConfig(**SEVEN_B)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tokenizer = None
+    model.eval()
+    if quant is not None:
+        bits, group = quant
+        recipe = RTNRecipe(w_bits=bits, w_group=group)
+        lowbit.quantize(model, recipe, progress=False, packed=True)
+        set_backend(model, backend)
+    return model, tokenizer
+
+
+def prompt_ids(tokenizer, batch: int, prompt_tokens: int, vocab: int, device: str):
+    import torch
+
+    if tokenizer is None:
+        ids = torch.randint(
+            0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)
+        )
+    else:
+        ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = ids[:, :prompt_tokens]
+    return ids.expand(batch, -1).contiguous().to(device)  # [B, P]
+
+
+def decode(model, ids, new_tokens: int, step) -> tuple[float, list[int]]:
+    """Prefill ``ids`` [B, P] into a StaticCache, then time ``new_tokens`` greedy steps."""
+    import torch
+    from transformers import StaticCache
+
+    batch, prompt = ids.shape
+    cache = StaticCache(config=model.config, max_cache_len=prompt + new_tokens + 1)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(prompt, device=ids.device))  # fmt: skip
+        token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        tokens = [int(token[0, 0])]
+        sync(ids.device)
+        start = time.perf_counter()
+        for i in range(new_tokens):
+            position = torch.tensor([prompt + i], device=ids.device)
+            out = step(input_ids=token, past_key_values=cache, use_cache=True,
+                       cache_position=position)  # fmt: skip
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token[0, 0]))
+        sync(ids.device)
+    return time.perf_counter() - start, tokens
+
+
+def sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_row(args) -> dict:
+    import ctypes
+    import gc
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    dtype_name, quant, backend = (CPU_ROWS if args.device == "cpu" else GPU_ROWS)[args.row]
+    model, tokenizer = build_model(args.device, dtype_name, quant, backend)
+    gc.collect()
+    if args.device == "cpu":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    vocab = model.config.vocab_size
+    result = {"row": args.row, "compile": args.compiled, "batches": {}}
+    step = model.forward
+    if args.compiled:
+        mode = "reduce-overhead" if args.device == "cuda" else None
+        step = torch.compile(model.forward, mode=mode)
+    new_tokens = args.new_tokens if backend != "reference" else args.reference_tokens
+    try:
+        for batch in args.batches:
+            ids = prompt_ids(tokenizer, batch, args.prompt_tokens, vocab, args.device)
+            decode(model, ids, 3, step)  # warm-up (and compile)
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            with PeakRSS() as peak:
+                seconds, tokens = decode(model, ids, new_tokens, step)
+            memory = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else peak.mb
+            result["batches"][batch] = {
+                "tokens_per_s": batch * new_tokens / seconds,
+                "new_tokens": new_tokens,
+                "peak_mb": memory,
+                "first_tokens": tokens[:8],
+            }
+    except Exception as err:  # a compile failure is a result, not a crash
+        if not args.compiled:
+            raise
+        result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return result
+
+
+# -- llama.cpp, in its own virtual environment ----------------------------------------------------
+LLAMA_CHILD = r"""
+import json, sys, time, resource
+from llama_cpp import Llama
+path, threads, prompt, new_tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
+            n_batch=512, verbose=False, seed=0)
+ids = llm.tokenize(prompt.encode(), add_bos=False)
+def run(n):
+    llm.reset()
+    llm.eval(ids)  # prefill
+    start = time.perf_counter()
+    for _ in range(n):
+        token = llm.sample(temp=0.0)
+        llm.eval([token])
+    return time.perf_counter() - start
+run(3)
+seconds = run(new_tokens)
+print(json.dumps({"tokens_per_s": new_tokens / seconds, "new_tokens": new_tokens,
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def llama_cpp_python(venv: Path) -> Path:
+    """The venv's python with llama-cpp-python built from source; built here if missing."""
+    python = venv / "bin/python"
+    if python.exists() and subprocess.run([python, "-c", "import llama_cpp"]).returncode == 0:
+        return python
+    print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source in {venv} (~5 minutes)")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    subprocess.run([python, "-m", "pip", "install", "--no-binary", "llama-cpp-python",
+                    f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)  # fmt: skip
+    return python
+
+
+def run_llama_cpp(args) -> dict:
+    from lowbit.models.loader import embedded_gguf_path
+
+    python = llama_cpp_python(Path(args.llama_cpp_venv))
+    result = {"row": "llama.cpp Q4_1 (same GGUF)", "compile": False, "batches": {}}
+    prompt = PROMPT
+    out = subprocess.run(
+        [python, "-c", LLAMA_CHILD, str(embedded_gguf_path()), str(args.threads), prompt,
+         str(args.new_tokens)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if out.returncode:
+        result["error"] = out.stderr.strip().splitlines()[-1][:160]
+    else:
+        result["batches"][1] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+# -- the table ------------------------------------------------------------------------------------
+def child(args, row: str, compiled: bool) -> dict:
+    argv = [sys.executable, __file__, "--row", row, "--device", args.device,
+            "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+            "--reference-tokens", str(args.reference_tokens),
+            "--prompt-tokens", str(args.prompt_tokens),
+            "--batches", *map(str, args.batches)]  # fmt: skip
+    if compiled:
+        argv.append("--compiled")
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if out.returncode:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"row": row, "compile": compiled, "batches": {}, "error": tail[:160]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(results: list[dict], batches: list[int]) -> str:
+    base = next((r for r in results if r["row"].endswith("fp32") and not r["compile"]), None)
+    header = ["row", "compile"]
+    for b in batches:
+        header += [f"tok/s B={b}", f"x fp32 B={b}", f"peak MB B={b}"]
+    lines = []
+    for r in results:
+        cells = [r["row"], "yes" if r["compile"] else "no"]
+        for b in batches:
+            got = r["batches"].get(b) or r["batches"].get(str(b))
+            ref = base and (base["batches"].get(b) or base["batches"].get(str(b)))
+            if got is None:
+                cells += ["—", "—", "—"]
+                continue
+            ratio = got["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+            cells += [f"{got['tokens_per_s']:.1f}", "—" if ratio is None else f"{ratio:.2f}",
+                      f"{got['peak_mb']:.0f}"]  # fmt: skip
+        if r.get("error"):
+            cells[1] += f" (failed: {r['error']})"
+        lines.append(cells)
+    return markdown_table(header, lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reference-tokens", type=int, default=8,
+                        help="steps for reference-backend rows (they are slow)")  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rows", nargs="+", default=None, help="row labels (default: all)")
+    parser.add_argument("--compile", action="store_true", help="also run each row compiled")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--llama-cpp-venv", default=str(LLAMA_CPP_VENV), metavar="PATH")
+    parser.add_argument("--out", default=None, help="write the markdown table here")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:
+        print(json.dumps(run_row(args)))
+        return
+    load_before = os.getloadavg()[0]
+    rows = args.rows or list(CPU_ROWS if args.device == "cpu" else GPU_ROWS)
+    results = []
+    for row in rows:
+        modes = [False, True] if args.compile else [False]
+        if "reference" in row:
+            modes = [False]  # the reference dequantizes every call: compile is measured apart
+        for compiled in modes:
+            results.append(child(args, row, compiled))
+            print(json.dumps(results[-1]), flush=True)
+    if args.device == "cpu" and not args.no_llama_cpp:
+        results.append(run_llama_cpp(args))
+        print(json.dumps(results[-1]), flush=True)
+    text = (
+        f"{stamp(command_line())} Load average (1 min) {load_before:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after.\n\n{table(results, args.batches)}\n"
+    )
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
