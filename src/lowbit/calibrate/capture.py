@@ -193,7 +193,7 @@ def calibrate_layer_by_layer(
     model: nn.Module,
     adapter,
     tokens: Tensor,
-    process_block: Callable[[int, HessianCollector], None],
+    process_block: Callable[[int, HessianCollector | None], None],
     *,
     linears_of: Callable[[int], dict[str, nn.Module]] | None = None,
     heldout: int = 0,
@@ -202,6 +202,7 @@ def calibrate_layer_by_layer(
     sequential: bool = True,
     propagate_last: bool = False,
     progress: bool = True,
+    skip: Callable[[int], bool] | None = None,
 ) -> BlockInputs | None:
     """Walk the blocks: collect Hessians, call ``process_block``, propagate.
 
@@ -210,7 +211,8 @@ def calibrate_layer_by_layer(
         tokens: [N, S] calibration token ids.
         process_block: ``process_block(index, collector)``; reads ``collector.accumulators``
             (``.hessian("train")``, and ``.hessian("heldout")`` when ``heldout > 0``) and may
-            replace the linears of block ``index`` (through the model, by name).
+            replace the linears of block ``index`` (through the model, by name). For a skipped
+            block it gets ``collector=None`` at the same point of the walk.
         linears_of: ``linears_of(index) -> {fqn: module}``: whose Hessians to collect (default:
             every linear of the block). Blocks with none are only propagated.
         heldout: the last ``heldout`` samples go to the "heldout" split, the rest to "train".
@@ -222,6 +224,12 @@ def calibrate_layer_by_layer(
         propagate_last: also run the last block, and return its outputs (else return None;
             blocks after the last one with linears to calibrate are then not run at all).
         progress: show a progress bar.
+        skip: ``skip(index)`` -> True when block ``index`` (one with linears to calibrate) needs
+            no Hessians, e.g. its result is restored from a checkpoint: ``process_block(index,
+            None)`` puts it in place, and the block propagates as a calibrated one would
+            (sequential: its processed outputs; else its float outputs, computed before
+            ``process_block``). Skipped blocks after the last calibrated one are processed
+            without running any block.
 
     Returns:
         the last block's outputs as :class:`BlockInputs` if ``propagate_last``, else None.
@@ -241,16 +249,23 @@ def calibrate_layer_by_layer(
     spare = torch.empty_like(inputs.hidden)
     first_heldout = n_samples - heldout
     wanted = {index: linears_of(index) for index in range(adapter.num_layers)}
-    calibrated = [index for index, linears in wanted.items() if linears]
+    skipped = {index for index, linears in wanted.items() if linears and skip and skip(index)}
+    calibrated = [index for index, linears in wanted.items() if linears and index not in skipped]
     stop = adapter.num_layers if propagate_last else (calibrated[-1] if calibrated else -1)
     for index in tqdm(range(adapter.num_layers), desc="calibrate", disable=not progress):
-        if index > stop:
-            break  # nothing after this block needs its inputs
+        if index > stop:  # nothing after this block needs its inputs
+            if index in skipped:
+                process_block(index, None)
+            continue
         block = blocks[index]
         home = next(block.parameters()).device
         block.to(device)
         try:
-            if wanted[index]:
+            if index in skipped:
+                if not sequential and index < stop:  # the float block's outputs propagate
+                    run_block(block, inputs, device=device, out=spare)
+                process_block(index, None)
+            elif wanted[index]:
                 with HessianCollector(
                     wanted[index], device, stop_when_complete=sequential
                 ) as collector:
