@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ def quantize(
     overrides: dict[str, dict[str, Any]] | None = None,
     progress: bool = True,
     packed: bool = False,
+    resume_dir: str | Path | None = None,
 ) -> torch.nn.Module:
     """Quantize ``model`` in place with ``recipe`` and return it.
 
@@ -38,6 +40,11 @@ def quantize(
             PackedLinear`, the memory a deployment uses) instead of dequantized floats (the
             simulated face, faster for accuracy studies on CPU). Outputs are the same bit for
             bit; :func:`lowbit.nn.packed_linear.pack_model` converts later.
+        resume_dir: for methods whose weights are calibrated with GPTQ (``gptq``, ``quarot``
+            with ``w_algo=gptq``): write each finished block there, and restore the blocks
+            found there from an earlier, interrupted run of the same command (same model,
+            recipe, overrides and calibration; else a LowbitError). The result is identical to
+            an uninterrupted run. Other methods ignore it.
 
     The recipe is recorded on the model as ``model.lowbit_recipe``.
     """
@@ -60,6 +67,7 @@ def quantize(
         includes=filter_fn,
         overrides=overrides or {},
         progress=progress,
+        resume_dir=resume_dir,
     )
     for pattern, values in context.overrides.items():
         recipe.with_settings(**values)  # reject unknown settings before any work is done

@@ -20,6 +20,11 @@ Choices:
   samples (``tr(ΔW H_heldout ΔWᵀ)``) are compared and the smaller one's weight is kept. The
   RTN candidate takes the ``absmax`` scale rule whatever GPTQ's is (same stored format): it is
   RTN's better rule (see ``lowbit.recipes.linear_settings``).
+* Resuming (GPTQ, ``resume_dir``): each finished block's packed weights and choices are written
+  to a :class:`~lowbit.io.resume.BlockCheckpoints` directory. A run started again with the same
+  inputs restores the finished blocks instead of calibrating them; the walk still runs them
+  forward (the same code path), so later blocks see bit for bit the inputs of an
+  uninterrupted run and the result is identical to it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +47,7 @@ from lowbit.calibrate.capture import block_linears, calibrate_layer_by_layer
 from lowbit.calibrate.hessian import HessianCollector
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized
+from lowbit.io.resume import BlockCheckpoints, run_fingerprint
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
 
 __all__ = ["GPTQOptions", "LayerChoice", "WeightQuantReport", "quantize_linears"]
@@ -142,6 +149,8 @@ def quantize_linears(
     progress: bool = True,
     device: torch.device | str | None = None,
     offload_device: torch.device | str = "cpu",
+    resume_dir: str | Path | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> WeightQuantReport:
     """Quantize the weights of the selected block linears in place.
 
@@ -161,6 +170,11 @@ def quantize_linears(
         progress: show progress bars.
         device: compute device for calibration (default: where the blocks are).
         offload_device: where captured activations live during calibration.
+        resume_dir: GPTQ only: directory of block checkpoints (:mod:`lowbit.io.resume`);
+            finished blocks found there are restored instead of calibrated, the others are
+            written as they finish. A directory from a different run is a LowbitError.
+        recipe: the calling recipe's ``to_dict()`` (and overrides), part of the resume
+            directory's fingerprint.
 
     Returns:
         :class:`WeightQuantReport`.
@@ -182,7 +196,7 @@ def quantize_linears(
     else:
         _quantize_gptq(
             model, adapter, names, specs, calibration, guard, heldout_fraction, gptq, report,
-            sequential, progress, device, offload_device,
+            sequential, progress, device, offload_device, resume_dir, recipe,
         )  # fmt: skip
     for name in names:
         model.get_submodule(name).act_quantizer = act_quantizer_for(name)
@@ -203,7 +217,7 @@ def _quantize_rtn(model: nn.Module, name: str, spec: IntWeightSpec | None) -> La
 
 def _quantize_gptq(
     model, adapter, names, specs, calibration, guard, heldout_fraction, options, report,
-    sequential, progress, device, offload_device,
+    sequential, progress, device, offload_device, resume_dir, recipe,
 ) -> None:  # fmt: skip
     if calibration is None:
         raise LowbitError("GPTQ needs calibration data (calibration=[n_samples, seqlen] ids)")
@@ -217,6 +231,13 @@ def _quantize_gptq(
         heldout = min(n_samples - 1, max(1, round(n_samples * heldout_fraction)))
     report.calibration_samples, report.heldout_samples = n_samples - heldout, heldout
     selected = set(names)
+    store = None
+    if resume_dir is not None:  # fingerprint the model before anything in it changes
+        store = _open_checkpoints(
+            resume_dir, model, adapter, calibration, specs, recipe, device,
+            {"algo": "gptq", "guard": guard, "heldout_fraction": heldout_fraction,
+             "sequential": sequential, "gptq": dataclasses.asdict(options)},
+        )  # fmt: skip
     for name in names:  # calibrate with float activations
         module = model.get_submodule(name)
         if getattr(module, "act_quantizer", None) is not None:
@@ -229,7 +250,11 @@ def _quantize_gptq(
             if n in selected and specs[n] is not None
         }
 
-    def quantize_block(index: int, collector: HessianCollector) -> None:
+    def quantize_block(index: int, collector: HessianCollector | None) -> None:
+        if collector is None:  # finished in an earlier run
+            report.layers.extend(_restore_block(model, adapter, index, selected, specs, store))
+            return
+        finished: list[tuple[LayerChoice, IntQuantized | None]] = []
         for name, module in block_linears(model, adapter, index).items():
             if name not in selected:
                 continue
@@ -237,6 +262,7 @@ def _quantize_gptq(
             if spec is None:
                 replace_module(model, name, _replacement(module, module.weight, None, "float"))
                 report.layers.append(LayerChoice(name, "float"))
+                finished.append((report.layers[-1], None))
                 continue
             accumulator = collector.accumulators[name]
             weight = module.weight.detach().float()
@@ -262,6 +288,13 @@ def _quantize_gptq(
             fmt = f"{spec.describe()}, {choice.algo}"
             replace_module(model, name, _replacement(module, dequantized, packed, fmt))
             report.layers.append(choice)
+            finished.append((choice, packed))
+        if store is not None:
+            store.save(
+                index,
+                [dataclasses.asdict(choice) for choice, _ in finished],
+                {choice.name: packed for choice, packed in finished if packed is not None},
+            )
 
     calibrate_layer_by_layer(
         model,
@@ -274,6 +307,7 @@ def _quantize_gptq(
         offload_device=offload_device,
         device=device,
         progress=progress,
+        skip=None if store is None else store.done,
     )
     missing = [n for n in names if not any(layer.name == n for layer in report.layers)]
     if missing:  # blocks whose selected linears are all float are never handed to the callback
@@ -281,3 +315,54 @@ def _quantize_gptq(
             module = model.get_submodule(name)
             replace_module(model, name, _replacement(module, module.weight, None, "float"))
             report.layers.append(LayerChoice(name, "float"))
+
+
+def _open_checkpoints(
+    resume_dir, model, adapter, calibration, specs, recipe, device, options
+) -> BlockCheckpoints:
+    device = device if device is not None else next(adapter.blocks_module.parameters()).device
+    fingerprint = run_fingerprint(
+        model,
+        calibration,
+        layers={n: None if s is None else dataclasses.asdict(s) for n, s in specs.items()},
+        options=options,
+        recipe=recipe,
+        device=device,
+    )
+    return BlockCheckpoints(resume_dir, fingerprint)
+
+
+def _restore_block(model, adapter, index, selected, specs, store) -> list[LayerChoice]:
+    """Put block ``index``'s checkpointed linears in place; returns their choices."""
+    layers, quantized = store.load(index)
+    linears = {n: m for n, m in block_linears(model, adapter, index).items() if n in selected}
+    mismatch = LowbitError(
+        f"block {index} of resume directory {store.directory} does not hold what this run "
+        "quantizes; delete the directory or pass another --resume-dir"
+    )
+    if [layer["name"] for layer in layers] != list(linears):
+        raise mismatch
+    choices = []
+    fields = [f.name for f in dataclasses.fields(LayerChoice)]
+    for layer, (name, module) in zip(layers, linears.items(), strict=True):
+        choice = LayerChoice(**{key: layer.get(key) for key in fields})
+        spec, saved = specs[name], quantized.get(name)
+        if (spec is None) != (choice.algo == "float") or (spec is None) != (saved is None):
+            raise mismatch
+        if spec is None:
+            replace_module(model, name, _replacement(module, module.weight, None, "float"))
+        else:
+            saved_format = (saved.bits, saved.group_size, saved.symmetric)
+            if saved_format != (spec.bits, spec.group_size, spec.symmetric):
+                raise mismatch
+            device = module.weight.device
+            packed = dataclasses.replace(
+                saved,
+                qdata=saved.qdata.to(device),
+                scale=saved.scale.to(device),
+                zero=None if saved.zero is None else saved.zero.to(device),
+            )  # the codes and fp32 statistics GPTQ or RTN returned
+            fmt = f"{spec.describe()}, {choice.algo}"
+            replace_module(model, name, _replacement(module, packed.dequantize(), packed, fmt))
+        choices.append(choice)
+    return choices

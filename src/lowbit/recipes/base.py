@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from pathlib import Path
 from typing import Any, ClassVar, Union
 
 import torch
@@ -172,6 +173,8 @@ class QuantizeContext:
         includes: ``includes(fqn, module)`` says whether a linear is quantized.
         overrides: per-layer settings, ``{fnmatch pattern: {setting: value}}``, applied in order.
         progress: show progress bars.
+        resume_dir: directory of block checkpoints for methods that calibrate weights with
+            GPTQ (:mod:`lowbit.io.resume`), or None.
     """
 
     adapter: Any
@@ -179,9 +182,14 @@ class QuantizeContext:
     includes: Any = None
     overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     progress: bool = True
+    resume_dir: str | Path | None = None
 
     def selected(self, fqn: str, module: torch.nn.Module) -> bool:
         return self.includes is None or bool(self.includes(module, fqn))
+
+    def resume_fingerprint(self, recipe: Recipe) -> dict[str, Any]:
+        """The recipe and overrides, as a resume directory records them."""
+        return {"recipe": recipe.to_dict(), "overrides": self.overrides}
 
     def recipe_for(self, recipe: Recipe, fqn: str) -> Recipe:
         """``recipe`` with the overrides whose pattern matches ``fqn`` applied."""

@@ -81,4 +81,6 @@ class GPTQRecipe(LinearQuantSettings, Recipe):
             gptq=GPTQOptions(self.block_size, self.act_order, self.damp),
             sequential=self.sequential,
             progress=context.progress,
+            resume_dir=context.resume_dir,
+            recipe=context.resume_fingerprint(self),
         )

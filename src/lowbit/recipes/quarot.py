@@ -121,6 +121,8 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
             includes=context.selected,
             gptq=GPTQOptions(act_order=self.act_order, damp=self.damp),
             progress=context.progress,
+            resume_dir=context.resume_dir,
+            recipe=context.resume_fingerprint(self),
         )
         kv = self.kv_recipe()
         if kv.key_bits() != OFF_BITS or kv.value_bits() != OFF_BITS:

@@ -1,0 +1,331 @@
+"""Block checkpoints of a calibration run, so that a killed run resumes where it stopped.
+
+A resume directory holds::
+
+    run.json                 {"format_version": 1, "fingerprint": {part: value}}: everything
+                             the quantized weights depend on (below), written before any block
+    block-0003.safetensors   the packed weight of each quantized linear of block 3, keyed
+                             "{layer name}.qdata" / ".scale" / ".zero" (PackedLinear's buffers)
+    block-0003.json          the block's layer choices, each weight's format, the layers kept in
+                             float, and the SHA-256 of the safetensors file
+
+Every file is written atomically (a temporary file in the same directory, fsync, rename), the
+block's JSON after its tensors: a block is finished exactly when its JSON exists, so a SIGKILL
+at any point leaves either a finished block or one that is done again. A directory whose
+fingerprint differs from the current run's is refused with a sentence naming the difference,
+never mixed into it. Nothing is pickled.
+
+The fingerprint's parts: the recipe (its ``to_dict()`` and per-layer overrides, as the caller
+passes them), the weight format of every selected layer, the algorithm's options, the model's
+config, a SHA-256 of the float model's parameters and buffers as the weight algorithm first
+sees them (after any rotation), a SHA-256 of the calibration token ids, the compute device type
+and torch version (both change floating-point results), and this format's version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from torch import Tensor, nn
+
+from lowbit.errors import LowbitError
+from lowbit.formats.intq import IntQuantized
+from lowbit.formats.packing import packed_words_per_row
+
+__all__ = ["RESUME_FORMAT_VERSION", "BlockCheckpoints", "run_fingerprint", "tensor_sha256"]
+
+RESUME_FORMAT_VERSION = 1
+RUN_NAME = "run.json"
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_PART_NAMES = {
+    "format_version": "the resume format version",
+    "recipe": "the recipe",
+    "layers": "the layers' weight formats",
+    "options": "the weight algorithm's options",
+    "model_config": "the model's config",
+    "model_weights": "the model's float weights",
+    "calibration": "the calibration tokens",
+    "device": "the compute device type",
+    "torch": "the torch version",
+}
+
+
+# -- fingerprint -----------------------------------------------------------------------------------
+def tensor_sha256(tensors: list[tuple[str, Tensor]]) -> str:
+    """SHA-256 over each tensor's name, dtype, shape and bytes, in the given order."""
+    digest = hashlib.sha256()
+    for name, tensor in tensors:
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # [numel]
+        digest.update(flat.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples become lists, dtypes strings)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_fingerprint(
+    model: nn.Module,
+    calibration: Tensor,
+    *,
+    layers: dict[str, dict[str, Any] | None],
+    options: dict[str, Any],
+    recipe: dict[str, Any] | None,
+    device: torch.device | str,
+) -> dict[str, Any]:
+    """What a run's quantized weights depend on (see the module docstring).
+
+    Args:
+        model: the model as the weight algorithm receives it (float block linears).
+        calibration: [N, S] token ids.
+        layers: ``{layer name: weight format settings, or None for a layer kept in float}``.
+        options: the algorithm's settings (GPTQ options, guard, sequential, ...).
+        recipe: the recipe's ``to_dict()`` and overrides, or None.
+        device: the compute device.
+    """
+    config = getattr(model, "config", None)
+    config_dict = config.to_dict() if config is not None else {}
+    config_dict.pop("_name_or_path", None)  # where it was loaded from, not what it is
+    state = list(model.named_parameters()) + list(model.named_buffers())
+    return _jsonable(
+        {
+            "format_version": RESUME_FORMAT_VERSION,
+            "recipe": recipe,
+            "layers": layers,
+            "options": options,
+            "model_config": config_dict,
+            "model_weights": tensor_sha256(state),
+            "calibration": tensor_sha256([("calibration", calibration)]),
+            "device": torch.device(device).type,
+            "torch": torch.__version__,
+        }
+    )
+
+
+def _first_difference(saved: Any, current: Any, path: str = "") -> str:
+    """Where two JSON values first differ, e.g. ``settings.w_bits: 4 there, 3 here``."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in list(saved) + [k for k in current if k not in saved]:
+            if saved.get(key, ...) != current.get(key, ...):
+                return _first_difference(saved.get(key), current.get(key), f"{path}{key}.")
+    if isinstance(saved, str) and len(saved) == 64:  # a digest says nothing to a reader
+        return path.rstrip(".")
+    where = path.rstrip(".")
+    return f"{where + ': ' if where else ''}{saved!r} there, {current!r} here"
+
+
+# -- files -----------------------------------------------------------------------------------------
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)
+
+
+def _block_stem(index: int) -> str:
+    return f"block-{index:04d}"
+
+
+def _is_our_temp(name: str) -> bool:
+    return name.endswith(".tmp") and (
+        name.startswith(".block-") or name.startswith(f".{RUN_NAME}.")
+    )
+
+
+class BlockCheckpoints:
+    """A resume directory: opened (or created) for one run's fingerprint.
+
+    Args:
+        directory: the resume directory (created if missing).
+        fingerprint: :func:`run_fingerprint` of the current run.
+
+    Raises :class:`LowbitError` when the directory belongs to another run or to something else.
+    """
+
+    def __init__(self, directory: str | Path, fingerprint: dict[str, Any]):
+        self.directory = Path(directory).expanduser()
+        self.fingerprint = fingerprint
+        try:
+            self._open()
+        except OSError as err:
+            raise LowbitError(
+                f"cannot use {self.directory} as a resume directory: {err.strerror or err}"
+            ) from err
+
+    def _open(self) -> None:
+        if self.directory.exists() and not self.directory.is_dir():
+            raise LowbitError(f"resume directory {self.directory} is a file, not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for entry in self.directory.iterdir():
+            if _is_our_temp(entry.name) and entry.is_file():
+                entry.unlink()  # left by a run killed while writing
+        run = self.directory / RUN_NAME
+        if not run.exists():
+            if any(self.directory.iterdir()):
+                raise LowbitError(
+                    f"{self.directory} is not empty and has no {RUN_NAME}, so it is not a lowbit "
+                    "resume directory; pass a new or empty --resume-dir"
+                )
+            _write_atomic(run, self._json({"fingerprint": self.fingerprint}))
+            return
+        saved = self._read_json(run).get("fingerprint")
+        if saved != self.fingerprint:
+            if not isinstance(saved, dict):
+                saved = {}
+            part = next(
+                k for k in list(self.fingerprint) + list(saved)
+                if saved.get(k, ...) != self.fingerprint.get(k, ...)
+            )  # fmt: skip
+            detail = _first_difference(saved.get(part), self.fingerprint.get(part))
+            what = _PART_NAMES.get(part, part)
+            raise LowbitError(
+                f"resume directory {self.directory} was written by a different run: {what} "
+                f"changed{f' ({detail})' if detail else ''}; delete it or pass another "
+                "--resume-dir"
+            )
+
+    @staticmethod
+    def _json(data: dict[str, Any]) -> bytes:
+        return json.dumps({"format_version": RESUME_FORMAT_VERSION, **data}, indent=1).encode()
+
+    def _read_json(self, path: Path) -> dict[str, Any]:
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise LowbitError(
+                f"{path} in the resume directory is not valid JSON; delete the directory or "
+                "pass another --resume-dir"
+            ) from err
+        if not isinstance(data, dict):
+            raise LowbitError(f"{path} in the resume directory does not hold a JSON object")
+        return data
+
+    # -- blocks ------------------------------------------------------------------------------------
+    def done(self, index: int) -> bool:
+        """Whether block ``index`` is finished (its JSON exists)."""
+        return (self.directory / f"{_block_stem(index)}.json").is_file()
+
+    def save(
+        self, index: int, layers: list[dict[str, Any]], quantized: dict[str, IntQuantized]
+    ) -> None:
+        """Write block ``index``: its layer choices and the packed weight of each quantized one.
+
+        Args:
+            index: the block.
+            layers: one JSON-able dict per selected linear of the block, with at least ``name``
+                and ``algo`` ("float" for a layer left unquantized).
+            quantized: ``{layer name: weight container}`` of the quantized layers.
+        """
+        from lowbit.nn.packed_linear import PackedLinear
+
+        stem = _block_stem(index)
+        tensors, formats = {}, {}
+        for name, weight in quantized.items():
+            packed = PackedLinear.from_quantized(weight)
+            tensors[f"{name}.qdata"] = packed.qdata.cpu()
+            tensors[f"{name}.scale"] = packed.scale.cpu()  # [out, G] in scale_dtype
+            if packed.zero is not None:
+                tensors[f"{name}.zero"] = packed.zero.cpu()  # [out, G] uint8
+            formats[name] = {
+                "bits": weight.bits,
+                "group_size": weight.group_size,
+                "symmetric": weight.symmetric,
+                "scale_dtype": str(weight.scale_dtype).removeprefix("torch."),
+                "dtype": str(weight.dtype).removeprefix("torch."),
+                "shape": list(weight.shape),
+            }
+        data = save_tensors(tensors)
+        _write_atomic(self.directory / f"{stem}.safetensors", data)
+        record = {
+            "block": index,
+            "layers": layers,
+            "formats": formats,
+            "float": [layer["name"] for layer in layers if layer["algo"] == "float"],
+            "tensors_sha256": hashlib.sha256(data).hexdigest(),
+        }
+        _write_atomic(self.directory / f"{stem}.json", self._json(_jsonable(record)))
+
+    def load(self, index: int) -> tuple[list[dict[str, Any]], dict[str, IntQuantized]]:
+        """Block ``index``'s layer choices and packed weights, as :meth:`save` got them.
+
+        Containers are on the CPU. A damaged block is a :class:`LowbitError`.
+        """
+        stem = _block_stem(index)
+        record = self._read_json(self.directory / f"{stem}.json")
+        path = self.directory / f"{stem}.safetensors"
+        damaged = (
+            f"block {index} of resume directory {self.directory} is damaged ({{}}); delete "
+            f"{stem}.json to quantize that block again"
+        )
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise LowbitError(damaged.format(f"{path.name} is missing")) from None
+        if hashlib.sha256(data).hexdigest() != record.get("tensors_sha256"):
+            raise LowbitError(damaged.format(f"{path.name} does not match its checksum"))
+        try:
+            tensors = load_tensors(data)
+            layers, formats = record["layers"], record["formats"]
+            if record["block"] != index or not all(
+                isinstance(layer, dict) and {"name", "algo"} <= set(layer) for layer in layers
+            ):
+                raise ValueError(f"{stem}.json does not describe block {index}")
+            quantized = {name: _container(name, fmt, tensors) for name, fmt in formats.items()}
+        except (SafetensorError, KeyError, TypeError, ValueError) as err:
+            raise LowbitError(damaged.format(str(err).split("\n")[0])) from err
+        return layers, quantized
+
+
+def _container(name: str, fmt: dict[str, Any], tensors: dict[str, Tensor]) -> IntQuantized:
+    """The :class:`IntQuantized` of one saved layer, its tensors checked against its format."""
+    out_features, in_features = fmt["shape"]
+    bits, group_size, symmetric = int(fmt["bits"]), fmt["group_size"], bool(fmt["symmetric"])
+    scale_dtype, dtype = _DTYPES[fmt["scale_dtype"]], _DTYPES[fmt["dtype"]]
+    groups = 1 if group_size is None else in_features // group_size
+    expected = {
+        "qdata": ((packed_words_per_row(out_features * in_features, bits),), torch.uint8),
+        "scale": ((out_features, groups), scale_dtype),
+    }
+    if not symmetric:
+        expected["zero"] = ((out_features, groups), torch.uint8)
+    for key, (shape, want) in expected.items():
+        tensor = tensors[f"{name}.{key}"]
+        if tuple(tensor.shape) != shape or tensor.dtype != want:
+            raise ValueError(f"{name}.{key} is {tuple(tensor.shape)} {tensor.dtype}")
+    zero = tensors.get(f"{name}.zero")
+    return IntQuantized(
+        qdata=tensors[f"{name}.qdata"],
+        scale=tensors[f"{name}.scale"].float(),  # exact: the container keeps fp32 values
+        zero=None if symmetric else zero.float(),
+        bits=bits,
+        symmetric=symmetric,
+        axis=-1,
+        group_size=group_size,
+        shape=torch.Size((out_features, in_features)),
+        dtype=dtype,
+        scale_dtype=scale_dtype,
+    )
