@@ -90,6 +90,14 @@ def _add_calibration_args(parser: argparse.ArgumentParser, *, for_demo: bool = F
         "calibrating on the evaluation file (default: 0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for calibration sampling")
+    parser.add_argument(
+        "--resume-dir",
+        default=None,
+        metavar="DIR",
+        help="GPTQ runs (gptq, quarot with w_algo=gptq) write each finished block here; run the "
+        "same command again after an interruption and finished blocks are restored, giving the "
+        "weights of an uninterrupted run (default: no checkpoints)",
+    )
 
 
 def _add_eval_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -> None:
@@ -349,6 +357,13 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         raise LowbitError(f"--chunk must be at least 1, not {args.chunk}")
     if args.json:
         check_writable(args.json)
+    resume_dir = getattr(args, "resume_dir", None)
+    resumable = [r for r in recipes if getattr(r, "gptq_weights", False)]
+    if resume_dir is not None and len(resumable) > 1:
+        raise LowbitError(
+            f"--resume-dir holds the blocks of one run, but {len(resumable)} recipes calibrate "
+            "with GPTQ; give it with one of them"
+        )
     from lowbit.kernels.dispatch import backend_names
 
     backend = getattr(args, "backend", "auto")  # demo has no --backend
@@ -389,7 +404,10 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
             candidate = model
         else:
             candidate = copy.deepcopy(model)
-            quantize(candidate, recipe, calibration=calibration, progress=progress)
+            quantize(
+                candidate, recipe, calibration=calibration, progress=progress,
+                resume_dir=resume_dir,
+            )  # fmt: skip
         quantize_seconds = time.perf_counter() - start
         use_backend(candidate, backend)
         result = evaluate(
@@ -462,8 +480,9 @@ def run_quantize(args) -> None:
         calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
     start = time.perf_counter()
     model = quantize(
-        loaded.model, recipe, calibration=calibration, progress=not args.no_progress, packed=True
-    )
+        loaded.model, recipe, calibration=calibration, progress=not args.no_progress,
+        packed=True, resume_dir=args.resume_dir,
+    )  # fmt: skip
     seconds = time.perf_counter() - start
     save(model, out, tokenizer=loaded.tokenizer)
     memory = memory_report(model, adapter_for(model))

@@ -232,3 +232,33 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(recipe, tmp_path, count
     assert len(count_gptq) == (LAYERS - 2) * LINEARS_PER_BLOCK  # blocks 0 and 1 not redone
     reference = request.getfixturevalue("uninterrupted") if recipe is GPTQ else run(recipe)
     assert_same_weights(resumed, reference)
+
+
+def test_cli_quantize_resumes_from_its_directory(tiny_model_dir, tmp_path, capsys, count_gptq):
+    from safetensors.torch import load_file
+
+    from lowbit.cli import main
+
+    resume = tmp_path / "resume"
+    args = ["quantize", "--model", str(tiny_model_dir), "--recipe", "w4a16-g64-gptq",
+            "--set", "w_group=32", "--calib-samples", "4", "--seqlen", "64", "--no-progress",
+            "--resume-dir", str(resume)]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert sorted(p.name for p in resume.glob("*.json")) == [
+        "block-0000.json", "block-0001.json", "run.json"
+    ]  # fmt: skip
+    count_gptq.clear()
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0  # every block restored
+    assert not count_gptq
+    first = load_file(tmp_path / "a" / "model.safetensors")
+    second = load_file(tmp_path / "b" / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+    capsys.readouterr()
+    assert main([*args, "--set", "w_bits=3", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was written by a different run: the recipe changed" in err
+    assert main(["eval", "--model", str(tiny_model_dir), "--recipe", "gptq", "--recipe", "quarot",
+                 "--resume-dir", str(resume), "--no-progress"]) == 2  # fmt: skip
+    assert "2 recipes calibrate with GPTQ" in capsys.readouterr().err
