@@ -473,6 +473,9 @@ def run_quantize(args) -> None:
         raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
     out = Path(args.out).expanduser()
     check_save_target(out)  # before the long work
+    resume = None if args.resume_dir is None else Path(args.resume_dir).expanduser()
+    if resume is not None and resume.resolve() == out.resolve():
+        raise LowbitError("--resume-dir must be another directory than --out")
     calib_corpus = load_corpus(args.calib, part="calibration") if recipe.needs_calibration else None
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
     calibration = None

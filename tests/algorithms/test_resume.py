@@ -262,3 +262,6 @@ def test_cli_quantize_resumes_from_its_directory(tiny_model_dir, tmp_path, capsy
     assert main(["eval", "--model", str(tiny_model_dir), "--recipe", "gptq", "--recipe", "quarot",
                  "--resume-dir", str(resume), "--no-progress"]) == 2  # fmt: skip
     assert "2 recipes calibrate with GPTQ" in capsys.readouterr().err
+    same = ["--resume-dir", str(tmp_path / "d"), "--out", str(tmp_path / "d")]
+    assert main([*args, *same]) == 2
+    assert "another directory than --out" in capsys.readouterr().err
