@@ -65,7 +65,7 @@ class KVRow:
 
 def _recipe_row(name: str, method: str, **settings) -> KVRow:
     def install(model, adapter, seqlen):
-        from lowbit.quantize import quantize
+        from lowbit.api import quantize
         from lowbit.recipes.registry import get_recipe
 
         recipe = get_recipe(method, **settings)

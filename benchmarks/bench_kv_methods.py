@@ -64,7 +64,7 @@ def main() -> None:
     from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
     from lowbit.models.adapter import adapter_for
     from lowbit.models.loader import load_model
-    from lowbit.quantize import quantize
+    from lowbit.api import quantize
     from lowbit.recipes.kvquant import LADDER
     from lowbit.recipes.registry import get_recipe
 

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LowbitError": "lowbit.errors",
     "load_model": "lowbit.models.loader",
-    "quantize": "lowbit.quantize",
+    "quantize": "lowbit.api",
     "get_recipe": "lowbit.recipes.registry",
     "list_recipes": "lowbit.recipes.registry",
     "evaluate": "lowbit.eval.evaluate",

@@ -346,7 +346,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
     from lowbit.eval.memory import memory_report
     from lowbit.models.adapter import adapter_for
     from lowbit.models.loader import load_model
-    from lowbit.quantize import quantize
+    from lowbit.api import quantize
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
     recipes = [recipe for _, recipe in labelled]
@@ -464,7 +464,7 @@ def run_quantize(args) -> None:
     from lowbit.io.checkpoint import check_save_target, save
     from lowbit.models.adapter import adapter_for
     from lowbit.models.loader import load_model
-    from lowbit.quantize import quantize
+    from lowbit.api import quantize
 
     ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
     if recipe.method == "fp":

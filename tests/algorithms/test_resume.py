@@ -15,7 +15,7 @@ import lowbit.algorithms.weights as weights_module
 from lowbit.errors import LowbitError
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.quant_linear import FakeQuantLinear
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 LAYERS = 4
@@ -193,7 +193,7 @@ import json, os, signal, sys
 import torch
 from lowbit.io.resume import BlockCheckpoints
 from lowbit.models.tiny import tiny_model
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 torch.set_num_threads(1)  # as the test process (the one_thread fixture)

@@ -6,7 +6,7 @@ import torch
 
 from lowbit.eval.evaluate import FloatReference, evaluate
 from lowbit.models.tiny import tiny_model
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 
 WINDOWS = torch.randint(3, 256, (3, 40), generator=torch.Generator().manual_seed(1))
 

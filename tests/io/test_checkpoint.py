@@ -19,7 +19,7 @@ from lowbit.kv.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.packed_linear import PackedLinear
 from lowbit.nn.quant_linear import FakeQuantLinear
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 IDS = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(3))

@@ -6,7 +6,7 @@ from lowbit.formats.intq import IntQuantized
 from lowbit.kernels import dispatch
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.packed_linear import PackedLinear, set_backend
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 
 
 def _layer(backend="reference"):

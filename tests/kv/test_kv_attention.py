@@ -16,7 +16,7 @@ from lowbit.kv.attention import KVQuantAttention
 from lowbit.kv.cache import QuantizedKVLayer
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 from lowbit.transforms.permute import ksort_qk
 

@@ -8,7 +8,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe, recipe_from_dict
 
 RECIPES = [

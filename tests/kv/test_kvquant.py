@@ -12,7 +12,7 @@ from lowbit.kv.kvquant import KVQuantPackedKV, KVQuantQuantizer, token_rotation,
 from lowbit.kv.quantizer import kv_quantizer_from_dict
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 from lowbit.recipes.kvquant import LADDER, _added_loss
 from lowbit.recipes.registry import get_recipe
 

@@ -11,7 +11,7 @@ from lowbit.models.tiny import tiny_model
 from lowbit.nn.act_quant import ActivationQuantizer
 from lowbit.nn.packed_linear import PackedLinear, pack_model, unpack_model
 from lowbit.nn.quant_linear import FakeQuantLinear
-from lowbit.quantize import quantize
+from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 from lowbit.transforms.hadamard import OnlineHadamard
 

@@ -1,4 +1,9 @@
-"""The one entry point: ``lowbit.quantize(model, recipe, calibration=...)``."""
+"""The one entry point, ``lowbit.quantize(model, recipe, calibration=...)``.
+
+It lives in ``lowbit.api``, not in a module named ``lowbit.quantize``: importing a submodule sets
+the package attribute of the same name, which would replace the function ``lowbit.quantize`` by
+the module.
+"""
 
 from __future__ import annotations
 
