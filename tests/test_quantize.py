@@ -3,11 +3,11 @@ import copy
 import pytest
 import torch
 
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized, fake_quant_int
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.quant_linear import FakeQuantLinear
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]

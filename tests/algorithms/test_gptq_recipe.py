@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lowbit.algorithms.rtn import IntWeightSpec, rtn_quantize
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.models.tiny import tiny_model
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]

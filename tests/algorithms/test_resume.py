@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import lowbit.algorithms.weights as weights_module
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.quant_linear import FakeQuantLinear
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 LAYERS = 4

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
+from lowbit.api import quantize
 from lowbit.eval.evaluate import FloatReference, evaluate
 from lowbit.models.tiny import tiny_model
-from lowbit.api import quantize
 
 WINDOWS = torch.randint(3, 256, (3, 40), generator=torch.Generator().manual_seed(1))
 

@@ -1,9 +1,9 @@
 import pytest
 
+from lowbit.api import quantize
 from lowbit.eval.memory import float_kv_bytes_per_token, memory_report
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 # tiny llama per block: q 96x96, k 32x96, v 32x96, o 96x96, gate 160x96, up 160x96, down 96x160

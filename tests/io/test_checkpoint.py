@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lowbit
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.io import checkpoint
 from lowbit.io.checkpoint import load, save, verify_checkpoint
@@ -19,7 +20,6 @@ from lowbit.kv.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.packed_linear import PackedLinear
 from lowbit.nn.quant_linear import FakeQuantLinear
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 
 IDS = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(3))

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized
 from lowbit.kernels import dispatch
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.packed_linear import PackedLinear, set_backend
-from lowbit.api import quantize
 
 
 def _layer(backend="reference"):

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized
 from lowbit.kernels import dispatch
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.packed_linear import PackedLinear, set_backend
-from lowbit.api import quantize
 
 N = 37  # not a multiple of the int4 kernel's 16 rows: padding is exercised
 ROWS = (1, 3, 13, 64)

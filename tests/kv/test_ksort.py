@@ -2,12 +2,12 @@ import copy
 
 import torch
 
+from lowbit.api import quantize
 from lowbit.formats.bfp import fake_quant_bfp
 from lowbit.kv.bfp_quant import BFPKVQuantizer
 from lowbit.kv.fisher import collect_kv_fisher
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 from lowbit.transforms.permute import ksort_order, ksort_qk
 

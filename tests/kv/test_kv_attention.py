@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.eval.evaluate import window_logits
 from lowbit.kv import IntTokenQuantizer, install_kv_quantization
@@ -16,7 +17,6 @@ from lowbit.kv.attention import KVQuantAttention
 from lowbit.kv.cache import QuantizedKVLayer
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 from lowbit.transforms.permute import ksort_qk
 

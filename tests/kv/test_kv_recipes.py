@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe, recipe_from_dict
 
 RECIPES = [

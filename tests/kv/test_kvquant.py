@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.formats.accounting import kvquant_bits
 from lowbit.formats.nuq import fake_quant_nuq
@@ -12,7 +13,6 @@ from lowbit.kv.kvquant import KVQuantPackedKV, KVQuantQuantizer, token_rotation,
 from lowbit.kv.quantizer import kv_quantizer_from_dict
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
-from lowbit.api import quantize
 from lowbit.recipes.kvquant import LADDER, _added_loss
 from lowbit.recipes.registry import get_recipe
 

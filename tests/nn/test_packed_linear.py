@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 
+from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.eval.memory import memory_report
 from lowbit.formats.intq import IntQuantized
@@ -11,7 +12,6 @@ from lowbit.models.tiny import tiny_model
 from lowbit.nn.act_quant import ActivationQuantizer
 from lowbit.nn.packed_linear import PackedLinear, pack_model, unpack_model
 from lowbit.nn.quant_linear import FakeQuantLinear
-from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe
 from lowbit.transforms.hadamard import OnlineHadamard
 
