@@ -1,4 +1,4 @@
-"""The ``lowbit`` command line: eval, quantize, info, recipes, demo.
+"""The ``lowbit`` command line: eval, quantize, info, recipes, demo, generate.
 
 Bad input ends with one sentence on stderr and exit status 2, never a traceback; files are
 written under a temporary name and renamed, so nothing half-written is left behind.
@@ -89,7 +89,12 @@ def _add_calibration_args(parser: argparse.ArgumentParser, *, for_demo: bool = F
         help="skip the first N windows of the calibration corpus, e.g. the evaluated ones when "
         "calibrating on the evaluation file (default: 0)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for calibration sampling")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for calibration sampling (and for sampling tokens in generate)",
+    )
     parser.add_argument(
         "--resume-dir",
         default=None,
@@ -153,6 +158,70 @@ def _add_backend_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="where the model runs: the model loads on the CPU and moves there; auto is CUDA "
+        "when a CUDA device is present, else the CPU (default: auto)",
+    )
+
+
+def resolve_device(name: str):
+    """The torch device ``--device NAME`` means; a CUDA device this machine lacks is a sentence."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    kind, colon, index = name.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise LowbitError(f"unknown --device {name!r}; choose auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise LowbitError(
+            f"--device {name} asks for a CUDA device, but torch finds none on this machine "
+            "(use --device cpu or auto)"
+        )
+    count = torch.cuda.device_count()
+    if colon and int(index) >= count:
+        raise LowbitError(
+            f"--device {name} names CUDA device {index}, but this machine has {count} "
+            f"(cuda:0 to cuda:{count - 1})"
+        )
+    return torch.device(name)
+
+
+# The least value of each integer option (options a command lacks, or left at None, pass).
+INT_MINIMUMS = {
+    "seqlen": ("--seqlen", 2),  # a window scores positions 1..S-1
+    "windows": ("--windows", 1),
+    "calib_samples": ("--calib-samples", 1),
+    "calib_seqlen": ("--calib-seqlen", 1),
+    "calib_skip": ("--calib-skip", 0),
+    "seed": ("--seed", 0),
+    "chunk": ("--chunk", 1),
+    "kv_context": ("--kv-context", 1),
+    "max_new_tokens": ("--max-new-tokens", 1),
+}
+
+
+def check_int_args(args) -> None:
+    """Refuse an integer option below its least value, with one sentence, before any work."""
+    for attr, (option, least) in INT_MINIMUMS.items():
+        value = getattr(args, attr, None)
+        if value is not None and value < least:
+            raise LowbitError(f"{option} must be at least {least}, not {value}")
+
+
+def check_backend(name: str) -> None:
+    from lowbit.kernels.dispatch import backend_names
+
+    if name not in backend_names():
+        raise LowbitError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
+
+
 def use_backend(model, name: str) -> int:
     """Put ``model``'s packed linears on backend ``name``; returns how many there are.
 
@@ -201,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "has the setting; repeatable",
     )
     _add_backend_arg(eval_parser)
+    _add_device_arg(eval_parser)
     _add_eval_args(eval_parser)
 
     quantize_parser = commands.add_parser(
@@ -233,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="architecture, dimensions (as 2^m x odd), parameters, tied embeddings, GQA"
     )
     _add_model_arg(info_parser)
+    _add_device_arg(info_parser)
 
     commands.add_parser("recipes", help="list methods, their settings and defaults, and presets")
 
@@ -244,7 +315,67 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEMO_CALIB_SAMPLES} windows of the pydoc calibration text) and print the table.",
     )
     _add_model_arg(demo_parser)
+    _add_device_arg(demo_parser)
     _add_eval_args(demo_parser, for_demo=True)
+
+    generate_parser = commands.add_parser(
+        "generate",
+        help="generate text from a prompt (or hold a chat), quantized with a recipe or not",
+        description="Load the model, quantize it with --recipe if given (calibrating as eval "
+        "does), and stream the answer to --prompt on stdout, with the recipe's quantized KV "
+        "cache when it has one. Decode tokens/s (prefill apart) and peak memory go to stderr. "
+        "With --chat the tokenizer's chat template is applied and each further line of stdin "
+        "is another user turn, until end of input; every turn re-encodes the whole "
+        "conversation with a fresh cache (exact with any template, at the cost of a prefill of "
+        "the history per turn).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_arg(generate_parser)
+    generate_parser.add_argument(
+        "--recipe", default=None, metavar="NAME", help="a method or preset (default: none, float)"
+    )
+    generate_parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="change a recipe setting"
+    )
+    generate_parser.add_argument(
+        "--prompt",
+        default=None,
+        help="the prompt; with --chat the first user turn (left out: the first line of stdin)",
+    )
+    generate_parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        metavar="N",
+        help="at most N new tokens per answer (default: %(default)s)",
+    )
+    generate_parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the tokenizer's chat template and read further user turns from stdin",
+    )
+    generate_parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 for greedy decoding, else sample at temperature T (default: 0)",
+    )
+    generate_parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling threshold when sampling (default: 1)",
+    )
+    generate_parser.add_argument(
+        "--seqlen", type=int, default=2048, help="tokens per calibration window (default: 2048)"
+    )
+    _add_calibration_args(generate_parser)
+    _add_backend_arg(generate_parser)
+    _add_device_arg(generate_parser)
+    generate_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return parser
 
 
@@ -283,21 +414,50 @@ def build_recipes(names: list[str], settings: dict[str, str]) -> list[tuple[str,
 
 
 def check_writable(path: str) -> Path:
-    target = Path(path).expanduser()
-    if not target.parent.is_dir():
-        raise LowbitError(f"cannot write {target}: the directory {target.parent} does not exist")
+    """The regular file that writing ``path`` will replace, checked before any long work.
+
+    A symbolic link is followed to its target (the link stays a link); an existing target that
+    is not a regular file (a directory, a device such as /dev/full, a FIFO) is refused; the
+    target's directory must exist and really take a new file (one is created and removed).
+    """
+    given = Path(path).expanduser()
+    target = Path(os.path.realpath(given))
+    shown = given if given == target else f"{given} (a link to {target})"
     if target.is_dir():
-        raise LowbitError(f"cannot write {target}: it is a directory")
+        raise LowbitError(f"cannot write {shown}: it is a directory")
+    if target.exists() and not target.is_file():
+        raise LowbitError(
+            f"cannot write {shown}: it is not a regular file (a device, FIFO or socket), and "
+            "lowbit writes only regular files"
+        )
+    if not target.parent.is_dir():
+        raise LowbitError(f"cannot write {shown}: the directory {target.parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        raise LowbitError(
+            f"cannot write {shown}: the directory {target.parent} does not take new files "
+            f"({err.strerror})"
+        ) from err
+    os.close(fd)
+    os.unlink(probe)
     return target
 
 
 def write_json_atomic(path: str, data) -> None:
+    """Write ``data`` as JSON to a temporary file beside ``path``'s target, then rename it there."""
     target = check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
+        if target.exists():  # keep the replaced file's permissions
+            os.chmod(tmp, target.stat().st_mode & 0o7777)
+        else:  # what open() would have given it (mkstemp makes 0600)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -331,7 +491,7 @@ def build_calibration(args, corpus, tokenizer):
     return calibration_samples(
         tokenize(tokenizer, corpus.text),
         args.calib_samples,
-        args.calib_seqlen or args.seqlen,
+        args.seqlen if args.calib_seqlen is None else args.calib_seqlen,
         seed=args.seed,
         skip_windows=args.calib_skip,
     )
@@ -341,12 +501,12 @@ def build_calibration(args, corpus, tokenizer):
 def run_eval(args, recipe_names: list[str]) -> list[dict]:
     import torch
 
+    from lowbit.api import quantize
     from lowbit.data import eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.eval.memory import memory_report
     from lowbit.models.adapter import adapter_for
     from lowbit.models.loader import load_model
-    from lowbit.api import quantize
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
     recipes = [recipe for _, recipe in labelled]
@@ -364,13 +524,9 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
             f"--resume-dir holds the blocks of one run, but {len(resumable)} recipes calibrate "
             "with GPTQ; give it with one of them"
         )
-    from lowbit.kernels.dispatch import backend_names
-
     backend = getattr(args, "backend", "auto")  # demo has no --backend
-    if backend not in backend_names():
-        raise LowbitError(
-            f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}"
-        )
+    check_backend(backend)
+    device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     corpus = load_corpus(args.dataset, part="eval")  # cheap checks before the model loads
     calib_corpus = None
@@ -378,13 +534,14 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         calib_corpus = load_corpus(args.calib, part="calibration")
 
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    model, tokenizer = loaded.model, loaded.tokenizer
+    model, tokenizer = loaded.model.to(device), loaded.tokenizer  # loaded on the CPU
     adapter = adapter_for(model)
     if adapter.max_context and args.seqlen > adapter.max_context:
         raise LowbitError(
             f"--seqlen {args.seqlen} is larger than the model's context ({adapter.max_context})"
         )
     windows = eval_windows(tokenize(tokenizer, corpus.text), args.seqlen, args.windows)
+    windows = windows.to(device)
 
     calibration = None if calib_corpus is None else build_calibration(args, calib_corpus, tokenizer)
 
@@ -459,12 +616,12 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
 def run_quantize(args) -> None:
     from pathlib import Path
 
+    from lowbit.api import quantize
     from lowbit.data import load_corpus
     from lowbit.eval.memory import memory_report
     from lowbit.io.checkpoint import check_save_target, save
     from lowbit.models.adapter import adapter_for
     from lowbit.models.loader import load_model
-    from lowbit.api import quantize
 
     ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
     if recipe.method == "fp":
@@ -521,7 +678,9 @@ def run_info(args) -> None:
     from lowbit.models.adapter import adapter_for
     from lowbit.models.loader import load_model
 
+    device = resolve_device(args.device)
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    loaded.model.to(device)
     adapter = adapter_for(loaded.model)
     params = sum(p.numel() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
     dims = {
@@ -544,6 +703,7 @@ def run_info(args) -> None:
     print(f"parameters: {params:,}")
     print(f"tied embeddings: {'yes' if adapter.tied_embeddings else 'no'}")
     print(f"max context: {adapter.max_context}")
+    print(f"device: {device}")
     recipe = getattr(loaded.model, "lowbit_recipe", None)
     if recipe is not None:  # a saved lowbit model
         from lowbit.eval.memory import memory_report
@@ -555,6 +715,110 @@ def run_info(args) -> None:
             f"bits per weight: {memory.bits_per_weight:.3f}; model: "
             f"{memory.model_bytes / 1e6:.1f} MB; KV cache: {memory.kv_bytes_per_token:.1f} "
             f"bytes per token at context {memory.kv_context}"
+        )
+
+
+def _stdin_turns():
+    """Further user turns of a chat: the non-empty lines of stdin, until end of input."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+def run_generate(args) -> None:
+    import itertools
+
+    import torch
+
+    from lowbit.api import quantize
+    from lowbit.data import load_corpus
+    from lowbit.generate import generate
+    from lowbit.models.loader import load_model
+
+    recipe = None
+    if args.recipe is not None:
+        ((_, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
+    elif args.set:
+        raise LowbitError("--set changes a recipe's settings; give it with --recipe")
+    if args.prompt is None and not args.chat:
+        raise LowbitError("generate needs --prompt (or --chat, which reads turns from stdin)")
+    if args.prompt is not None and not args.prompt.strip():
+        raise LowbitError("--prompt is empty")
+    if args.temperature < 0:
+        raise LowbitError(f"--temperature must be 0 (greedy) or more, not {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise LowbitError(f"--top-p must be more than 0 and at most 1, not {args.top_p}")
+    check_backend(args.backend)
+    device = resolve_device(args.device)
+    quantizes = recipe is not None and recipe.method != "fp"
+    needs_calib = quantizes and recipe.needs_calibration
+    calib_corpus = load_corpus(args.calib, part="calibration") if needs_calib else None
+
+    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        raise LowbitError(
+            f"the tokenizer of {loaded.name} has no chat template, so --chat cannot format a "
+            "conversation; leave out --chat"
+        )
+    saved = getattr(model, "lowbit_recipe", None)
+    if quantizes and saved is not None:
+        raise LowbitError(
+            f"{loaded.name} is already quantized ({saved.method}); generate without --recipe"
+        )
+    model.to(device)  # loaded on the CPU
+    if quantizes:
+        calibration = None
+        if calib_corpus is not None:
+            calibration = build_calibration(args, calib_corpus, tokenizer)
+        quantize(
+            model, recipe, calibration=calibration, progress=not args.no_progress,
+            resume_dir=args.resume_dir,
+        )  # fmt: skip
+    use_backend(model, args.backend)
+    torch.manual_seed(args.seed)
+
+    def emit(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def answer(prompt):
+        result = generate(
+            model, tokenizer, prompt, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, streamer=emit,
+        )  # fmt: skip
+        emit("\n")
+        speed = "-" if result.tokens_per_second is None else f"{result.tokens_per_second:.1f}"
+        print(
+            f"lowbit: {len(result.new_tokens)} new tokens; prefill {result.prefill_seconds:.2f} s "
+            f"({result.prompt_tokens} prompt tokens); decode {speed} tokens/s; "
+            f"KV cache: {result.cache_type}",
+            file=sys.stderr,
+        )
+        return result
+
+    if not args.chat:
+        result = answer(args.prompt)
+    else:
+        messages = []
+        result = None
+        first = [] if args.prompt is None else [args.prompt]
+        for turn in itertools.chain(first, _stdin_turns()):
+            messages.append({"role": "user", "content": turn})
+            result = answer(messages)
+            messages.append({"role": "assistant", "content": result.text})
+        if result is None:
+            raise LowbitError("--chat read no user turn: give --prompt or lines on stdin")
+    if result.peak_memory_bytes is not None:
+        print(
+            f"lowbit: peak memory {result.peak_memory_bytes / 2**20:.1f} MiB "
+            f"({result.peak_memory_kind}) on {device}",
+            file=sys.stderr,
         )
 
 
@@ -578,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        check_int_args(args)
         if args.command == "eval":
             report(run_eval(args, args.recipe or ["fp"]), args)
         elif args.command == "demo":
@@ -586,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
             run_quantize(args)
         elif args.command == "info":
             run_info(args)
+        elif args.command == "generate":
+            run_generate(args)
         elif args.command == "recipes":
             run_recipes()
     except LowbitError as err:

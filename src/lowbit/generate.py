@@ -1,0 +1,192 @@
+"""Text generation with a (quantized) model: ``generate(model, tokenizer, prompt, ...)``.
+
+A thin layer over transformers' ``model.generate``: it builds the model's own KV cache (the
+recipe's quantized cache when one was installed, ``model.lowbit_make_cache()``), streams text
+through a ``TextStreamer`` to a callback, and measures prefill and decode apart, since a
+quantized model's cost shows in the decode steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TextStreamer
+
+from lowbit.errors import LowbitError
+
+
+@dataclass
+class GenerationResult:
+    """What one ``generate`` call produced and what it cost.
+
+    ``tokens_per_second`` is over the decode steps only: the tokens after the first one,
+    divided by the time from the first to the last (the first token's time is the prefill,
+    which is proportional to the prompt, not to the answer).
+    """
+
+    text: str  # the new tokens decoded (special tokens skipped)
+    new_tokens: list[int]
+    prompt_tokens: int
+    prefill_seconds: float  # from the call to the first new token
+    decode_seconds: float  # from the first new token to the last
+    tokens_per_second: float | None  # None when fewer than 2 tokens were generated
+    peak_memory_bytes: int | None
+    peak_memory_kind: str  # what peak_memory_bytes measures
+    cache: object = field(repr=False)  # the KV cache the model generated with
+    streamed: str = ""  # the text as the streamer handed it out, piece by piece
+
+    @property
+    def cache_type(self) -> str:
+        return type(self.cache).__name__
+
+
+class TimedStreamer(TextStreamer):
+    """A ``TextStreamer`` that hands finished text to a callback and times each new token."""
+
+    def __init__(self, tokenizer, callback: Callable[[str], None] | None = None) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.callback = callback
+        self.token_times: list[float] = []
+        self.pieces: list[str] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.next_tokens_are_prompt:  # a new token (the first put is the prompt)
+            self.token_times.append(time.perf_counter())
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if text:
+            self.pieces.append(text)
+            if self.callback is not None:
+                self.callback(text)
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:
+    """Token ids [1, T] of a plain prompt, or of chat messages through the chat template.
+
+    Args:
+        prompt: text (encoded with the tokenizer's special tokens, e.g. BOS), or a list of
+            ``{"role": ..., "content": ...}`` messages, rendered by the tokenizer's chat
+            template with the assistant's turn opened.
+    """
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise LowbitError(
+                "this model's tokenizer has no chat template, so it cannot hold a chat; "
+                "generate from a plain prompt instead"
+            )
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.numel() == 0:
+        raise LowbitError("the prompt is empty: it encodes to no tokens")
+    return ids  # [1, T]
+
+
+def _peak_memory(device: torch.device) -> tuple[int | None, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None, "not measured on this platform"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return peak * scale, "process peak RSS since the process started"
+
+
+def generate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: str | list[dict[str, str]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    streamer: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate a continuation of ``prompt`` with ``model``, streaming text as it comes.
+
+    Args:
+        model: a causal LM, quantized or not; with a quantized KV cache installed
+            (``model.lowbit_make_cache``) it generates with that cache.
+        tokenizer: the model's tokenizer.
+        prompt: text, or chat messages (``[{"role": "user", "content": ...}, ...]``) that the
+            tokenizer's chat template renders.
+        max_new_tokens: at most this many new tokens (fewer when the model ends its answer).
+        temperature: 0 for greedy decoding, else sampling at this temperature (seed torch's
+            global generator first for a repeatable sample).
+        top_p: nucleus sampling threshold when sampling.
+        streamer: called with each piece of finished text (whole words, lines) as it is
+            generated; the pieces concatenate to ``result.text``.
+
+    Returns:
+        GenerationResult: text, new token ids, prefill and decode times, decode tokens/s,
+        peak memory (CUDA: ``max_memory_allocated`` during the call; CPU: the process's
+        peak RSS) and the cache used.
+    """
+    if max_new_tokens < 1:
+        raise LowbitError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    if temperature < 0:
+        raise LowbitError(f"temperature must be 0 (greedy) or more, not {temperature}")
+    if not 0 < top_p <= 1:
+        raise LowbitError(f"top_p must be in (0, 1], not {top_p}")
+    device = next(model.parameters()).device
+    ids = encode_prompt(tokenizer, prompt).to(device)  # [1, T]
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and ids.shape[1] + max_new_tokens > context:
+        raise LowbitError(
+            f"the prompt ({ids.shape[1]} tokens) and max_new_tokens ({max_new_tokens}) exceed "
+            f"the model's context of {context} tokens"
+        )
+
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens = max_new_tokens
+    config.do_sample = temperature > 0
+    config.temperature = temperature if temperature > 0 else None
+    config.top_p = top_p if temperature > 0 else None
+    config.top_k = None
+    config.return_dict_in_generate = True
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id or config.eos_token_id
+    make_cache = getattr(model, "lowbit_make_cache", None)
+    cache = make_cache() if make_cache is not None else None  # None: transformers' own cache
+
+    timed = TimedStreamer(tokenizer, streamer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            past_key_values=cache,
+            streamer=timed,
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    new_tokens = out.sequences[0, ids.shape[1] :].tolist()
+    times = timed.token_times
+    prefill = (times[0] if times else time.perf_counter()) - start
+    decode = times[-1] - times[0] if len(times) > 1 else 0.0
+    peak, kind = _peak_memory(device)
+    return GenerationResult(
+        text=tokenizer.decode(new_tokens, skip_special_tokens=True),
+        new_tokens=new_tokens,
+        prompt_tokens=ids.shape[1],
+        prefill_seconds=prefill,
+        decode_seconds=decode,
+        tokens_per_second=(len(times) - 1) / decode if decode > 0 else None,
+        peak_memory_bytes=peak,
+        peak_memory_kind=kind,
+        cache=out.past_key_values if out.past_key_values is not None else cache,
+        streamed="".join(timed.pieces),
+    )
