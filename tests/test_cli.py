@@ -153,3 +153,188 @@ def test_help_explains_every_option():
     for option in ("--model", "--dataset", "--seqlen", "--windows", "--recipe", "--set", "--json",
                    "--calib", "--calib-samples", "--calib-skip", "--chunk"):  # fmt: skip
         assert option in proc.stdout
+
+
+# -- integer options, --device, --json targets --------------------------------------------------
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--kv-context", "0"], "--kv-context must be at least 1, not 0"),
+        (["--calib-seqlen", "0"], "--calib-seqlen must be at least 1, not 0"),
+        (["--calib-skip", "-1"], "--calib-skip must be at least 0, not -1"),
+        (["--calib-samples", "0"], "--calib-samples must be at least 1, not 0"),
+        (["--seqlen", "1"], "--seqlen must be at least 2, not 1"),
+        (["--windows", "0"], "--windows must be at least 1, not 0"),
+        (["--chunk", "-3"], "--chunk must be at least 1, not -3"),
+        (["--seed", "-1"], "--seed must be at least 0, not -1"),
+        (["--device", "tpu"], "unknown --device 'tpu'"),
+        (["--json", "/dev/full"], "/dev/full: it is not a regular file"),
+    ],
+)
+def test_bad_options_are_refused_before_the_model_loads(capsys, extra, message):
+    # the model does not exist: each refusal must come before anything looks for it
+    code, out, err = run(capsys, "eval", "--model", "/no/such/model", *extra)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and err.startswith("lowbit: error: ")
+
+
+def test_device_cuda_without_cuda_is_a_sentence(capsys, tiny_model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for command in ("eval", "info", "generate"):
+        argv = [command, "--model", str(tiny_model_dir), "--device", "cuda"]
+        code, _, err = run(capsys, *argv, *(["--prompt", "x"] if command == "generate" else []))
+        assert code == 2 and err.count("\n") == 1
+        assert "--device cuda asks for a CUDA device, but torch finds none" in err
+
+
+def test_json_to_a_directory_that_takes_no_files_is_refused_first(capsys, tiny_model_dir, corpus,
+                                                                  tmp_path):  # fmt: skip
+    import os
+
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+    elif os.path.isdir("/sys"):  # root writes anywhere but in sysfs
+        locked = "/sys"
+    else:
+        pytest.skip("no directory this user cannot write to")
+    code, out, err = run(
+        capsys, "eval", "--model", str(tiny_model_dir), "--dataset", str(corpus), "--seqlen",
+        "64", "--windows", "2", "--no-progress", "--json", f"{locked}/out.json",
+    )  # fmt: skip
+    assert code == 2 and out == ""  # refused before evaluating
+    assert f"the directory {locked} does not take new files" in err
+
+
+def test_json_never_replaces_a_device_file(tiny_model_dir, tmp_path):
+    import stat
+
+    from lowbit.cli import write_json_atomic
+    from lowbit.errors import LowbitError
+
+    with pytest.raises(LowbitError, match="not a regular file"):
+        write_json_atomic("/dev/full", {"a": 1})
+    assert stat.S_ISCHR(__import__("os").stat("/dev/full").st_mode)
+    with pytest.raises(LowbitError, match="it is a directory"):
+        write_json_atomic(str(tmp_path), {"a": 1})
+
+
+def test_json_writes_through_a_symbolic_link(capsys, tiny_model_dir, corpus, tmp_path):
+    import os
+
+    real = tmp_path / "results" / "real.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    real.chmod(0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "results" / "new.json")
+    for target in (link, dangling):
+        code, _, err = run(
+            capsys, "eval", "--model", str(tiny_model_dir), "--dataset", str(corpus),
+            "--seqlen", "64", "--windows", "1", "--no-progress", "--json", str(target),
+        )  # fmt: skip
+        assert code == 0, err
+        assert target.is_symlink()  # still a link, written through
+        assert json.loads(target.read_text())["recipe"]["method"] == "fp"
+    assert os.stat(real).st_mode & 0o777 == 0o640  # the replaced file keeps its permissions
+    assert sorted(p.name for p in real.parent.iterdir()) == ["new.json", "real.json"]
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (lambda d: (d / "config.json").write_text("{oops"), "config.json is not valid JSON"),
+        (lambda d: (d / "config.json").write_text("{}"), "has a config.json but no weight files"),
+        (lambda d: (d / "m.gguf").write_bytes(b""), "m.gguf is empty: not a GGUF model"),
+        (lambda d: (d / "m.gguf").write_text("text\n"), "does not start with the GGUF magic"),
+    ],
+)
+def test_bad_model_files_are_one_sentence(capsys, monkeypatch, tmp_path, write, message):
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    write(model)
+    spec = model / "m.gguf" if (model / "m.gguf").exists() else model
+    code, _, err = run(capsys, "info", "--model", str(spec))
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+# -- generate ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a chat template in its tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-chat")
+    shutil.copytree(tiny_model_dir, directory, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_generate_streams_text_and_reports_speed(capsys, tiny_model_dir):
+    from lowbit.generate import generate
+
+    code, out, err = run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "The module",
+        "--max-new-tokens", "16", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, err
+    loaded = __import__("lowbit").load_model(str(tiny_model_dir))
+    expected = generate(loaded.model, loaded.tokenizer, "The module", max_new_tokens=16)
+    assert out == expected.text + "\n"
+    assert "16 new tokens" in err and "tokens/s" in err and "KV cache: DynamicCache" in err
+    assert "peak memory" in err and "process peak RSS" in err
+
+
+def test_generate_with_a_kv_recipe_uses_the_quantized_cache(capsys, tiny_model_dir):
+    code, out, err = run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--recipe", "kv-int", "--set",
+        "k_bits=8", "--prompt", "The module", "--max-new-tokens", "8", "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    assert out.strip() and "KV cache: QuantizedKVCache" in err
+
+
+def test_chat_answers_each_line_of_stdin(capsys, monkeypatch, chat_model_dir):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("first question\n\nsecond question\n"))
+    code, out, err = run(
+        capsys, "generate", "--model", str(chat_model_dir), "--chat", "--max-new-tokens", "6"
+    )
+    assert code == 0, err
+    turns = [line for line in err.splitlines() if "new tokens" in line]
+    assert len(turns) == 2  # the empty line is no turn
+    prompts = [int(line.split("(")[1].split()[0]) for line in turns]
+    assert prompts[1] > prompts[0] + 6  # the second turn holds the first question and answer
+    assert out.count("\n") >= 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, not 0"),
+        (["--prompt", "x", "--chat"], "has no chat template, so --chat cannot"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature must be 0 (greedy) or more"),
+        (["--prompt", "x", "--set", "w_bits=4"], "give it with --recipe"),
+        (["--prompt", "  "], "--prompt is empty"),
+        ([], "generate needs --prompt"),
+        (["--prompt", "x", "--device", "cuda:x"], "unknown --device 'cuda:x'"),
+    ],
+)
+def test_generate_bad_input(capsys, tiny_model_dir, extra, message):
+    code, out, err = run(capsys, "generate", "--model", str(tiny_model_dir), *extra)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1
