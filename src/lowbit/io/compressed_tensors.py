@@ -1,0 +1,440 @@
+"""Export a lowbit-quantized model as a compressed-tensors directory (what vLLM and transformers load).
+
+compressed-tensors (PyPI ``compressed-tensors``) stores a quantized linear beside the model's
+float tensors, under the linear's name. What this module writes, from lowbit's own codes (never
+re-quantized):
+
+* weight-only int 2/4/8 bits (``format: pack-quantized``): ``weight_packed`` int32
+  ``[out, ceil(in * bits / 32)]``, each row a little-endian bit stream of the unsigned codes
+  (``q + 2**(bits-1)`` of the signed code: element ``i`` at bits ``[i*b, (i+1)*b)``, so for 4 bits
+  element ``i`` is nibble ``i % 8`` of word ``i // 8``, low nibble first); ``weight_scale``
+  ``[out, groups]`` (one column per channel); ``weight_shape`` int64 ``[2]``; asymmetric:
+  ``weight_zero_point`` int32 ``[ceil(out * bits / 32), groups]``, the unsigned zero points packed
+  the same way down the output axis. compressed-tensors reads the signed code
+  ``u - 2**(bits-1)`` and the signed zero ``z - 2**(bits-1)``, so ``(q - zp) * scale`` is lowbit's
+  ``(u - z) * scale``.
+* int8 per-token dynamic activations (``format: int-quantized``): ``weight`` int8 ``[out, in]``
+  (signed codes), ``weight_scale`` ``[out, groups]``, asymmetric: ``weight_zero_point`` int8
+  ``[out, groups]``, and ``input_activations: {num_bits: 8, strategy: token, dynamic: true,
+  symmetric: true}`` in the scheme.
+* every other tensor (embeddings, norms, biases, lm_head; lm_head apart when the embeddings are
+  untied) as it is, and ``config.json`` with ``quantization_config``: ``quant_method:
+  compressed-tensors``, ``format``, ``quantization_status: compressed``, one ``config_groups``
+  entry per distinct scheme, ``ignore`` (linears left in float), ``kv_cache_scheme: null``.
+
+Weight scales are written in the model's float dtype: exact for fp32 and fp16 models (lowbit's
+scales are fp16 values); a bf16 model's scales are rounded to bf16.
+
+Refused, with one sentence naming the layer and the part, before anything is written: online
+input transforms (QuaRot's Hadamards), activation quantizers other than int8 per-token symmetric
+without clipping, double-quantized scales, weight-only widths other than 2, 4 and 8 bits (the
+format's int32 layout for 3, 5, 6 and 7 bits changed between compressed-tensors versions: 0.12
+packs ``32 // bits`` codes per word, 0.20 packs densely across words), and every quantized KV
+cache: the format's ``kv_cache_scheme`` holds static per-tensor (or per-head) fp8/int8 scales,
+while lowbit's KV quantizers (integer per token or channel, KIVI, KVQuant's codebooks with sparse
+outliers, BFP) compute their statistics at run time; K-sort RoPE permutations too.
+
+The package itself is not needed to export (only to load): tensors are written with safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lowbit.errors import LowbitError
+
+__all__ = [
+    "export_compressed_tensors",
+    "plan_export",
+    "compressed_tensors_config",
+    "export_tensors",
+]
+
+QUANT_METHOD = "compressed-tensors"
+PACK_FORMAT = "pack-quantized"
+INT_FORMAT = "int-quantized"
+WEIGHTS_NAME = "model.safetensors"
+#: weight-only widths whose int32 layout every compressed-tensors version reads the same way
+PORTABLE_PACK_BITS = (2, 4, 8)
+
+_KV_PARTS = {
+    "int-token": "integer quantization with scales per token computed at run time",
+    "int-channel": "integer quantization with per-channel scales over token groups computed at run time",
+    "kivi-key": "KIVI's per-channel integer keys with run-time scales",
+    "kivi-value": "KIVI's per-token integer values with run-time scales",
+    "kvquant": "KVQuant's non-uniform (nuq) codebooks with sparse fp16 outliers",
+    "bfp": "block floating point (BFP) with K-sort channel orders",
+}
+
+
+@dataclass(frozen=True)
+class LayerScheme:
+    """How one quantized linear is stored (one ``config_groups`` entry per distinct scheme)."""
+
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    int8_tokens: bool  # int8 per-token dynamic activations at the input
+
+    @property
+    def format(self) -> str:
+        return INT_FORMAT if self.int8_tokens else PACK_FORMAT
+
+    def to_dict(self, targets: list[str]) -> dict[str, Any]:
+        weights = {
+            "num_bits": self.bits,
+            "type": "int",
+            "symmetric": self.symmetric,
+            "group_size": self.group_size,
+            "strategy": "channel" if self.group_size is None else "group",
+            "dynamic": False,
+        }
+        activations = None
+        if self.int8_tokens:
+            activations = {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "group_size": None,
+                "strategy": "token",
+                "dynamic": True,
+            }
+        return {
+            "targets": targets,
+            "weights": weights,
+            "input_activations": activations,
+            "output_activations": None,
+            "format": self.format,
+        }
+
+
+@dataclass
+class ExportPlan:
+    """What will be written: the scheme of every quantized linear, the float linears."""
+
+    schemes: dict[str, LayerScheme]  # fqn -> scheme, in module order
+    float_linears: list[str]  # linears kept in float (lm_head, unselected block linears)
+    float_dtype: torch.dtype  # the model's float dtype; weight scales are written in it
+
+
+def _is_int8_token_quantizer(quantizer: nn.Module) -> bool:
+    from lowbit.nn.act_quant import ActivationQuantizer
+
+    return (
+        type(quantizer) is ActivationQuantizer
+        and quantizer.bits == 8
+        and quantizer.symmetric
+        and quantizer.clip_ratio == 1.0
+        and quantizer.group_size is None
+    )
+
+
+def _layer_scheme(fqn: str, module: nn.Module) -> LayerScheme | None:
+    """The scheme of a lowbit linear, None for a float one; a LowbitError for what the format
+    cannot hold."""
+    where = f"cannot export {fqn} to compressed-tensors"
+    if module.input_transform is not None:
+        kind = type(module.input_transform).__name__
+        raise LowbitError(
+            f"{where}: its input goes through an online transform ({kind}, e.g. QuaRot's "
+            "online Hadamard), which the format cannot express; only rotations fully fused "
+            "into the weights export"
+        )
+    act = module.act_quantizer
+    if act is not None and not _is_int8_token_quantizer(act):
+        raise LowbitError(
+            f"{where}: its activation quantizer ({act.extra_repr()}) is not int8 per-token "
+            "symmetric without clipping, the only integer activation scheme the format holds"
+        )
+    weight = module.quantized_weight
+    if weight is None:
+        if act is not None:
+            raise LowbitError(f"{where}: it quantizes activations but keeps a float weight")
+        return None
+    if weight.scale_q is not None or weight.zero_dtype is not None:
+        raise LowbitError(
+            f"{where}: its weight has double-quantized scales or real-valued zero points"
+        )
+    if len(weight.shape) != 2 or weight.axis not in (-1, 1):
+        raise LowbitError(f"{where}: its weight is not [out, in] with scales per output row")
+    if act is None and weight.bits not in PORTABLE_PACK_BITS:
+        raise LowbitError(
+            f"{where}: its weight has {weight.bits}-bit codes; pack-quantized stores 2, 4 or 8 "
+            "bits the same way in every compressed-tensors version (its int32 layout for other "
+            "widths changed between versions)"
+        )
+    return LayerScheme(weight.bits, weight.group_size, weight.symmetric, act is not None)
+
+
+def _check_kv(model: nn.Module) -> None:
+    from lowbit.kv.attention import KVQuantAttention
+
+    for fqn, module in model.named_modules():
+        if not isinstance(module, KVQuantAttention):
+            continue
+        for stream in ("key", "value"):
+            quantizer = getattr(module, f"{stream}_quantizer")
+            if quantizer is not None:
+                part = _KV_PARTS.get(quantizer.kind, f"lowbit's {quantizer.kind!r} quantizer")
+                raise LowbitError(
+                    f"cannot export the KV cache of {fqn} to compressed-tensors: its {stream} "
+                    f"quantizer is {part}, and the format's kv_cache_scheme holds only static "
+                    "per-tensor fp8/int8 scales; export the model quantized without a KV recipe"
+                )
+        raise LowbitError(
+            f"cannot export {fqn} to compressed-tensors: it is lowbit's quantized-KV attention "
+            "(rotated or quantized queries and keys), which the format cannot express"
+        )
+
+
+def plan_export(model: nn.Module) -> ExportPlan:
+    """Check that compressed-tensors can hold ``model`` and say how; LowbitError if not."""
+    from lowbit.models.adapter import adapter_for
+    from lowbit.nn.act_quant import ActivationQuantizer
+    from lowbit.nn.packed_linear import PackedLinear
+    from lowbit.nn.quant_linear import FakeQuantLinear
+
+    adapter = adapter_for(model)
+    schemes: dict[str, LayerScheme] = {}
+    float_linears: list[str] = []
+    inside: list[str] = []  # lowbit linears: their children are checked with them
+    for fqn, module in model.named_modules():
+        if any(fqn.startswith(prefix + ".") for prefix in inside):
+            continue
+        if isinstance(module, (FakeQuantLinear, PackedLinear)):
+            inside.append(fqn)
+            scheme = _layer_scheme(fqn, module)
+            if scheme is None:
+                float_linears.append(fqn)
+            else:
+                schemes[fqn] = scheme
+        elif isinstance(module, nn.Linear):
+            float_linears.append(fqn)
+    _check_kv(model)
+    for fqn, module in model.named_modules():
+        if getattr(module, "lowbit_rope_order", None) is not None:
+            raise LowbitError(
+                f"cannot export {fqn} to compressed-tensors: its RoPE channels are permuted "
+                "(K-sort), which the format cannot express"
+            )
+        if any(fqn == p or fqn.startswith(p + ".") for p in inside):
+            continue
+        if type(module).__module__.startswith("lowbit.") and not isinstance(
+            module, ActivationQuantizer
+        ):
+            raise LowbitError(
+                f"cannot export {fqn} to compressed-tensors: it is lowbit's "
+                f"{type(module).__name__}, which the format cannot express"
+            )
+    if not schemes:
+        raise LowbitError("the model has no quantized linear: there is nothing to export")
+    return ExportPlan(schemes, float_linears, adapter.embed_tokens.weight.dtype)
+
+
+def compressed_tensors_config(plan: ExportPlan) -> dict[str, Any]:
+    """The ``quantization_config`` of config.json for ``plan``."""
+    distinct = list(dict.fromkeys(plan.schemes.values()))
+    groups = {}
+    for i, scheme in enumerate(distinct):
+        if len(distinct) == 1:
+            targets = ["Linear"]  # every linear not ignored
+        else:
+            targets = [fqn for fqn, s in plan.schemes.items() if s == scheme]
+        groups[f"group_{i}"] = scheme.to_dict(targets)
+    formats = {scheme.format for scheme in distinct}
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": list(plan.float_linears),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+def _pack_rows(unsigned: Tensor, bits: int) -> Tensor:
+    """[rows, n] unsigned codes -> [rows, ceil(n * bits / 32)] int32 (little-endian stream)."""
+    from lowbit.formats.packing import pack_bits
+
+    return pack_bits(unsigned, bits, word="int32", check_range=False)
+
+
+def _linear_tensors(module: nn.Module, scheme: LayerScheme, scale_dtype) -> dict[str, Tensor]:
+    """compressed-tensors' tensors of one quantized linear (local names), from lowbit's codes."""
+    weight = module.quantized_weight
+    bits, offset = weight.bits, 2 ** (weight.bits - 1)
+    codes = weight.codes().to(torch.int16)  # [out, in]: signed (sym) or unsigned (asym)
+    unsigned = codes + offset if weight.symmetric else codes  # [out, in] in [0, 2**bits)
+    out = {"weight_scale": weight.scale.to(scale_dtype).contiguous()}  # [out, G], exact cast
+    if scheme.format == INT_FORMAT:
+        out["weight"] = (unsigned - offset).to(torch.int8)  # [out, in] signed codes
+        if not weight.symmetric:
+            out["weight_zero_point"] = (weight.zero.to(torch.int16) - offset).to(torch.int8)
+    else:
+        out["weight_packed"] = _pack_rows(unsigned, bits)  # [out, ceil(in * b / 32)]
+        out["weight_shape"] = torch.tensor(tuple(weight.shape), dtype=torch.int64)  # [2]
+        if not weight.symmetric:
+            zero = weight.zero.to(torch.int16)  # [out, G] in [0, 2**bits)
+            packed_zero = _pack_rows(zero.T, bits)  # [G, ceil(out * b / 32)]
+            out["weight_zero_point"] = packed_zero.T.contiguous()  # [ceil(out * b / 32), G]
+    return out
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(fqn for fqn, m in model.named_modules() if m is module)
+
+
+def export_tensors(model: nn.Module, plan: ExportPlan) -> dict[str, Tensor]:
+    """Every tensor of the exported checkpoint by key, on CPU; tied embeddings once."""
+    state = model.state_dict()
+    tensors: dict[str, Tensor] = {}
+    quantized = {fqn: model.get_submodule(fqn) for fqn in plan.schemes}
+    for key, tensor in state.items():
+        owner, _, name = key.rpartition(".")
+        if owner in quantized:
+            if name == "bias":
+                tensors[key] = tensor
+            continue  # weight / packed buffers: written below
+        tensors[key] = tensor
+    for fqn, module in quantized.items():
+        for name, tensor in _linear_tensors(module, plan.schemes[fqn], plan.float_dtype).items():
+            tensors[f"{fqn}.{name}"] = tensor
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    from lowbit.models.adapter import adapter_for
+
+    adapter = adapter_for(model)
+    head_key = _module_name(model, adapter.lm_head) + ".weight"
+    if tied:
+        if not torch.equal(adapter.lm_head.weight, adapter.embed_tokens.weight):
+            raise LowbitError(
+                "the config ties the embeddings to lm_head, but their weights differ; "
+                "set config.tie_word_embeddings = False"
+            )
+        del tensors[head_key]
+    seen: set[tuple[int, int]] = set()
+    result = {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu")
+        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        # untied embeddings that still share memory (or other shared tensors) get their own copy
+        result[key] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    return result
+
+
+def _check_keys(model: nn.Module, plan: ExportPlan, tensors: dict[str, Tensor]) -> None:
+    """Every float tensor the model's architecture expects is there with its shape, and nothing
+    the architecture would not know (a tensor transformers or vLLM would drop or reject)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(t.shape) for k, t in skeleton.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        expected.pop(_module_name(skeleton, skeleton.get_output_embeddings()) + ".weight", None)
+    for fqn in plan.schemes:
+        expected.pop(f"{fqn}.weight", None)
+    produced = {
+        k: tuple(t.shape)
+        for k, t in tensors.items()
+        if k.rpartition(".")[0] not in plan.schemes or k.endswith(".bias")
+    }
+    for key, shape in produced.items():
+        if key not in expected:
+            raise LowbitError(
+                f"cannot export {key} to compressed-tensors: the model's architecture has no "
+                "such tensor"
+            )
+        if expected[key] != shape:
+            raise LowbitError(
+                f"cannot export {key} to compressed-tensors: its shape {shape} is not the "
+                f"architecture's {expected[key]}"
+            )
+    missing = sorted(set(expected) - set(produced))
+    if missing:
+        raise LowbitError(
+            f"cannot export to compressed-tensors: the tensor {missing[0]} is missing"
+        )
+
+
+def check_export_target(target: Path) -> None:
+    """Refuse, with one sentence, a target that is not a new or empty directory."""
+    if target.exists() and not target.is_dir():
+        raise LowbitError(f"cannot export to {target}: it exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise LowbitError(f"cannot export to {target}: the directory exists and is not empty")
+    if not target.parent.is_dir():
+        raise LowbitError(
+            f"cannot export to {target}: the directory {target.parent} does not exist"
+        )
+    if not os.access(target.parent, os.W_OK):
+        raise LowbitError(f"cannot export to {target}: {target.parent} is not writable")
+
+
+def export_compressed_tensors(
+    model: nn.Module, out_dir: str | os.PathLike, *, tokenizer=None
+) -> Path:
+    """Write ``model`` (quantized by lowbit, either face) as a compressed-tensors directory.
+
+    Everything is checked before anything is written; the directory appears whole or not at all
+    (written beside it under a temporary name, then renamed).
+
+    Args:
+        model: a model ``lowbit.quantize`` returned, or one loaded from a lowbit checkpoint.
+        out_dir: where to write; must not exist or be empty.
+        tokenizer: saved beside the model when given.
+
+    Returns:
+        The directory's path.
+
+    Raises:
+        LowbitError: a part of the model the format cannot express (named, with its layer), or
+            a target that is not a new or empty directory.
+    """
+    from safetensors.torch import save_file
+
+    from lowbit.io.checkpoint import _set_default_permissions
+
+    target = Path(out_dir).expanduser()
+    check_export_target(target)
+    plan = plan_export(model)
+    tensors = export_tensors(model, plan)
+    _check_keys(model, plan, tensors)
+    config = json.loads(json.dumps(model.config.to_dict()))  # as it will read back
+    config.pop("quantization_config", None)
+    config["quantization_config"] = compressed_tensors_config(plan)
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _set_default_permissions(tmp)
+        if target.is_dir():
+            target.rmdir()  # empty (checked): replaced by the finished directory
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
