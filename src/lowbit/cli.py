@@ -1,4 +1,4 @@
-"""The ``lowbit`` command line: eval, quantize, info, recipes, demo, generate.
+"""The ``lowbit`` command line: eval, quantize, export, info, recipes, demo, generate.
 
 Bad input ends with one sentence on stderr and exit status 2, never a traceback; files are
 written under a temporary name and renamed, so nothing half-written is left behind.
@@ -298,6 +298,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, metavar="DIR", help="directory to write (new or empty)"
     )
     quantize_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    export_parser = commands.add_parser(
+        "export",
+        help="write a quantized model in a format other engines load (compressed-tensors)",
+        description="Export a quantized model to --format: compressed-tensors (what vLLM and "
+        "transformers load). --model is a model lowbit saved, or a float model quantized first "
+        "with --recipe. What the format cannot express (online Hadamards, codebooks, BFP, "
+        "quantized KV caches, ...) is refused with a sentence naming the layer.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_arg(export_parser)
+    export_parser.add_argument(
+        "--recipe", default=None, metavar="NAME", help="quantize the model with this first"
+    )
+    export_parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="change a recipe setting"
+    )
+    export_parser.add_argument(
+        "--seqlen", type=int, default=2048, help="tokens per calibration window (default: 2048)"
+    )
+    _add_calibration_args(export_parser)
+    export_parser.add_argument(
+        "--format", required=True, choices=["compressed-tensors"], help="the format to write"
+    )
+    export_parser.add_argument(
+        "--out", required=True, metavar="DIR", help="directory to write (new or empty)"
+    )
+    export_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     info_parser = commands.add_parser(
         "info", help="architecture, dimensions (as 2^m x odd), parameters, tied embeddings, GQA"
@@ -652,6 +681,48 @@ def run_quantize(args) -> None:
     )
 
 
+def run_export(args) -> None:
+    from lowbit.api import quantize
+    from lowbit.data import load_corpus
+    from lowbit.io.compressed_tensors import check_export_target, export_compressed_tensors
+    from lowbit.models.loader import load_model
+
+    recipe = None
+    if args.recipe is not None:
+        ((_, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
+        if recipe.method == "fp":
+            raise LowbitError("recipe fp quantizes nothing: there is no quantized model to export")
+    elif args.set:
+        raise LowbitError("--set changes a recipe's settings; give it with --recipe")
+    if args.calib_samples < 1:
+        raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
+    out = Path(args.out).expanduser()
+    check_export_target(out)  # before the long work
+    needs_calib = recipe is not None and recipe.needs_calibration
+    calib_corpus = load_corpus(args.calib, part="calibration") if needs_calib else None
+    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    model = loaded.model
+    saved = getattr(model, "lowbit_recipe", None)
+    if recipe is None and saved is None:
+        raise LowbitError(
+            f"{loaded.name} is not quantized; give --recipe, or a model lowbit quantize saved"
+        )
+    if recipe is not None:
+        if saved is not None:
+            raise LowbitError(
+                f"{loaded.name} is already quantized ({saved.method}); export it without --recipe"
+            )
+        calibration = None
+        if calib_corpus is not None:
+            calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
+        quantize(
+            model, recipe, calibration=calibration, progress=not args.no_progress,
+            resume_dir=args.resume_dir,
+        )  # fmt: skip
+    export_compressed_tensors(model, out, tokenizer=loaded.tokenizer)
+    print(f"wrote {out}: {model.lowbit_recipe.method} as {args.format}")
+
+
 def report(rows: list[dict], args) -> None:
     first = rows[0]
     print(
@@ -849,6 +920,8 @@ def main(argv: list[str] | None = None) -> int:
             report(run_eval(args, list(DEMO_RECIPES)), args)
         elif args.command == "quantize":
             run_quantize(args)
+        elif args.command == "export":
+            run_export(args)
         elif args.command == "info":
             run_info(args)
         elif args.command == "generate":
