@@ -1,4 +1,4 @@
-"""The README's baseline table: fp and round-to-nearest rows on WikiText-2.
+"""The baseline table of docs/results/baseline.md: fp and round-to-nearest rows on WikiText-2.
 
     python benchmarks/baseline.py --dataset ../shared/data/wikitext-2-raw/wiki.test.raw --windows 8
 
