@@ -223,9 +223,8 @@ def _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_t
 def _one_thread_on_cpu(device: torch.device):
     """Run GPTQ with one intra-op thread on CPU.
 
-    Its column loop's operations are on vectors of ``out`` elements, too small to gain from threads; with
-    threads they lose badly when cores are shared (measured ~100x slower on a loaded 2-core
-    machine: 8 s instead of 0.08 s for a 576 x 576 weight).
+    Its column loop's operations are on vectors of ``out`` elements, too small to gain from
+    threads; with threads they lose badly when cores are shared (docs/results/gptq.md).
     """
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1:

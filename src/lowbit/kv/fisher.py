@@ -12,11 +12,11 @@ from the kept positions (:meth:`KVCalibration.post_rope_keys`): RoPE is a rotati
 position, so ``k_post = R_m k_pre`` and ``dL/dk_post = R_m dL/dk_pre``.
 
 The first token of every sample (the attention sink) is always kept, beside a random subset
-of the others: its statistics are atypical (SmolLM2, 16 x 2048 WikiText-2 tokens: in layers
-12-29, 4-11 % of its key channels lie outside the min-max range of the other 8176 kept tokens,
-up to 4.1 half-ranges from the center, and its mean key Fisher information is 900-4300 times
-theirs), so a cache that keeps it in fp16 masks it out of calibration, as KVQuant does
-(:meth:`KVCalibration.without_leading`), and a cache that quantizes it must calibrate on it.
+of the others: its statistics are atypical (many of its key channels lie outside every other
+token's range, and its Fisher information is orders of magnitude larger; the figures are in
+docs/results/kv-cache.md), so a cache that keeps it in fp16 masks it out of calibration, as
+KVQuant does (:meth:`KVCalibration.without_leading`), and a cache that quantizes it must
+calibrate on it.
 """
 
 from __future__ import annotations

@@ -9,13 +9,11 @@ indices into a per-layer codebook of ``2**bits`` levels on ``[-1, 1]`` after a n
   channel's range are the outliers (thresholds per channel, calibrated offline). KVQuant puts
   ``outlier_fraction / 2`` of every channel outside at each end (``outlier_allocation="even"``);
   by default the layer's ``outlier_fraction`` goes to the channels and ends where it cuts the
-  most Fisher-weighted error (``"least-error"``, :func:`_allocated_channel_range`), which
-  SmolLM2's heavy-tailed key channels need (8 windows, wiki calibration, ``bench_kv_methods.py
-  --rungs kvquant-ladder-sink``, with the codebook fit before it started from the uniform grid:
-  ppl at 4 / 3 / 2 bits 19.497 / 20.450 / 25.316, KL 0.0109 / 0.0489 / 0.2430, against 19.546 /
-  20.688 / 27.975, KL 0.0166 / 0.0671 / 0.3409 evenly; fp 19.265).
-  With no outliers the range is the per-channel quantile range with the least
-  (Fisher-weighted) squared error, and values beyond it clamp.
+  most Fisher-weighted error (``"least-error"``, :func:`_allocated_channel_range`), at the
+  same bytes: key channels are not alike (some heavy-tailed, most not), so an even split
+  spends outliers where they cut little (docs/results/kv-cache.md). With no outliers the
+  range is the per-channel quantile range with the least (Fisher-weighted) squared error, and
+  values beyond it clamp.
 * ``per_channel=False`` (values; keys in the per-token ablation): each token of each head is
   normalized online by the min/max of its non-outlier elements (fp16 center and half range per
   token and head). The outliers are the ``round(outlier_fraction * H_kv * D)`` largest
@@ -27,10 +25,7 @@ dequantizes to ``x̂ Rᵀ``: a few large channels no longer set every token's ra
 rotated values are closer to Gaussian, which the codebook fits. Ranges, outliers, codes and the
 codebook all live in the rotated basis; the Fisher weights are those of the rotated values.
 A fused kernel would rotate back once per query instead, on ``Σ a_t x̂_t`` (``Rᵀ`` is linear).
-Measured on SmolLM2 (8 windows, wiki calibration, ``bench_kv_methods.py --rungs
-kvquant-ladder-sink`` and ``--rungs kvquant --set share_outliers=false``): ppl at 4 / 3 / 2 bits
-19.483 / 20.142 / 23.974 (KL 0.0098 / 0.0433 / 0.2087) against 19.500 / 20.300 / 24.869 (KL
-0.0105 / 0.0473 / 0.2304) unrotated.
+It costs no bytes; its effect at each width is in docs/results/kv-cache.md.
 
 Outliers are kept as fp16 in CSR, one row per token (and batch row) over the token's
 ``H_kv * D`` channels, with :mod:`lowbit.formats.sparse`'s 32-bit words (16-bit channel index,
@@ -43,21 +38,14 @@ non-outlier values, weighted by their Fisher information times ``half_range²``:
 objective ``Σ F (a - â)²`` in activation units (KVQuant's nuqX), Lloyd started from the uniform
 grid. Lloyd only finds a local minimum, and from its default start (the weighted quantiles) the
 heavy-tailed Fisher weights left it worse than the uniform grid in some layers, on its own
-objective. Started from the grid it ends no worse than the grid. Measured with a one-off script
-on SmolLM2 (codebooks fitted on 8 of the 16 wiki calibration samples, ``Σ F (a - â)²`` on the
-other 8, layers 0, 3, …, 27, relative to the uniform grid), keys / values at 1 % outliers:
-0.887 / 1.014 (4 bits), 0.778 / 0.862 (3 bits), 0.480 / 0.589 (2 bits) with the quantile start
-and normalized-unit weights, 0.855 / 0.850, 0.751 / 0.815, 0.473 / 0.566 now (values rotated,
-as ``kvquant`` codes them). Without outliers the end levels stay at ±1, where each range's
-largest-magnitude elements sit (measured on SmolLM2, 2 windows, 2 bits, ``kvquant-ladder-nuq``:
-KL 0.8415 with both streams' ends pinned, 0.9281 with only the keys', 0.9832 for the uniform
-grid). ``nuq=False`` uses the uniform grid
-``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer quantization.
-``channel_codebooks=True`` (per-channel keys) fits one codebook per channel instead, as seed
-003's Algorithm 1 stores them (``[H_kv * D, 2**bits]`` per layer). On SmolLM2 it helps at 2
-bits and not at 3 (``bench_kv_methods.py --windows 2 --calib wikitext --bits 3 2 --rungs
-kvquant --set channel_codebooks=true`` and ``=false``: KL 0.3221 vs 0.3446 at 2 bits, 0.0706
-vs 0.0677 at 3), so it is off by default. Codebooks and key ranges are the calibrated state
+objective. Started from the grid it ends no worse than the grid (held-out check in
+docs/results/kv-cache.md). Without outliers the end levels stay at ±1, where each range's
+largest-magnitude elements sit, so they are reproduced rather than clamped. ``nuq=False`` uses
+the uniform grid ``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer
+quantization. ``channel_codebooks=True`` (per-channel keys) fits one codebook per channel
+instead, as seed 003's Algorithm 1 stores them (``[H_kv * D, 2**bits]`` per layer); it is off
+by default, since it helped the embedded model at 2 bits and not at 3
+(docs/results/kv-cache.md). Codebooks and key ranges are the calibrated state
 (buffers, saved with ``state_dict``); everything else is computed online.
 """
 
@@ -340,8 +328,7 @@ def _allocated_channel_range(
     choice minimizes ``sum_c error_c + lambda * outliers_c`` over the layer's channels,
     ``error_c`` the squared error of the channel's in-range elements on ``2**bits`` uniform
     levels weighted by its mean Fisher information (the outliers are stored exactly; weighting
-    each element by its own measured no better on SmolLM2: KL 0.0119 / 0.0518 / 0.2430 at 4 / 3
-    / 2 bits against 0.0107 / 0.0490 / 0.2437, a one-off script), with
+    each element by its own was no better, docs/results/kv-cache.md), with
     ``lambda`` found by bisection as the smallest whose outliers fit the budget. A heavy-tailed
     channel gets several percent, a flat one none.
     """

@@ -31,10 +31,8 @@ def check_bits(name: str, bits: int, *, allow_off: bool = True) -> None:
 
 
 #: the widest bit width at which an unset clip ratio takes the paper's value (QuaRot clips at
-#: 4 bits). Measured on SmolLM2 after rotation (`benchmarks/bench_quarot_ablation.py`, 2
-#: windows, KL to fp): activations 0.9 vs none 0.476 / 0.566 at 4 bits, 0.0237 / 0.0224 at 6,
-#: 0.0063 / 0.0014 at 8; KV 0.95 vs none 0.0581 / 0.0540 at 4 bits, 0.0099 / 0.0027 at 6,
-#: 0.0075 / 0.0002 at 8.
+#: 4 bits). Wider streams are not clipped: at 6 and 8 bits the clip cost accuracy on the
+#: embedded model (docs/results/quarot.md, the clip ablation).
 CLIP_MAX_BITS = 4
 
 

@@ -41,7 +41,7 @@ class KVIntRecipe(Recipe):
         k_bits, v_bits: 2-8, 16 = that stream not quantized.
         k_group, v_group: channels per scale for per-token quantization; none = head_dim.
         clip_ratio: fraction of each group's range kept; none = QuaRot's 0.95 for a stream
-            of 4 bits or fewer, no clip above (measured: the clip hurts at 6 and 8 bits).
+            of 4 bits or fewer, no clip above (``lowbit.recipes.base.CLIP_MAX_BITS``).
         symmetric: symmetric codes (no zero point).
         pre_rope: cache keys before RoPE (RoPE applied to the dequantized keys every step).
         per_channel_keys: keys per channel over runs of key_token_group tokens (tokens of an

@@ -15,9 +15,8 @@ Calibration: the first token of each sample (the attention sink) calibrates the 
 outlier thresholds only when the cache quantizes it (``sink_tokens=0``): many of its key
 channels lie outside every other token's range (see :mod:`lowbit.kv.fisher`). Codebooks are
 always fitted without it, as KVQuant does: its loss gradients are orders of magnitude larger
-than any other token's, so with it the
-Fisher-weighted fit spends levels on one token (measured on SmolLM2, 2 windows, 3 bits,
-``kvquant-ladder-outliers``: ppl 22.09 with it in the fit, 21.06 without).
+than any other token's, so with it the Fisher-weighted fit spends levels on one token
+(docs/results/kv-cache.md).
 """
 
 from __future__ import annotations

@@ -30,11 +30,8 @@ class LinearQuantSettings:
             code) or ``absmax_half`` (``max|w| / (2**(b-1) - 1/2)``, a finer step whose ends
             clamp half a step, as GPTQ's and llm-compressor's code do; see
             ``lowbit.formats.intq``); none = ``absmax_half`` for GPTQ weights, ``absmax`` for
-            RTN. Measured on SmolLM2, W4A16 per channel, ``absmax`` -> ``absmax_half``: RTN
-            43.93 -> 47.98 ppl on 2 WikiText-2 windows (``benchmarks/bench_gptq.py --windows 2
-            --rows rtn rtn-half``; nothing absorbs the clamped ends), GPTQ with the guard on
-            32 x 2048 WikiText-2 tokens 38.35 -> 33.17 on 8 windows (``benchmarks/bench_gptq.py
-            --rows gptq-guard``, README; its error feedback absorbs them).
+            RTN. GPTQ's error feedback absorbs the clamped ends, so the finer step helps it;
+            under RTN nothing absorbs them and the finer step loses (docs/results/gptq.md).
         a_bits: activation bits 2-8 at the input of every block linear, 16 = off.
         a_symmetric: symmetric activations.
         a_clip_ratio: scale each token's range by this before rounding; none = the recipe's

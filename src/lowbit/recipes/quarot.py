@@ -41,8 +41,8 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
         k_bits, v_bits: KV-cache bits 2-8, 16 = off.
         kv_clip_ratio: fraction of each head's range the KV quantizer keeps.
         a_clip_ratio, kv_clip_ratio unset: the paper's 0.9 / 0.95 where a stream has 4 bits or
-            fewer and no clip above: measured on SmolLM2, the clip costs accuracy at 6 and 8
-            bits (``lowbit.recipes.base.CLIP_MAX_BITS``).
+            fewer and no clip above, where the clip costs accuracy
+            (``lowbit.recipes.base.CLIP_MAX_BITS``).
         rotation: hadamard (randomized), random (random orthogonal, paper Table 8), none.
         seed: seed of the rotation's random signs or matrix.
         online_fp16: compute the online Hadamards in fp16 instead of fp32 (paper Table 10).
@@ -51,9 +51,9 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
 
     method = "quarot"
 
-    # The paper's MSE-optimal clip per weight row. It matters after norm fusion, which widens
-    # each row's range (`benchmarks/bench_fusion.py`: W4A16 RTN after fusion + Hadamard rotation
-    # 93.75 without, 43.77 with; on the unfused model it hurts: 38.51 without, 67.78 with).
+    # The paper's MSE-optimal clip per weight row, on by default here and off in rtn/gptq: norm
+    # fusion widens each row's range, and the clip search recovers that range after rotation
+    # (docs/results/quarot.md, the fusion table).
     w_mse_clip: bool = True
     a_bits: int = 4
     a_clip_ratio: float | None = None  # 0.9 (the paper's) at 4 bits or fewer, none above

@@ -76,8 +76,8 @@ __all__ = [
 
 ROTATIONS = ("hadamard", "random", "none")
 # Widths up to this use a dense float64 Q for the residual rotation (one GEMM per weight is
-# faster there: 37 ms vs 96 ms CPU for a [1536, 576] weight); wider randomized Hadamards use
-# the fast transform (0.7 s vs 3.1 s CPU for [4096, 4096]). Measured with 2 threads.
+# faster there); wider randomized Hadamards use the fast transform, which is faster there and
+# never forms an n×n matrix (timings in docs/results/quarot.md).
 DENSE_ROTATION_MAX = 2048
 O_PROJ_PATHS = ("auto", "full", "per_head", "factorized")
 
