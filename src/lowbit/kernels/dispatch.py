@@ -35,10 +35,17 @@ __all__ = [
 _REGISTRY: dict[str, WeightBackend] = {}
 
 #: where each backend lives (imported on first use)
-_BACKEND_MODULES: dict[str, str] = {"reference": __name__, "torch-cpu": "lowbit.kernels.torch_cpu"}
+_BACKEND_MODULES: dict[str, str] = {
+    "reference": __name__,
+    "torch-cpu": "lowbit.kernels.torch_cpu",
+    "triton": "lowbit.kernels.triton_int",
+}
 
 #: preference of ``backend="auto"`` per device type (first supported wins)
-AUTO_ORDER: dict[str, tuple[str, ...]] = {"cpu": ("torch-cpu", "reference"), "cuda": ("reference",)}
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cpu": ("torch-cpu", "reference"),
+    "cuda": ("triton", "reference"),
+}
 
 
 class WeightBackend:

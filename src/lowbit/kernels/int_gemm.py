@@ -1,0 +1,186 @@
+"""Prefill product with packed integer weights: ``x [M, K] @ Wᵀ`` for large M (Triton).
+
+The torch reference is :func:`lowbit.kernels.int_layout.tiled_reference`. At large M the
+product is compute-bound (``2 * M * N * K`` flops against ``N * K * b / 8`` weight bytes), so
+the kernel is a tiled GEMM whose weight operand is decoded in registers on its way to the
+tensor cores: per ``[BLOCK_M, BLOCK_N]`` output tile and per K tile of the layout
+(:mod:`lowbit.kernels.int_layout`), it loads the ``[TILE_WORDS, BLOCK_N]`` words once and for
+each slot decodes a ``[TILE_WORDS, BLOCK_N]`` weight block, ``(code - zero) * scale`` in fp32
+cast to x's dtype (the same arithmetic and rounding as the reference backend's weight), and
+accumulates ``tl.dot(x [BLOCK_M, TILE_WORDS], w)`` in fp32. Decoding costs a few ops per
+weight per ``BLOCK_M`` rows, so it is amortised over the M tile; the scale goes on the weight
+(``TILE_WORDS * BLOCK_N`` multiplies per slot) rather than on the accumulator
+(``BLOCK_M * BLOCK_N``) because BLOCK_M >= 64 > TILE_WORDS here.
+
+Programs are ordered in groups of ``GROUP_M`` row tiles so neighbouring programs share weight
+tiles in L2. Tile sizes, warps and pipeline stages are measured per shape on the GPU by
+:func:`int_gemm` (the wrapper times candidates with ``triton.testing.do_bench`` once and caches
+the fastest); under ``TRITON_INTERPRET=1`` (no driver) it uses fixed sizes and fp32 dot
+operands (the interpreter's bf16 ``tl.dot`` is wrong).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lowbit.kernels.int_layout import check_operands
+
+__all__ = ["int_gemm"]
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> fp32 holding the nearest bf16, ties to even (the interpreter's casts to bf16
+    truncate; on the GPU ``.to(tl.bfloat16)`` rounds correctly and this is not used)."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int_gemm_kernel(
+    x_ptr, words_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sg, stride_zg, stride_om,
+    BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, K_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    PPW: tl.constexpr = 32 // BITS  # codes per word
+    TILE_K: tl.constexpr = PPW * TILE_WORDS  # codes per tile
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) as f32 = 2**23 + code
+    # grouped ordering: GROUP_M row tiles sweep the same column tiles together (L2 reuse)
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, TILE_WORDS)  # [TILE_WORDS]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # constexpr trip count: the interpreter (numpy >= 2.4) cannot take a runtime range bound
+    for t in range(K_TILES):
+        w_ptrs = words_ptr + offs_n[None, :] * stride_wn + (t * TILE_WORDS + offs_w)[:, None]
+        words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)  # [TILE_WORDS, BLOCK_N] int32
+        for j in tl.static_range(PPW):
+            k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
+            offs_k = k0 + offs_w  # [TILE_WORDS]
+            group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
+            scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
+            scale = scale.to(tl.float32)  # [BLOCK_N]
+            if SYMMETRIC:
+                offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+            else:
+                zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
+                offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
+            codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [TILE_WORDS, BLOCK_N]
+            w = (codes.to(tl.float32, bitcast=True) - offset[None, :]) * scale[None, :]
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+            if INTERPRET:  # its bf16 dot is wrong and its bf16 casts truncate: fp32 operands
+                if x.dtype == tl.bfloat16:
+                    w = _round_bf16(w)  # the weight the GPU path (and the reference) uses
+                else:
+                    w = w.to(x.dtype).to(tl.float32)
+                acc = tl.dot(x.to(tl.float32), w, acc)
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
+        acc = _round_bf16(acc)  # then the cast below is exact
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tensor:
+    m, n, k = x.shape[0], words.shape[0], x.shape[1]
+    block_m, block_n, num_warps, num_stages = config
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _int_gemm_kernel[grid](
+        x, words, scale, words if zero is None else zero, x if bias is None else bias, out,
+        m, n, k,
+        x.stride(0), words.stride(0), scale.stride(0), 0 if zero is None else zero.stride(0),
+        out.stride(0),
+        BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
+        HAS_BIAS=bias is not None, K_TILES=words.shape[1] // tile, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8,
+        INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _candidates():
+    """A few tile shapes (each one is a compile of a few seconds)."""
+    yield from ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
+
+
+_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def int_gemm(
+    x: Tensor,
+    words: Tensor,
+    scale: Tensor,
+    zero: Tensor | None,
+    bias: Tensor | None,
+    *,
+    bits: int,
+    group_size: int | None,
+    tile: int,
+    config: tuple[int, int, int, int] | None = None,
+    tune: bool = True,
+) -> Tensor:
+    """``x @ Wᵀ + bias`` for any M (meant for M > 16) with ``W`` in the tiled int32 layout.
+
+    Args:
+        x: ``[M, K]`` fp16/bf16.
+        words, scale, zero, bias, bits, group_size, tile: see
+            :func:`lowbit.kernels.int_layout.check_operands`.
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` to force one configuration.
+        tune: on a GPU, time the candidates once per shape (M rounded up to a power of two)
+            and keep the fastest.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype (fp32 accumulation).
+    """
+    m, n, k = check_operands(x, words, scale, zero, bias, bits, group_size, tile)
+    x = x.contiguous()
+    args = (x, words, scale, zero, bias, bits, group_size, tile)
+    if config is None:
+        key = (triton.next_power_of_2(m), n, k, bits, group_size, tile, zero is None, x.dtype)
+        config = _TUNED.get(key)
+        if config is None:
+            config = (64, 64, 4, 3)
+            if tune and not INTERPRET:
+                config = _fastest(args, list(_candidates()))
+            _TUNED[key] = config
+    return _launch(*args, config)
+
+
+def _fastest(args, configs):
+    """The configuration with the smallest ``do_bench`` time of the whole call."""
+    import triton.testing
+
+    best, best_ms = configs[0], float("inf")
+    for config in configs:
+        try:
+            ms = triton.testing.do_bench(lambda c=config: _launch(*args, c), warmup=5, rep=20)
+        except Exception:  # a configuration the compiler rejects (shared memory) is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best

@@ -1,0 +1,249 @@
+"""Decode-time product with packed integer weights: ``x [M, K] @ Wᵀ`` for M <= 16 (Triton).
+
+The torch reference is :func:`lowbit.kernels.int_layout.tiled_reference` (decode the tiled
+layout in fp32, matmul). Memory traffic at M = 1: the kernel reads each weight word once
+(``N * K * b / 8`` bytes, ``32 / 30`` of that at 3 bits, plus padding to whole tiles), one
+scale (and zero) per group and row, and ``x`` from cache; it writes ``M * N`` outputs. Decoding
+is bandwidth-bound only if the ALUs keep up, so the inner loop is kept to a few integer/float
+ops per code (see :mod:`lowbit.kernels.int_layout` for the layout and the op budget).
+
+One program owns ``BLOCK_N`` output rows and a range of K tiles. Per tile it loads the
+``[BLOCK_N, TILE_WORDS]`` words once, then for each of the ``32 // b`` slots decodes a
+``[BLOCK_N, TILE_WORDS]`` block of codes (shift, mask, exponent trick, minus the zero) and:
+
+* ``BLOCK_M == 1`` (GEMV): FMAs it with ``x`` into a ``[BLOCK_N, TILE_WORDS]`` fp32 sum,
+  reduced across the tile once at the end (no shuffles inside the loop);
+* ``BLOCK_M == 16`` (small batch, 2 <= M <= 16, rows masked): one ``tl.dot`` of the codes
+  ``[BLOCK_N, TILE_WORDS]`` (exact small integers in x's dtype) with ``xᵀ [TILE_WORDS, 16]``,
+  with the weight as the MMA's tall operand (N fills the 64-row wgmma tile; M = 16 is its
+  narrow side). Decoding is paid once for all rows; CUDA-core FMAs would cost M per code and
+  saturate the ALUs from M ~ 4.
+
+Both sum the unscaled ``(code - zero) * x`` of a group and apply the group's scale once when
+its last run is done (scale loads and multiplies per group, not per code). Compiled for sm_90
+the M = 1 loop is about 5.7 SASS instructions per 4-bit code at BLOCK_N = 128 (shift, mask,
+or-magic, fadd, ffma + amortised loads), so a 4-bit GEMV needs ~3.4e13 instr/s at 3 TB/s: at
+the H100's issue limit, which is why every op per code counts.
+
+Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. Decoding a 4096-row layer with 64
+rows per program gives 64 programs for 132 SMs, too few bytes in flight; splitting K fills the
+machine. Partial sums go to an fp32 ``[SPLIT_K, M, N]`` buffer summed by torch (deterministic,
+M * N * SPLIT_K * 4 bytes, < 2% of the weight bytes); SPLIT_K = 1 stores the output directly with
+the bias. Which (BLOCK_N, SPLIT_K, warps, BLOCK_M) wins is measured per shape on the GPU by
+:func:`int_gemv` (whole call timed with ``triton.testing.do_bench``, cached), never under the
+interpreter. Accumulation is fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lowbit.errors import LowbitError
+from lowbit.kernels.int_layout import check_operands
+
+__all__ = ["int_gemv", "MAX_ROWS"]
+
+#: largest M this kernel takes (tl.dot's narrow side)
+MAX_ROWS = 16
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> fp32 holding the nearest bf16, ties to even (the interpreter's casts to bf16
+    truncate; on the GPU ``.to(tl.bfloat16)`` rounds correctly and this is not used)."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int_gemv_kernel(
+    x_ptr, words_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sg, stride_zg, stride_os, stride_om,
+    BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    PPW: tl.constexpr = 32 // BITS  # codes per word
+    TILE_K: tl.constexpr = PPW * TILE_WORDS  # codes per tile
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) as f32 = 2**23 + code
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, TILE_WORDS)  # [TILE_WORDS]
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    mask_m = offs_m < M
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, TILE_WORDS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_group = tl.zeros_like(acc)  # the current group's sum of (code - zero) * x, unscaled
+    # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
+    # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked
+    for i in range(TILES_PER_SPLIT):
+        t = pid_k * TILES_PER_SPLIT + i
+        w_ptrs = words_ptr + offs_n[:, None] * stride_wn + (t * TILE_WORDS + offs_w)[None, :]
+        w_mask = mask_n[:, None] & (t < K_TILES)
+        words = tl.load(w_ptrs, mask=w_mask, other=0)  # [BLOCK_N, TILE_WORDS] int32
+        words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
+        for j in tl.static_range(PPW):
+            k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
+            offs_k = k0 + offs_w  # [TILE_WORDS]
+            group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
+            if SYMMETRIC:
+                offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+            else:
+                zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
+                offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
+            codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
+            q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
+            if BLOCK_M == 1:
+                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
+            else:
+                x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+                x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+                if INTERPRET:  # the interpreter's bf16 dot is wrong: exact fp32 operands
+                    acc_group = tl.dot(q, tl.trans(x.to(tl.float32)), acc_group)
+                else:  # |code - zero| <= 255: exact in fp16 and bf16
+                    acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
+            if (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
+                scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
+                acc += acc_group * scale.to(tl.float32)[:, None]
+                acc_group = tl.zeros_like(acc)
+    # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
+    last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
+    scale = tl.load(scale_ptr + (last // GROUP_SIZE) * stride_sg + offs_n, mask=mask_n, other=0.0)
+    acc += acc_group * scale.to(tl.float32)[:, None]
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
+    else:
+        out = acc  # [BLOCK_N, BLOCK_M]
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = mask_n[:, None] & mask_m[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
+            out = _round_bf16(out)  # then the cast below is exact
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, out, mask=mask)  # fp32 partial sums
+
+
+def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tensor:
+    m, n, k = x.shape[0], words.shape[0], x.shape[1]
+    block_m, block_n, split_k, num_warps = config
+    n_tiles = words.shape[1] // tile
+    per_split = triton.cdiv(n_tiles, split_k)
+    split_k = triton.cdiv(n_tiles, per_split)  # no empty splits
+    if split_k == 1:
+        out = torch.empty(1, m, n, dtype=x.dtype, device=x.device)  # [1, M, N]
+    else:
+        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    grid = (triton.cdiv(n, block_n), split_k)
+    _int_gemv_kernel[grid](
+        x, words, scale, words if zero is None else zero, x if bias is None else bias, out,
+        m, n, k,
+        x.stride(0), words.stride(0), scale.stride(0), 0 if zero is None else zero.stride(0),
+        out.stride(0), out.stride(1),
+        BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
+        HAS_BIAS=bias is not None, K_TILES=n_tiles, SPLIT_K=split_k, TILES_PER_SPLIT=per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        INTERPRET=INTERPRET, num_warps=num_warps,
+    )  # fmt: skip
+    if split_k == 1:
+        return out[0]
+    total = out.sum(0)  # [M, N] fp32
+    if bias is not None:
+        total += bias.float()
+    return total.to(x.dtype)
+
+
+def _default_config(m: int, n: int, n_tiles: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K, warps) without measuring: ~2 programs per H100 SM."""
+    block_m = 1 if m == 1 else MAX_ROWS
+    block_n = 128 if not INTERPRET else 32
+    programs = triton.cdiv(n, block_n)
+    split_k = max(1, min(n_tiles, triton.cdiv(264, programs))) if not INTERPRET else 1
+    return block_m, block_n, split_k, 4
+
+
+def _candidates(m: int, n: int, n_tiles: int):
+    """A few configurations around the default (each one is a compile of a few seconds)."""
+    for block_m in (1, MAX_ROWS) if m == 1 else (MAX_ROWS,):
+        for block_n in (64, 128):
+            waves = max(1, min(n_tiles, triton.cdiv(264, triton.cdiv(n, block_n))))
+            for split_k in sorted({1, waves}):
+                if block_m == 1 or split_k == waves:
+                    yield block_m, block_n, split_k, 4
+
+
+_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def int_gemv(
+    x: Tensor,
+    words: Tensor,
+    scale: Tensor,
+    zero: Tensor | None,
+    bias: Tensor | None,
+    *,
+    bits: int,
+    group_size: int | None,
+    tile: int,
+    config: tuple[int, int, int, int] | None = None,
+    tune: bool = True,
+) -> Tensor:
+    """``x @ Wᵀ + bias`` for M <= 16 with ``W`` in the tiled int32 layout.
+
+    Args:
+        x: ``[M, K]`` fp16/bf16, M <= 16.
+        words, scale, zero, bias, bits, group_size, tile: see
+            :func:`lowbit.kernels.int_layout.check_operands`.
+        config: ``(BLOCK_M, BLOCK_N, SPLIT_K, num_warps)`` to force one launch configuration.
+        tune: on a GPU, time the candidate configurations once per shape and keep the fastest.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype (fp32 accumulation).
+    """
+    m, n, k = check_operands(x, words, scale, zero, bias, bits, group_size, tile)
+    if not 1 <= m <= MAX_ROWS:
+        raise LowbitError(f"int_gemv takes 1 to {MAX_ROWS} rows, not {m}")
+    if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
+        raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
+    x = x.contiguous()
+    n_tiles = words.shape[1] // tile
+    args = (x, words, scale, zero, bias, bits, group_size, tile)
+    if config is None:
+        key = (m == 1, m <= 8, n, k, bits, group_size, tile, zero is None, x.dtype, x.device)
+        config = _TUNED.get(key)
+        if config is None:
+            config = _default_config(m, n, n_tiles)
+            if tune and not INTERPRET:
+                config = _fastest(args, list(_candidates(m, n, n_tiles)))
+            _TUNED[key] = config
+    return _launch(*args, config)
+
+
+def _fastest(args, configs):
+    """The configuration with the smallest ``do_bench`` time of the whole call."""
+    import triton.testing
+
+    best, best_ms = configs[0], float("inf")
+    for config in configs:
+        try:
+            ms = triton.testing.do_bench(lambda c=config: _launch(*args, c), warmup=5, rep=20)
+        except Exception:  # a configuration the compiler rejects (resources) is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best

@@ -1,0 +1,96 @@
+"""The ``triton`` backend: Triton kernels for packed 2, 3, 4 and 8-bit integer weights.
+
+``prepare`` converts a layer's canonical bit stream to the tiled int32 layout
+(:mod:`lowbit.kernels.int_layout`: whole words per thread, ten codes per word at 3 bits) and its
+``[N, G]`` scales and zeros to ``[G, N]`` (one contiguous row of N per group, the kernels load a
+slot's scales as one coalesced vector). ``matmul`` runs :func:`~lowbit.kernels.int_gemv.int_gemv`
+for M <= 16 (decode) and :func:`~lowbit.kernels.int_gemm.int_gemm` above (prefill).
+
+Runs on CUDA tensors, or on any tensors under ``TRITON_INTERPRET=1`` (set before Triton is
+imported; how the tests run the kernels on CPU). Takes fp16 and bf16 inputs, symmetric or
+asymmetric codes, per channel or groups that are a multiple of 16. Triton is imported here
+only: without it the backend stays registered and says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lowbit.formats.packing import unpack_bits
+from lowbit.kernels.dispatch import WeightBackend, register_backend
+from lowbit.kernels.int_layout import KERNEL_BITS, pack_tiles, tile_words
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # the backend explains itself in unsupported()
+    triton = None
+
+__all__ = ["TritonIntBackend", "SMALL_M"]
+
+#: largest M that takes the decode kernel
+SMALL_M = 16
+
+
+def _group(layer) -> int | None:
+    """The layer's group size, None for one group per row (a group of K included)."""
+    return None if layer.group_size in (None, layer.in_features) else layer.group_size
+
+
+def _interpreting() -> bool:
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+class TritonIntBackend(WeightBackend):
+    """Triton GEMV/small-batch (M <= 16) and prefill kernels on the tiled int32 layout."""
+
+    name = "triton"
+
+    def unsupported(self, layer, x: Tensor) -> str | None:
+        if triton is None:
+            return "Triton is not installed (pip install 'lowbit[triton]')"
+        if x.device.type != "cuda" and not _interpreting():
+            return (
+                f"its kernels need a CUDA device (or TRITON_INTERPRET=1), and the input is "
+                f"on {x.device.type}"
+            )
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return f"its kernels take fp16 or bf16 inputs, not {x.dtype}"
+        if layer.bits not in KERNEL_BITS:
+            return f"its kernels take 2, 3, 4 or 8-bit codes, not {layer.bits}"
+        if tile_words(layer.in_features, layer.bits, _group(layer)) is None:
+            return f"its kernels take groups that are a multiple of 16, not {layer.group_size}"
+        if layer.qdata.device != x.device:
+            return f"the weight is on {layer.qdata.device} and the input on {x.device}"
+        return None
+
+    def prepare(self, layer) -> dict[str, Tensor]:
+        n, k = layer.out_features, layer.in_features
+        tile = tile_words(k, layer.bits, _group(layer))
+        codes = unpack_bits(layer.qdata, layer.bits, n * k).view(n, k)  # [N, K] uint8
+        prepared = {
+            "words": pack_tiles(codes, layer.bits, tile),  # [N, W] int32
+            "scale": layer.scale.t().contiguous(),  # [G, N]
+        }
+        if layer.zero is not None:
+            prepared["zero"] = layer.zero.t().contiguous()  # [G, N] uint8
+        return prepared
+
+    def matmul(self, layer, x: Tensor, prepared: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        from lowbit.kernels.int_gemm import int_gemm
+        from lowbit.kernels.int_gemv import int_gemv
+
+        kernel = int_gemv if x.shape[0] <= SMALL_M else int_gemm
+        return kernel(
+            x,
+            prepared["words"],
+            prepared["scale"],
+            prepared.get("zero"),
+            bias,
+            bits=layer.bits,
+            group_size=_group(layer),
+            tile=tile_words(layer.in_features, layer.bits, _group(layer)),
+        )  # [M, N]
+
+
+register_backend(TritonIntBackend())

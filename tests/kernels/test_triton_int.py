@@ -1,0 +1,216 @@
+"""The triton backend's kernels against their torch reference and the reference backend.
+
+Without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set here, before Triton is imported:
+the interpreter is chosen when a kernel is defined, for the whole process) on small irregular
+shapes: N = 37 and K = 96/160 are not multiples of any block, M = 1, 3, 13 take the decode kernel
+(the GEMV path at M = 1, the tl.dot path above) and M = 33 the prefill kernel. With CUDA the
+same tests run compiled on the GPU, and the ``gpu`` ones add real layer sizes.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from lowbit.api import quantize  # noqa: E402
+from lowbit.errors import LowbitError  # noqa: E402
+from lowbit.formats.intq import IntQuantized  # noqa: E402
+from lowbit.kernels import dispatch  # noqa: E402
+from lowbit.kernels.int_gemm import int_gemm  # noqa: E402
+from lowbit.kernels.int_gemv import int_gemv  # noqa: E402
+from lowbit.kernels.int_layout import tile_words, tiled_reference  # noqa: E402
+from lowbit.models.tiny import tiny_model  # noqa: E402
+from lowbit.nn.packed_linear import PackedLinear, set_backend  # noqa: E402
+from lowbit.recipes.registry import get_recipe  # noqa: E402
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.interpreter
+
+N = 37
+ROWS = (1, 3, 13, 33)  # GEMV, small batch (tl.dot, rows masked), prefill
+DTYPES = [torch.float16, torch.bfloat16]
+
+# |kernel - reference| <= TOL * max|reference|, for both references: the reference backend
+# (rounds each weight to x's dtype, then its product's output) and the kernels' torch reference
+# (fp32 decode, fp32 matmul, one rounding). The decode kernel keeps the fp32 weight, the prefill
+# kernel rounds it to x's dtype as the reference backend does; both accumulate in fp32 and round
+# the output once. Measured over FORMATS x ROWS (interpreter), vs the reference backend: fp16
+# 7.6e-4, bf16 7.1e-3; vs the torch reference: decode fp16 2.4e-4, bf16 0 (the same sums),
+# prefill fp16 8.9e-4, bf16 7.2e-3 (its bf16 weights).
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+# (bits, group, symmetric, K): every width, sym/asym, groups of 32 (K = 160: five groups, the
+# last tile partial) and per channel (K = 96), plus 64-groups and 16-groups (16-word tiles)
+FORMATS = [
+    *[(b, 32, sym, 160) for b in (2, 3, 4, 8) for sym in (True, False)],
+    *[(b, None, sym, 96) for b in (2, 3, 4, 8) for sym in (True, False)],
+    (4, 64, False, 128),
+    (8, 16, True, 96),
+    (3, 16, False, 160),
+]
+
+
+def _layers(bits, group, symmetric, k, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight, b = torch.randn(N, k, generator=gen), torch.randn(N, generator=gen)
+    q = IntQuantized.from_float(
+        weight, bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float16
+    )
+    b = b if bias else None
+    fast = PackedLinear.from_quantized(q, b, backend="triton").to(DEVICE)
+    return fast, PackedLinear.from_quantized(q, b, backend="reference").to(DEVICE)
+
+
+def _operands(layer):
+    """The prepared tensors and static arguments the kernels take for ``layer``."""
+    (prepared,) = layer.__dict__["_prepared"].values()
+    group = None if layer.group_size in (None, layer.in_features) else layer.group_size
+    tensors = (prepared["words"], prepared["scale"], prepared.get("zero"))
+    return tensors, dict(
+        bits=layer.bits, group_size=group, tile=tile_words(layer.in_features, layer.bits, group)
+    )
+
+
+def _rel_err(got, want):
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits, group, symmetric, k", FORMATS)
+def test_kernels_match_their_reference_and_the_reference_backend(bits, group, symmetric, k, dtype):
+    fast, reference = _layers(bits, group, symmetric, k)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+        got = fast(x)  # [M, N]: through the dispatch, prepared once, then a kernel
+        assert got.shape == (m, N) and got.dtype == dtype
+        assert _rel_err(got, reference(x)) <= TOL[dtype], m
+        tensors, static = _operands(fast)
+        want = tiled_reference(x, *tensors, fast.bias.to(dtype), **static)  # [M, N]
+        assert _rel_err(got, want) <= TOL[dtype], m
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [(1, (1, 16, 2, 4)), (1, (16, 32, 2, 4)), (5, (16, 32, 2, 4)), (13, (16, 16, 3, 2))],
+    ids=["gemv-split2", "dot-m1-split2", "dot-split2", "dot-split3"],
+)
+def test_decode_kernel_configs_split_k_and_the_dot_path(m, config):
+    """Forced launch configurations: split-K partial sums (the last split's tiles past K masked),
+    the tl.dot path at M = 1, several N blocks. 8 bits, K = 160, 16-word tiles: 3 tiles."""
+    fast, reference = _layers(8, 16, False, 160)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
+    want = fast(x)  # default configuration; prepares the layout
+    tensors, static = _operands(fast)
+    assert static["tile"] == 16 and tensors[0].shape[1] == 48
+    got = int_gemv(x, *tensors, fast.bias.half(), **static, config=config)
+    assert _rel_err(got, want) <= TOL[torch.float16]
+    assert _rel_err(got, reference(x)) <= TOL[torch.float16]
+
+
+def test_prefill_kernel_with_small_blocks_covers_every_output_tile():
+    """BLOCK_M = BLOCK_N = 16 on 40 x 37 outputs: 3 x 3 programs in grouped order, partial
+    tiles on both edges."""
+    fast, reference = _layers(4, 32, True, 160)
+    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    want = reference(x)
+    fast(x[:1])  # prepare
+    tensors, static = _operands(fast)
+    got = int_gemm(x, *tensors, fast.bias.bfloat16(), **static, config=(16, 16, 4, 2))
+    assert _rel_err(got, want) <= TOL[torch.bfloat16]
+
+
+def test_batched_input_without_bias_keeps_its_leading_shape():
+    fast, reference = _layers(3, 32, True, 160, bias=False)
+    x = torch.randn(2, 3, 160, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
+    got = fast(x)  # M = 6
+    assert got.shape == (2, 3, N)
+    assert _rel_err(got, reference(x)) <= TOL[torch.float16]
+
+
+def test_a_bf16_model_runs_on_the_kernels_like_the_reference():
+    """A whole tiny llama in bf16, W4 g32 asymmetric packed, prompt (M = 10) and one-token
+    steps: logits within bf16 reach of the reference backend."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    recipe = get_recipe("rtn").with_settings(w_bits=4, w_group=32, w_symmetric=False)
+    quantize(model, recipe, progress=False, packed=True)
+    model.to(DEVICE)
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        set_backend(model, "reference")
+        want = model(ids).logits.float()
+        set_backend(model, "triton")
+        got = model(ids).logits.float()
+    # measured max 0.0037 of max|logit|: bf16 roundings of the two products
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_the_backend_says_why_it_cannot_run_a_layer(monkeypatch):
+    from lowbit.kernels import triton_int
+
+    backend = dispatch.get_backend("triton")
+    fast, _ = _layers(4, 32, True, 96)
+    x = torch.randn(2, 96, device=DEVICE)
+    assert "fp16 or bf16" in backend.unsupported(fast, x)
+    odd, _ = _layers(5, 32, True, 96)
+    assert "2, 3, 4 or 8-bit" in backend.unsupported(odd, x.half())
+    eights, _ = _layers(4, 8, True, 96)
+    assert "multiple of 16" in backend.unsupported(eights, x.half())
+    assert backend.unsupported(fast, x.half()) is None
+    monkeypatch.setattr(triton_int, "_interpreting", lambda: False)
+    assert "CUDA" in backend.unsupported(fast, torch.randn(2, 96).half())
+    monkeypatch.setattr(triton_int, "triton", None)
+    assert "not installed" in backend.unsupported(fast, x.half())
+    with pytest.raises(LowbitError, match="cannot run this layer"):
+        fast(x.half())
+
+
+def test_auto_prefers_triton_on_cuda_and_never_on_the_cpu():
+    assert dispatch.AUTO_ORDER["cuda"][0] == "triton"
+    assert "triton" not in dispatch.AUTO_ORDER["cpu"]
+
+
+def test_the_wrappers_refuse_bad_calls_in_a_sentence():
+    fast, _ = _layers(4, 32, True, 96)
+    x = torch.randn(17, 96, device=DEVICE, dtype=torch.float16)
+    fast(x)
+    tensors, static = _operands(fast)
+    with pytest.raises(LowbitError, match="1 to 16 rows"):
+        int_gemv(x, *tensors, None, **static)
+    with pytest.raises(LowbitError, match="BLOCK_M"):
+        int_gemv(x[:3], *tensors, None, **static, config=(1, 32, 1, 4))
+    with pytest.raises(LowbitError, match="fp16 or bf16"):
+        int_gemm(x.float(), *tensors, None, **static)
+    with pytest.raises(LowbitError, match="words must be"):
+        int_gemm(x, tensors[0][:, :8], *tensors[1:], None, **static)
+    with pytest.raises(LowbitError, match="scale must be"):
+        int_gemm(x[:, :64], *tensors, None, **static)
+
+
+# ---------------------------------------------------------------- real sizes, on CUDA only
+
+GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits, group", [(8, 128), (4, 128), (4, None), (3, 128), (2, 64)])
+@pytest.mark.parametrize("n, k", GPU_SHAPES)
+def test_kernels_at_layer_sizes_on_cuda(n, k, bits, group, dtype):
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen) * 0.02
+    for symmetric in (True, False):
+        q = IntQuantized.from_float(
+            weight, bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float16
+        )
+        fast = PackedLinear.from_quantized(q, backend="triton").cuda()
+        reference = PackedLinear.from_quantized(q, backend="reference").cuda()
+        for m in (1, 4, 16, 17, 512):
+            x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+            assert _rel_err(fast(x), reference(x)) <= TOL[dtype], (m, symmetric)
