@@ -139,7 +139,7 @@ def test_int8_per_token_export_loads_and_differs_only_by_the_activation_scale(
     assert group["input_activations"]["dynamic"] is True
     # transformers simulates the activations with compressed-tensors' scale max|x| / 127.5, not
     # lowbit's max|x| / 127, so the logits differ by one activation rounding step here and
-    # there: tolerance 0.05, measured max abs difference 0.008-0.012 (logits of size ~1)
+    # there: tolerance 0.05, measured max abs difference 0.009-0.013 (|logits| up to 1.7)
     assert (got - model(IDS).logits).abs().max() < 0.05
     # with lowbit's activation quantizers replaced by that computation, the logits are equal:
     # the exported weights and the activation scheme are all that differ

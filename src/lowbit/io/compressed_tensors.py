@@ -432,9 +432,14 @@ def export_compressed_tensors(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _set_default_permissions(tmp)
-        if target.is_dir():
-            target.rmdir()  # empty (checked): replaced by the finished directory
-        os.rename(tmp, target)
+        try:
+            if target.is_dir():
+                target.rmdir()  # empty (checked): replaced by the finished directory
+            os.rename(tmp, target)
+        except OSError as err:  # something else wrote there meanwhile
+            raise LowbitError(
+                f"cannot export to {target}: it changed while exporting ({err.strerror})"
+            ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
