@@ -21,6 +21,8 @@ operands (the interpreter's bf16 ``tl.dot`` is wrong).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,8 @@ from lowbit.kernels.int_layout import check_operands
 __all__ = ["int_gemm"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
+#: measure launch configurations on a GPU's first call per shape (LOWBIT_TRITON_TUNE=0: no)
+TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
@@ -125,7 +129,7 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tens
 
 def _candidates():
     """A few tile shapes (each one is a compile of a few seconds)."""
-    yield from ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
+    yield from ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4))
 
 
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
@@ -165,7 +169,7 @@ def int_gemm(
         config = _TUNED.get(key)
         if config is None:
             config = (64, 64, 4, 3)
-            if tune and not INTERPRET:
+            if tune and TUNE and not INTERPRET:
                 config = _fastest(args, list(_candidates()))
             _TUNED[key] = config
     return _launch(*args, config)

@@ -20,10 +20,10 @@ One program owns ``BLOCK_N`` output rows and a range of K tiles. Per tile it loa
   saturate the ALUs from M ~ 4.
 
 Both sum the unscaled ``(code - zero) * x`` of a group and apply the group's scale once when
-its last run is done (scale loads and multiplies per group, not per code). Compiled for sm_90
-the M = 1 loop is about 5.7 SASS instructions per 4-bit code at BLOCK_N = 128 (shift, mask,
-or-magic, fadd, ffma + amortised loads), so a 4-bit GEMV needs ~3.4e13 instr/s at 3 TB/s: at
-the H100's issue limit, which is why every op per code counts.
+its last run is done (scale loads and multiplies per group, not per code). What remains per
+code is shift, mask, or-magic, fadd, ffma (or cvt for the dot) plus amortised loads; at 3 TB/s
+a 4-bit GEMV decodes 6e12 codes/s against an H100's ~3.3e13 instructions/s, so every op per
+code counts (``tools/kernel_sass.py`` counts them in the compiled loop without a GPU).
 
 Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. Decoding a 4096-row layer with 64
 rows per program gives 64 programs for 132 SMs, too few bytes in flight; splitting K fills the
@@ -35,6 +35,8 @@ interpreter. Accumulation is fp32 throughout.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -49,6 +51,8 @@ __all__ = ["int_gemv", "MAX_ROWS"]
 #: largest M this kernel takes (tl.dot's narrow side)
 MAX_ROWS = 16
 INTERPRET = bool(triton.knobs.runtime.interpret)
+#: measure launch configurations on a GPU's first call per shape (LOWBIT_TRITON_TUNE=0: no)
+TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
@@ -179,12 +183,13 @@ def _default_config(m: int, n: int, n_tiles: int) -> tuple[int, int, int, int]:
 
 def _candidates(m: int, n: int, n_tiles: int):
     """A few configurations around the default (each one is a compile of a few seconds)."""
-    for block_m in (1, MAX_ROWS) if m == 1 else (MAX_ROWS,):
-        for block_n in (64, 128):
-            waves = max(1, min(n_tiles, triton.cdiv(264, triton.cdiv(n, block_n))))
-            for split_k in sorted({1, waves}):
-                if block_m == 1 or split_k == waves:
-                    yield block_m, block_n, split_k, 4
+
+    def waves(block_n):  # SPLIT_K for ~2 programs per SM of an H100
+        return max(1, min(n_tiles, triton.cdiv(264, triton.cdiv(n, block_n))))
+
+    if m == 1:
+        yield from ((1, 128, waves(128), 4), (1, 64, waves(64), 4), (1, 128, 1, 4))
+    yield from ((MAX_ROWS, 128, waves(128), 4), (MAX_ROWS, 64, waves(64), 4))
 
 
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
@@ -224,11 +229,11 @@ def int_gemv(
     n_tiles = words.shape[1] // tile
     args = (x, words, scale, zero, bias, bits, group_size, tile)
     if config is None:
-        key = (m == 1, m <= 8, n, k, bits, group_size, tile, zero is None, x.dtype, x.device)
+        key = (m == 1, n, k, bits, group_size, tile, zero is None, x.dtype, x.device)
         config = _TUNED.get(key)
         if config is None:
             config = _default_config(m, n, n_tiles)
-            if tune and not INTERPRET:
+            if tune and TUNE and not INTERPRET:
                 config = _fastest(args, list(_candidates(m, n, n_tiles)))
             _TUNED[key] = config
     return _launch(*args, config)

@@ -26,9 +26,10 @@ Why this order:
   worse at decode: 32 codes in three words (codes 10 and 21 straddle; a thread needs all three
   words and two extra shift/or per straddling code) or bit-planes (a 2-bit and a 1-bit plane,
   exactly 3.0 bits, but two loads, two shifts, two masks and an or per code). On an H100 a
-  3-bit GEMV at full bandwidth must decode ~8e12 codes/s against ~3.3e13 fp32 ALU ops/s, i.e. a
-  budget of about 4 ops per code: the 10-per-word decode fits it (shift, and, or-magic, sub),
-  bit-planes (~7) would not; 6.7% more bytes costs less than 40% fewer codes per second.
+  3-bit GEMV at full bandwidth must decode ~8e12 codes/s against ~3.3e13 instructions/s, a
+  budget of about 4 per code: the decode loop is issue-bound already (shift, mask, or-magic,
+  plus the fadd and ffma every layout needs), so 3 more instructions per code would cost far
+  more than 6.7% more bytes.
 * Codes become floats with the exponent trick ``float_bits(code | 0x4B000000) - 2**23 = code``
   (exact, full-rate integer ops; int-to-float conversion runs at 1/4-1/8 rate on NVIDIA SMs).
 

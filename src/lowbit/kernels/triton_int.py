@@ -9,7 +9,9 @@ for M <= 16 (decode) and :func:`~lowbit.kernels.int_gemm.int_gemm` above (prefil
 Runs on CUDA tensors, or on any tensors under ``TRITON_INTERPRET=1`` (set before Triton is
 imported; how the tests run the kernels on CPU). Takes fp16 and bf16 inputs, symmetric or
 asymmetric codes, per channel or groups that are a multiple of 16. Triton is imported here
-only: without it the backend stays registered and says why it cannot run.
+only: without it the backend stays registered and says why it cannot run. On a GPU the first
+product of each shape times a few launch configurations (compiles of a few seconds each);
+``LOWBIT_TRITON_TUNE=0`` takes the default configuration instead.
 """
 
 from __future__ import annotations
