@@ -1,0 +1,218 @@
+"""One packed linear, side by side: dense, torch's int4 kernel and lowbit's backends.
+
+Per weight shape N x K and rows M: the time of ``x [M, K] @ Wᵀ``, the weight bandwidth it
+achieves (bytes of codes + scales + zeros the kernel reads, over the time), that bandwidth's
+share of a copy bandwidth measured in the same run, and the speed relative to the dense
+product (fp16 cuBLAS on the GPU, fp32 ``F.linear`` on the CPU). ``err`` is the max |y - y_ref|
+over max |y_ref| against the fp32 product with the same dequantized weight (a check that every
+row computes what it claims). Weight bytes: the layout the kernel reads for torch's int4 and
+lowbit's triton rows (3-bit words hold ten codes, rows padded to whole tiles), the canonical
+packed storage (codes, fp16 scales, uint8 zeros) for the other lowbit rows.
+
+GPU (the issue's table: cuBLAS fp16, ``aten._weight_int4pack_mm`` at 4 bits g128 in bf16, the
+lowbit ``triton`` backend at W8/W4/W3 g128 and W2 g64, fp16 inputs; times from
+``triton.testing.do_bench_cudagraph``, i.e. GPU time without Python launch overhead, as decoding
+runs under CUDA graphs; ``--timer do_bench`` for plain ``do_bench``). The triton backend tunes
+a few launch configurations per shape on its first call: ~9 compiles of a few seconds per shape
+and format, so run two shapes per command under the 10-minute limit (Triton's cache makes
+reruns fast; ``LOWBIT_TRITON_TUNE=0`` skips tuning for a quick first pass)::
+
+    python benchmarks/bench_gemv.py --device cuda --shapes 4096x4096 11008x4096 --out docs/results/kernels_gpu_1.md
+    python benchmarks/bench_gemv.py --device cuda --shapes 4096x11008 14336x4096 --out docs/results/kernels_gpu_2.md
+    python benchmarks/bench_gemv.py --device cuda --shapes 8192x8192 28672x8192 --out docs/results/kernels_gpu_3.md
+
+CPU (4096² and SmolLM2's layer shapes; fp32 and bf16 ``F.linear``,
+``aten._weight_int4pack_mm_for_cpu`` at 4 bits g128 in bf16, and every lowbit backend that runs
+on the CPU, ``reference`` and ``torch-cpu`` included, with bf16 inputs, plus W8 per channel;
+times from ``torch.utils.benchmark``, the fastest of its blocks)::
+
+    python benchmarks/bench_gemv.py --device cpu   # table in docs/results/kernels.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import command_line, markdown_table, stamp  # noqa: E402
+
+GPU_SHAPES = ["4096x4096", "11008x4096", "4096x11008", "14336x4096", "8192x8192", "28672x8192"]
+CPU_SHAPES = ["4096x4096", "576x1536", "1536x576", "576x576"]
+FORMATS = ["8:128", "4:128", "3:128", "2:64"]  # bits:group ("8:0" = per channel)
+CPU_FORMATS = [*FORMATS, "8:0"]  # 8-bit per channel: the layout torch's int8 CPU kernel takes
+
+
+def _bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _fitting_group(group: int, k: int) -> int:
+    """``group``, or the largest of 64 and 32 dividing ``k`` when it does not (K = 576)."""
+    return next(g for g in (group, 64, 32) if k % g == 0)
+
+
+def copy_bandwidth(device: str, timer) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    import torch
+
+    n = (1 << 30) if device == "cuda" else (256 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * n / timer(lambda: dst.copy_(src))
+
+
+def int4_tinygemm(codes, scale, group, device):
+    """torch's int4 kernel on lowbit's symmetric 4-bit codes ``[N, K]`` and scales ``[N, G]``.
+
+    Both kernels decode ``w = (c - 8) * s + z`` per group with unsigned codes and bf16 ``(s, z)``
+    ``[K / g, N, 2]``; lowbit's symmetric codes are ``z = 0``. The CUDA kernel takes
+    ``[N, K / 2]`` uint8 with the even element in the high nibble (``_convert_weight_to_int4pack
+    (w, innerKTiles=8)``), the CPU one ``[N, K]`` int32 codes (``_convert_weight_to_int4pack_for_cpu
+    (w, 2)``). Returns ``(fn(x), bytes read)``.
+    """
+    import torch
+
+    scale_zero = torch.stack((scale.float(), torch.zeros_like(scale.float())), -1)  # [N, G, 2]
+    scale_zero = scale_zero.transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, N, 2]
+    if device == "cuda":
+        packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)  # [N, K / 2]
+        w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        op = torch.ops.aten._weight_int4pack_mm
+    else:
+        w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+        op = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return (lambda x: op(x, w, group, scale_zero)), _bytes(w, scale_zero)
+
+
+def main() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from lowbit.formats.intq import IntQuantized
+    from lowbit.kernels import dispatch
+    from lowbit.nn.packed_linear import PackedLinear
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--shapes", nargs="+", default=None, help="N x K, e.g. 4096x11008")
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="M values")
+    parser.add_argument("--formats", nargs="+", default=None, help="bits:group (0 = channel)")
+    parser.add_argument("--timer", choices=["cudagraph", "do_bench"], default="cudagraph")
+    parser.add_argument("--seconds", type=float, default=0.3, help="CPU: time per measurement")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA device; --device cpu runs the CPU table")
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes or (
+        GPU_SHAPES if device == "cuda" else CPU_SHAPES)]  # fmt: skip
+    rows_m = args.rows or [1, 4, 16, 2048]
+    formats = args.formats or (FORMATS if device == "cuda" else CPU_FORMATS)
+    formats = [tuple(int(v) for v in f.split(":")) for f in formats]
+    load_before = os.getloadavg()[0]
+
+    if device == "cuda":
+        import triton.testing
+
+        bench = (
+            triton.testing.do_bench_cudagraph
+            if args.timer == "cudagraph"
+            else triton.testing.do_bench
+        )
+
+        def timer(fn):  # seconds
+            return bench(fn) * 1e-3
+
+        dense_dtype, act_dtype, backends = torch.float16, torch.float16, ["triton"]
+        dense_name = "cuBLAS fp16"
+    else:
+        from torch.utils.benchmark import Timer
+
+        def timer(fn):  # the fastest block: other jobs on a shared machine only add time
+            t = Timer("fn()", globals={"fn": fn}, num_threads=args.threads)
+            return min(t.blocked_autorange(min_run_time=args.seconds).times)
+
+        dense_dtype, act_dtype = torch.float32, torch.bfloat16
+        dense_name = "F.linear fp32"
+        backends = [b for b in dispatch.backend_names() if b not in ("auto", "triton")]
+
+    copy_bw = copy_bandwidth(device, timer)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    header = ["N x K", "M", "kernel", "µs", "weight GB/s", "% of copy", "GFLOP/s", "× dense", "err"]
+    table = []
+
+    for n, k in shapes:
+        weight = torch.randn(n, k, device=device) * 0.02  # [N, K] fp32
+        # (name, fn(x), bytes read, fp32 weight it stands for, input dtype), built once per shape
+        kernels = []
+        dense = weight.to(dense_dtype)
+        kernels.append((dense_name, lambda x, w=dense: F.linear(x, w), _bytes(dense), dense.float(),
+                        dense_dtype))  # fmt: skip
+        if device == "cpu":
+            bf = weight.to(torch.bfloat16)
+            kernels.append(("F.linear bf16", lambda x, w=bf: F.linear(x, w), _bytes(bf),
+                            bf.float(), torch.bfloat16))  # fmt: skip
+        g4 = _fitting_group(128, k)
+        # scales exact in bf16, as the int4 kernel keeps them
+        q4 = IntQuantized.from_float(weight, 4, group_size=g4, scale_dtype=torch.bfloat16)
+        codes = (q4.codes().view(n, k).to(torch.int16) + 8).to(torch.uint8)  # [N, K]
+        fn, nbytes = int4_tinygemm(codes, q4.scale, g4, device)
+        kernels.append((f"torch int4 g{g4} bf16", fn, nbytes, q4.dequantize(torch.float32),
+                        torch.bfloat16))  # fmt: skip
+        del q4, codes
+        for bits, group in formats:
+            group = _fitting_group(group, k) if group else None
+            q = IntQuantized.from_float(weight, bits, group_size=group, scale_dtype=torch.float16)
+            for backend in backends:
+                layer = PackedLinear.from_quantized(q, backend=backend)
+                probe = torch.zeros(1, k, device=device, dtype=act_dtype)
+                if dispatch.get_backend(backend).unsupported(layer, probe) is not None:
+                    continue
+                name = f"lowbit {backend} W{bits} " + (f"g{group}" if group else "pc")
+                kernels.append((name, layer, None, q.dequantize(torch.float32), act_dtype))
+
+        for m in rows_m:
+            x32 = torch.randn(m, k, device=device)  # [M, K]
+            t_dense = None
+            for name, fn, nbytes, w_ref, dtype in kernels:
+                x = x32.to(dtype)
+                y_ref = x.float() @ w_ref.t()  # [M, N] fp32: same weight, same input
+                with torch.no_grad():
+                    y = fn(x).float()  # prepares (and on the GPU tunes) outside the timing
+                    seconds = timer(lambda fn=fn, x=x: fn(x))
+                if nbytes is None and fn.backend == "triton":  # what the kernels read
+                    (prepared,) = fn.__dict__["_prepared"].values()
+                    nbytes = _bytes(*prepared.values())
+                elif nbytes is None:  # the canonical packed storage
+                    nbytes = fn.memory_bytes()
+                err = float((y - y_ref).abs().max() / y_ref.abs().max())
+                t_dense = t_dense or seconds
+                bw = nbytes / seconds
+                table.append([
+                    f"{n}x{k}", m, name, f"{seconds * 1e6:.1f}", f"{bw / 1e9:.1f}",
+                    f"{100 * bw / copy_bw:.0f}%", f"{2 * m * n * k / seconds / 1e9:.0f}",
+                    f"{t_dense / seconds:.2f}", f"{err:.1e}",
+                ])  # fmt: skip
+                print(" | ".join(map(str, table[-1])), flush=True)
+
+    load_after = os.getloadavg()[0]
+    dense_note = "fp16 cuBLAS" if device == "cuda" else "fp32 F.linear"
+    text = (
+        f"{stamp(command_line())} Copy bandwidth {copy_bw / 1e9:.1f} GB/s (device-to-device, "
+        f"read + write). Load average (1 min) {load_before:.2f} before, {load_after:.2f} after. "
+        f"× dense = time of {dense_note} / time.\n\n{markdown_table(header, table)}\n"
+    )
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
