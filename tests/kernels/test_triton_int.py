@@ -191,6 +191,35 @@ def test_the_wrappers_refuse_bad_calls_in_a_sentence():
         int_gemm(x[:, :64], *tensors, None, **static)
 
 
+def test_tuning_keeps_the_fastest_valid_candidate(monkeypatch):
+    """The GPU-only tuning path with a fake timer: candidates are valid launch configurations,
+    the fastest one is kept and cached per shape."""
+    import triton.testing
+
+    from lowbit.kernels import int_gemm as gemm_module
+    from lowbit.kernels import int_gemv as gemv_module
+
+    for m in (1, 5):
+        for block_m, block_n, split_k, _ in gemv_module._candidates(m, 4096, 16):
+            assert block_m in (1, 16) and block_m >= m and 1 <= split_k <= 16 and block_n >= 32
+    fast, _ = _layers(4, 32, True, 160)
+    x = torch.randn(1, 160, dtype=torch.float16, device=DEVICE)
+    fast(x)  # prepares the layout
+    tensors, static = _operands(fast)
+    fake_ms = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: next(fake_ms))
+    launched = []
+    monkeypatch.setattr(gemv_module, "_launch", lambda *args: launched.append(args[-1]))
+    monkeypatch.setattr(gemv_module, "INTERPRET", False)
+    monkeypatch.setattr(gemv_module, "TUNE", True)
+    monkeypatch.setattr(gemv_module, "_TUNED", {})
+    gemv_module.int_gemv(x, *tensors, None, **static)  # tunes (fake), launches the winner
+    gemv_module.int_gemv(x, *tensors, None, **static)  # cached: no second sweep
+    candidates = list(gemv_module._candidates(1, N, tensors[0].shape[1] // static["tile"]))
+    assert launched[-2:] == [candidates[1]] * 2 and len(gemv_module._TUNED) == 1
+    assert len(list(gemm_module._candidates())) >= 2
+
+
 # ---------------------------------------------------------------- real sizes, on CUDA only
 
 GPU_SHAPES = [(4096, 4096), (4096, 11008)]

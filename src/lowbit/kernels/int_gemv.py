@@ -25,13 +25,14 @@ code is shift, mask, or-magic, fadd, ffma (or cvt for the dot) plus amortised lo
 a 4-bit GEMV decodes 6e12 codes/s against an H100's ~3.3e13 instructions/s, so every op per
 code counts (``tools/kernel_sass.py`` counts them in the compiled loop without a GPU).
 
-Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. Decoding a 4096-row layer with 64
-rows per program gives 64 programs for 132 SMs, too few bytes in flight; splitting K fills the
-machine. Partial sums go to an fp32 ``[SPLIT_K, M, N]`` buffer summed by torch (deterministic,
-M * N * SPLIT_K * 4 bytes, < 2% of the weight bytes); SPLIT_K = 1 stores the output directly with
-the bias. Which (BLOCK_N, SPLIT_K, warps, BLOCK_M) wins is measured per shape on the GPU by
-:func:`int_gemv` (whole call timed with ``triton.testing.do_bench``, cached), never under the
-interpreter. Accumulation is fp32 throughout.
+Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. A 4096-row layer at 128 rows per
+program gives 32 programs for 132 SMs, too few bytes in flight; splitting K fills the machine.
+Partial sums go to an fp32 ``[SPLIT_K, M, N]`` buffer summed by torch (deterministic; at M = 1
+it is under 2% of a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits
+there); SPLIT_K = 1 stores the output directly with the bias. Which (BLOCK_M, BLOCK_N,
+SPLIT_K) wins is measured per shape on the GPU by :func:`int_gemv` (whole call timed with
+``triton.testing.do_bench``, cached), never under the interpreter. Accumulation is fp32
+throughout.
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ def _candidates(m: int, n: int, n_tiles: int):
     if m == 1:
         yield from ((1, 128, waves(128), 4), (1, 64, waves(64), 4), (1, 128, 1, 4))
     yield from ((MAX_ROWS, 128, waves(128), 4), (MAX_ROWS, 64, waves(64), 4))
+    if m > 1:  # fewer, longer splits: less fp32 partial traffic at 16 rows
+        yield MAX_ROWS, 128, max(1, waves(128) // 4), 4
 
 
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
