@@ -13,11 +13,13 @@ One program owns ``BLOCK_N`` output rows and a range of K tiles. Per tile it loa
 
 * ``BLOCK_M == 1`` (GEMV): FMAs it with ``x`` into a ``[BLOCK_N, TILE_WORDS]`` fp32 sum,
   reduced across the tile once at the end (no shuffles inside the loop);
-* ``BLOCK_M == 16`` (small batch, 2 <= M <= 16, rows masked): one ``tl.dot`` of the codes
-  ``[BLOCK_N, TILE_WORDS]`` (exact small integers in x's dtype) with ``xᵀ [TILE_WORDS, 16]``,
-  with the weight as the MMA's tall operand (N fills the 64-row wgmma tile; M = 16 is its
-  narrow side). Decoding is paid once for all rows; CUDA-core FMAs would cost M per code and
-  saturate the ALUs from M ~ 4.
+* ``BLOCK_M == 16`` (small batch, 2 <= M <= 16, rows masked; a tuning candidate at M = 1):
+  one ``tl.dot`` of the codes ``[BLOCK_N, TILE_WORDS]`` (exact small integers in x's dtype)
+  with ``xᵀ [TILE_WORDS, 16]``, the weight as the MMA's tall operand (N fills the 64-row wgmma
+  tile; M = 16 is its narrow side). Decoding is paid once for all rows; CUDA-core FMAs would
+  cost M per code and saturate the ALUs from M ~ 4. With fp16 inputs the codes are decoded in
+  fp16 directly (bits ``code | 0x6400`` are ``1024 + code``), two per instruction; bf16 takes
+  the fp32 trick and a conversion (bf16's 8-bit mantissa cannot hold 8-bit codes that way).
 
 Both sum the unscaled ``(code - zero) * x`` of a group and apply the group's scale once when
 its last run is done (scale loads and multiplies per group, not per code). What remains per
@@ -108,8 +110,15 @@ def _int_gemv_kernel(
             else:
                 zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
                 offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
-            codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
-            q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
+            if BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
+                # the same trick in fp16, two codes per instruction: bits (code | 0x6400) are
+                # 1024 + code, and 1024 + zero is exact in fp16 (integers up to 2048)
+                codes16 = (((words >> (j * BITS)) & CODE_MASK) | 0x6400).to(tl.uint16)
+                offset16 = (offset - (8388608.0 - 1024.0)).to(tl.float16)  # [BLOCK_N]
+                q = codes16.to(tl.float16, bitcast=True) - offset16[:, None]  # exact
+            else:
+                codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
+                q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
             if BLOCK_M == 1:
                 x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
@@ -117,7 +126,7 @@ def _int_gemv_kernel(
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
                 x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
                 if INTERPRET:  # the interpreter's bf16 dot is wrong: exact fp32 operands
-                    acc_group = tl.dot(q, tl.trans(x.to(tl.float32)), acc_group)
+                    acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
                 else:  # |code - zero| <= 255: exact in fp16 and bf16
                     acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
             if (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
