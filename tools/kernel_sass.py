@@ -1,9 +1,10 @@
-"""Compile lowbit's Triton decode kernel for a GPU architecture without a GPU and count the
-SASS instructions of its main loop per decoded code (Triton's bundled ptxas and nvdisasm).
+"""Compile lowbit's Triton integer kernels for a GPU architecture without a GPU and count the
+SASS instructions of their main loop per decoded code (Triton's bundled ptxas and nvdisasm).
 
 A GEMV at low bits is bound by instruction issue as much as by memory: an H100 issues about
 3.3e13 thread-instructions/s, a 4-bit GEMV at 3 TB/s decodes 6e12 codes/s, so the loop must stay
 near 5 instructions per code. This counts them; it says nothing about stalls (measure on a GPU).
+For the prefill kernel a decoded weight serves BLOCK_M rows, so its count is per BLOCK_M MACs.
 Pointers and strides are declared 16-divisible, as Triton's launcher specializes them. ::
 
     python tools/kernel_sass.py --bits 2 3 4 8 --arch 90
@@ -20,36 +21,52 @@ import tempfile
 from pathlib import Path
 
 
-def compile_decode_kernel(bits, block_m, block_n, num_warps, arch, tile=32, group=128):
-    """The compiled ``_int_gemv_kernel`` (fp16 input, symmetric, 16 tiles, no split)."""
+def _compile(kernel, scalars, constants, dtype, arch, **options):
+    """``kernel`` compiled for ``sm_<arch>`` with fp16 scales and 16-divisible pointers and
+    strides (as Triton's launcher specializes them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lowbit.kernels import int_gemv
-
-    kernel = int_gemv._int_gemv_kernel
     names = kernel.arg_names
-    pointers = {"x_ptr": "*fp16", "words_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*u8",
-                "bias_ptr": "*fp16", "out_ptr": "*fp16"}  # fmt: skip
-    scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_os",
-               "stride_om"]  # fmt: skip
-    constants = dict(
-        BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group, SYMMETRIC=True, HAS_BIAS=False,
-        K_TILES=16, SPLIT_K=1, TILES_PER_SPLIT=16, BLOCK_M=block_m, BLOCK_N=block_n,
-        INTERPRET=False,
-    )  # fmt: skip
+    pointers = {"x_ptr": f"*{dtype}", "words_ptr": "*i32", "scale_ptr": "*fp16",
+                "zero_ptr": "*u8", "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}  # fmt: skip
     signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
-    aligned = [*pointers, "K", *scalars[3:]]
+    aligned = [*pointers, "K", *(s for s in scalars if s.startswith("stride"))]
     source = ASTSource(
         fn=kernel,
         signature=signature,
         constexprs={(names.index(c),): v for c, v in constants.items()},
         attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
     )
-    return triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
-    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_decode_kernel(bits, block_m, block_n, num_warps, arch, dtype="fp16"):
+    """``_int_gemv_kernel``: symmetric, g128, 32-word tiles, 16 tiles, no split."""
+    from lowbit.kernels import int_gemv
+
+    scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_os",
+               "stride_om"]  # fmt: skip
+    constants = dict(
+        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=True, HAS_BIAS=False, K_TILES=16,
+        SPLIT_K=1, TILES_PER_SPLIT=16, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=False,
+    )  # fmt: skip
+    return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch,
+                    num_warps=num_warps)  # fmt: skip
+
+
+def compile_prefill_kernel(bits, block_m, block_n, num_warps, arch, dtype="fp16"):
+    """``_int_gemm_kernel``: symmetric, g128, 32-word tiles, 16 tiles, 3 stages."""
+    from lowbit.kernels import int_gemm
+
+    scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_om"]
+    constants = dict(
+        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=True, HAS_BIAS=False, K_TILES=16,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, INTERPRET=False,
+    )  # fmt: skip
+    return _compile(int_gemm._int_gemm_kernel, scalars, constants, dtype, arch,
+                    num_warps=num_warps, num_stages=3)  # fmt: skip
 
 
 def loop_instructions(cubin: bytes) -> list[str]:
@@ -78,16 +95,21 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    print("| bits | BLOCK_M | BLOCK_N | warps | loop instrs | per code | most frequent |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| kernel | bits | x | BLOCK_M | BLOCK_N | warps | loop instrs | per code | most frequent |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    runs = [("decode", compile_decode_kernel, bm, bn, w, "fp16")
+            for bm, bn, w in ((1, 64, 4), (1, 128, 4), (16, 64, 4), (16, 128, 4))]  # fmt: skip
+    runs += [("decode", compile_decode_kernel, 16, 128, 4, "bf16")]
+    runs += [("prefill", compile_prefill_kernel, 128, 128, 8, dt) for dt in ("fp16", "bf16")]
     for bits in args.bits:
-        for block_m, block_n, warps in ((1, 64, 4), (1, 128, 4), (16, 64, 4), (16, 128, 4)):
-            ops = loop_instructions(
-                compile_decode_kernel(bits, block_m, block_n, warps, args.arch).asm["cubin"]
-            )
+        for name, compile_fn, block_m, block_n, warps, dtype in runs:
+            kernel = compile_fn(bits, block_m, block_n, warps, args.arch, dtype)
+            ops = loop_instructions(kernel.asm["cubin"])
             codes_per_thread = block_n * 32 * (32 // bits) / (32 * warps)  # one tile
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
-            print(f"| {bits} | {block_m} | {block_n} | {warps} | {len(ops)} | "
+            print(f"| {name} | {bits} | {dtype} | {block_m} | {block_n} | {warps} | {len(ops)} | "
                   f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
 
 

@@ -94,6 +94,21 @@ def test_kernels_match_their_reference_and_the_reference_backend(bits, group, sy
         assert _rel_err(got, want) <= TOL[dtype], m
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits, group, symmetric, k", [(4, 32, False, 96), (3, None, True, 160)])
+def test_kernels_decode_each_weight_exactly(bits, group, symmetric, k, dtype):
+    """Rows of the identity pick single weights: every kernel path returns the reference's
+    weight in x's dtype bit for bit (one product, no sum to reorder)."""
+    fast, reference = _layers(bits, group, symmetric, k, bias=False)
+    eye = torch.eye(k, device=DEVICE, dtype=dtype)  # [K, K]
+    want = reference.dequantize_weight(dtype).t()  # [K, N]
+    fast(eye[:1])  # prepares the layout
+    tensors, static = _operands(fast)
+    assert torch.equal(int_gemm(eye, *tensors, None, **static), want)  # prefill
+    assert torch.equal(int_gemv(eye[5:6], *tensors, None, **static), want[5:6])  # GEMV
+    assert torch.equal(int_gemv(eye[16:32], *tensors, None, **static), want[16:32])  # tl.dot
+
+
 @pytest.mark.parametrize(
     "m, config",
     [(1, (1, 16, 2, 4)), (1, (16, 32, 2, 4)), (5, (16, 32, 2, 4)), (13, (16, 16, 3, 2))],

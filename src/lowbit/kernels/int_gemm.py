@@ -6,8 +6,10 @@ the kernel is a tiled GEMM whose weight operand is decoded in registers on its w
 tensor cores: per ``[BLOCK_M, BLOCK_N]`` output tile and per K tile of the layout
 (:mod:`lowbit.kernels.int_layout`), it loads the ``[TILE_WORDS, BLOCK_N]`` words once and for
 each slot decodes a ``[TILE_WORDS, BLOCK_N]`` weight block, ``(code - zero) * scale`` in fp32
-cast to x's dtype (the same arithmetic and rounding as the reference backend's weight), and
-accumulates ``tl.dot(x [BLOCK_M, TILE_WORDS], w)`` in fp32. Decoding costs a few ops per
+cast to x's dtype (the same arithmetic and rounding as the reference backend's weight; with
+fp16 inputs and fp16 scales it is computed in fp16, two weights per instruction, which rounds
+the exact product once, to the same value), and accumulates ``tl.dot(x [BLOCK_M, TILE_WORDS],
+w)`` in fp32. Decoding costs a few ops per
 weight per ``BLOCK_M`` rows, so it is amortised over the M tile; the scale goes on the weight
 (``TILE_WORDS * BLOCK_N`` multiplies per slot) rather than on the accumulator
 (``BLOCK_M * BLOCK_N``) because BLOCK_M >= 64 > TILE_WORDS here.
@@ -84,16 +86,25 @@ def _int_gemm_kernel(
             offs_k = k0 + offs_w  # [TILE_WORDS]
             group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
             scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
-            scale = scale.to(tl.float32)  # [BLOCK_N]
             if SYMMETRIC:
                 offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
             else:
                 zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
                 offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
-            codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [TILE_WORDS, BLOCK_N]
-            w = (codes.to(tl.float32, bitcast=True) - offset[None, :]) * scale[None, :]
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+            if x.dtype == tl.float16 and scale.dtype == tl.float16:
+                # fp16 all the way, two weights per instruction: bits (code | 0x6400) are
+                # 1024 + code, code - zero is exact, and the fp16 product of it with an fp16
+                # scale is the reference's fp32 product rounded once to fp16: the same weight
+                codes16 = (((words >> (j * BITS)) & CODE_MASK) | 0x6400).to(tl.uint16)
+                offset16 = (offset - (8388608.0 - 1024.0)).to(tl.float16)  # [BLOCK_N]
+                q = codes16.to(tl.float16, bitcast=True) - offset16[None, :]
+                w = q * scale[None, :]  # [TILE_WORDS, BLOCK_N] fp16
+            else:
+                codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [TILE_WORDS, BLOCK_N]
+                q = codes.to(tl.float32, bitcast=True) - offset[None, :]  # code - zero, exact
+                w = q * scale.to(tl.float32)[None, :]  # [TILE_WORDS, BLOCK_N] fp32
             if INTERPRET:  # its bf16 dot is wrong and its bf16 casts truncate: fp32 operands
                 if x.dtype == tl.bfloat16:
                     w = _round_bf16(w)  # the weight the GPU path (and the reference) uses
