@@ -187,10 +187,10 @@ def _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_t
     inv_scale_t = torch.reciprocal(scale).T.contiguous()  # codes are x * (1/scale), as in intq
     scale16_t = scale16.T.contiguous()  # [G, out]
     zero_t = None if zero is None else zero.T.contiguous()
-    original = perm if perm is not None else torch.arange(in_features)
+    original = perm if perm is not None else torch.arange(in_features, device=w.device)
     group_of = (original // group if group is not None else original * 0).tolist()
-    codes_t = torch.empty(in_features, out_features)  # fp32 integer values, visiting order
-    values_t = torch.empty(in_features, out_features)  # dequantized, visiting order
+    codes_t = torch.empty_like(wt)  # [in, out] fp32 integer values, visiting order
+    values_t = torch.empty_like(wt)  # [in, out] dequantized, visiting order
 
     _quantize_columns(
         wt, upper, block_size, group, static, spec, group_of,

@@ -30,12 +30,13 @@ class EvalResult:
 
 
 def window_logits(model: torch.nn.Module, window: torch.Tensor, chunk: int | None = None):
-    """Logits of one window: [S] -> [S, V] in fp32.
+    """Logits of one window: [S] -> [S, V] in fp32, on the model's device (the token ids may
+    be anywhere).
 
     With ``chunk`` the window is fed in pieces of that many tokens through the model's KV
     cache, so later tokens attend to cached (possibly quantized) earlier ones.
     """
-    ids = window.unsqueeze(0)  # [1, S]
+    ids = window.to(_input_device(model)).unsqueeze(0)  # [1, S]
     if chunk is None or chunk >= ids.shape[1]:
         return model(ids, use_cache=False).logits[0].float()
     from transformers import DynamicCache
@@ -48,6 +49,11 @@ def window_logits(model: torch.nn.Module, window: torch.Tensor, chunk: int | Non
         past = out.past_key_values
         pieces.append(out.logits[0].float())
     return torch.cat(pieces, dim=0)
+
+
+def _input_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's token embeddings are, so where its input ids go."""
+    return model.get_input_embeddings().weight.device
 
 
 class FloatReference:
@@ -105,11 +111,11 @@ def evaluate(
             else:
                 logits = window_logits(model, window, chunk)  # [S, V]
                 logprobs = F.log_softmax(logits[:-1], dim=-1)  # [S-1, V]
-            targets = window[1:]  # [S-1]
+            targets = window[1:].to(logprobs.device)  # [S-1]
             total_nll -= logprobs.gather(1, targets[:, None]).sum().item()
             count += targets.numel()
             if reference is not None:
-                ref = reference.logprobs(window)  # [S-1, V]
+                ref = reference.logprobs(window).to(logprobs.device)  # [S-1, V]
                 total_kl += F.kl_div(logprobs, ref, log_target=True, reduction="sum").item()
                 agree += (logprobs.argmax(-1) == ref.argmax(-1)).sum().item()
     nll = total_nll / count

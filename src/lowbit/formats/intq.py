@@ -41,7 +41,7 @@ Conventions (used everywhere in lowbit):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -640,6 +640,19 @@ class IntQuantized:
             dtype=x.dtype,
             scale_dtype=torch.float16 if scale_bits is not None else scale_dtype,
             scale_q=scale_q,
+        )
+
+    def to(self, device: torch.device | str) -> IntQuantized:
+        """The same container with its tensors on ``device`` (itself when already there)."""
+        device = torch.device(device)
+        if self.qdata.device == device:
+            return self
+        return replace(
+            self,
+            qdata=self.qdata.to(device),
+            scale=self.scale.to(device),
+            zero=None if self.zero is None else self.zero.to(device),
+            scale_q=None if self.scale_q is None else self.scale_q.to(device),
         )
 
     def codes(self) -> Tensor:

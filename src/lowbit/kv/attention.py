@@ -241,6 +241,18 @@ def _per_layer(name: str, quantizers, num_layers: int) -> list[KVQuantizer | Non
     return quantizers
 
 
+def _move_to_layer(attn: nn.Module, *quantizers: nn.Module | None) -> None:
+    """Put a layer's quantizers (calibrated anywhere) on the device of its attention, in place.
+    A model being rebuilt on the meta device keeps them where they are (their state is loaded
+    or derived afterwards)."""
+    device = attn.q_proj.weight.device
+    if device.type == "meta":
+        return
+    for quantizer in quantizers:
+        if quantizer is not None:
+            quantizer.to(device)
+
+
 def install_kv_quantization(
     model: nn.Module,
     adapter=None,
@@ -260,6 +272,7 @@ def install_kv_quantization(
         model: a causal LM of a supported family.
         adapter: its adapter (``adapter_for(model)`` when None).
         key_quantizers, value_quantizers: one per decoder layer, None entries (or None) = fp.
+            Each layer's quantizers (and query quantizer) are moved to that layer's device.
         query_quantizers: one module per decoder layer (or None) applied to the queries
             ``[B, H_q, S, D]`` as they enter q kᵀ, after RoPE and the Hadamard.
         pre_rope: cache keys before RoPE (RoPE is applied to the dequantized keys each step).
@@ -305,6 +318,7 @@ def install_kv_quantization(
     )
     layout.make_layer(0)  # validates sink_tokens / fp_window
     for i in range(n):
+        _move_to_layer(adapter.block(i).attn, keys[i], values[i], queries[i])
         attn = KVQuantAttention(
             adapter.block(i).attn,
             layout,

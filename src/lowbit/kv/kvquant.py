@@ -88,18 +88,19 @@ MAX_CODEBOOK_SAMPLES = 2_000_000
 ROTATION_SEED = 0
 
 
-def token_rotation(head_dim: int) -> Tensor:
+def token_rotation(head_dim: int, device: torch.device | str | None = None) -> Tensor:
     """The orthonormal ``[D, D]`` fp32 rotation ``R`` a ``rotate=True`` quantizer applies to each
     token's head vector before quantizing it (``x @ R``): QuaRot's randomized Hadamard (a random
-    orthogonal matrix where no Hadamard of order ``D`` is known)."""
+    orthogonal matrix where no Hadamard of order ``D`` is known), drawn on the CPU and put on
+    ``device`` (default: the default device)."""
     return random_hadamard_matrix(
-        head_dim, seed=ROTATION_SEED, dtype=torch.float32, allow_random=True
+        head_dim, seed=ROTATION_SEED, dtype=torch.float32, device=device, allow_random=True
     )
 
 
-def uniform_codebook(bits: int) -> Tensor:
+def uniform_codebook(bits: int, device: torch.device | str | None = None) -> Tensor:
     """``2**bits`` evenly spaced levels on ``[-1, 1]`` (min-max integer quantization)."""
-    return torch.linspace(-1.0, 1.0, 2**bits)
+    return torch.linspace(-1.0, 1.0, 2**bits, device=device)
 
 
 def _check_settings(bits: int, num_heads: int, head_dim: int, outlier_fraction: float) -> None:
@@ -296,7 +297,7 @@ def _clipped_channel_range(x: Tensor, fisher: Tensor | None, bits: int) -> tuple
     Offline ranges cover every calibration token, so the min-max range of thousands of tokens
     is set by a few extremes; clamping those costs less than coarser steps for all the others.
     """
-    q = torch.tensor(CLIP_QUANTILES, dtype=x.dtype)
+    q = torch.tensor(CLIP_QUANTILES, dtype=x.dtype, device=x.device)  # [Q]
     lows, highs = torch.quantile(x, q, dim=0), torch.quantile(x, 1 - q, dim=0)  # [Q, H, D]
     weights = torch.ones_like(x) if fisher is None else fisher.float()
     errors = [
@@ -333,7 +334,7 @@ def _allocated_channel_range(
     channel gets several percent, a flat one none.
     """
     n, h, d = x.shape
-    q = torch.tensor(sorted({*TAIL_QUANTILES, fraction / 2}), dtype=x.dtype)
+    q = torch.tensor(sorted({*TAIL_QUANTILES, fraction / 2}), dtype=x.dtype, device=x.device)
     lows, highs = torch.quantile(x, q, dim=0), torch.quantile(x, 1 - q, dim=0)  # [Q, H, D]
     # outliers counted on every sample; in-range error estimated on at most ERROR_TOKENS
     below = torch.stack([(x < low).sum(0) for low in lows]).double()  # [Q, H, D]
@@ -373,8 +374,9 @@ def _fit(
     """The nuqX codebook ``[2**bits]`` of normalized calibration values ``[M]`` weighted by
     ``weights`` ``[M]`` (all zero = unweighted), Lloyd started from the uniform grid."""
     if normalized.numel() > MAX_CODEBOOK_SAMPLES:
-        generator = torch.Generator().manual_seed(seed)
-        keep = torch.randperm(normalized.numel(), generator=generator)[:MAX_CODEBOOK_SAMPLES]
+        generator = torch.Generator(device="cpu").manual_seed(seed)  # same subset everywhere
+        keep = torch.randperm(normalized.numel(), generator=generator, device="cpu")
+        keep = keep[:MAX_CODEBOOK_SAMPLES].to(normalized.device)  # [MAX_CODEBOOK_SAMPLES]
         normalized, weights = normalized[keep], weights[keep]
     if float(weights.sum()) <= 0:
         weights = None  # no gradient reached these values: fall back to plain k-means
@@ -382,7 +384,7 @@ def _fit(
     # token's min and max; each channel's clamped extremes): keep levels there, as the
     # uniform grid does. With outliers those are stored exactly and the ends move freely.
     pin_ends = outlier_fraction == 0
-    grid = uniform_codebook(bits)
+    grid = uniform_codebook(bits, normalized.device)
     return fit_codebook(normalized, 2**bits, weights, pin_ends=pin_ends, init=grid)
 
 
@@ -575,7 +577,8 @@ class KVQuantQuantizer(KVQuantizer):
             raise LowbitError("calibration samples must be [tokens, heads, head_dim]")
         check_outlier_allocation(outlier_allocation)
         n, h, d = samples.shape
-        quantizer = cls(bits, h, d, per_channel, outlier_fraction, channel_codebooks, rotate)
+        with torch.device(samples.device):  # the quantizer lives where it is calibrated
+            quantizer = cls(bits, h, d, per_channel, outlier_fraction, channel_codebooks, rotate)
         x = samples.float()
         if rotate:
             x = x @ quantizer.rotation  # [N, H, D]
@@ -600,7 +603,7 @@ class KVQuantQuantizer(KVQuantizer):
             center, half = (s.float() for s in _token_range(batch, outliers))
         fit = ~outliers
         if codebook_tokens is not None:
-            fit &= codebook_tokens.view(1, 1, -1, 1)
+            fit &= codebook_tokens.to(fit.device).view(1, 1, -1, 1)
         normalized = ((batch - center) / half).clamp(-1.0, 1.0)  # [1, H, N, D]
         # Σ F (a - â)² in activation units: a normalized error counts half_range² times
         weights = half.square().expand_as(normalized)  # [1, H, N, D]

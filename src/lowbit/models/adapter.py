@@ -199,7 +199,7 @@ class DecoderAdapter:
             x: [B, H, S, head_dim]
             positions: [B, S] integer positions (true positions, so left padding stays right)
         """
-        cos, sin = self.rope_cos_sin(positions, x.dtype)  # [B, S, D]
+        cos, sin = self.rope_cos_sin(positions.to(x.device), x.dtype)  # [B, S, D] on x's device
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

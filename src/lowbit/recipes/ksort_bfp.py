@@ -73,25 +73,28 @@ class KSortBFPRecipe(Recipe):
             view = adapter.block(layer) if model is not None else None
             k_order = v_order = None
             if self.sort and view is not None:
-                k_order = ksort_order(view.k_proj.weight, h)
+                k_order = ksort_order(view.k_proj.weight, h)  # [H_kv, D] on the weight's device
                 if self.permute_v:
                     v_order = ksort_order(view.v_proj.weight, h)
-            for bits, order, sorted_, out in (
-                (self.k_mantissa_bits, k_order, self.sort, keys),
-                (self.v_mantissa_bits, v_order, self.sort and self.permute_v, values),
-            ):
-                if bits == OFF_BITS:
-                    out.append(None)
-                    continue
-                quantizer = BFPKVQuantizer(bits, self.block, h, d, sorted=sorted_)
-                if order is not None:
-                    quantizer.channel_order.copy_(order)
-                out.append(quantizer)
-            queries.append(
-                None
-                if self.q_mantissa_bits == OFF_BITS
-                else BFPQueryQuantizer(self.q_mantissa_bits, self.block, d, k_order)
-            )
+            # a layer's quantizers are made where its orders (its weights) are
+            device = torch.get_default_device() if view is None else view.k_proj.weight.device
+            with torch.device(device):
+                for bits, order, sorted_, out in (
+                    (self.k_mantissa_bits, k_order, self.sort, keys),
+                    (self.v_mantissa_bits, v_order, self.sort and self.permute_v, values),
+                ):
+                    if bits == OFF_BITS:
+                        out.append(None)
+                        continue
+                    quantizer = BFPKVQuantizer(bits, self.block, h, d, sorted=sorted_)
+                    if order is not None:
+                        quantizer.channel_order.copy_(order)
+                    out.append(quantizer)
+                queries.append(
+                    None
+                    if self.q_mantissa_bits == OFF_BITS
+                    else BFPQueryQuantizer(self.q_mantissa_bits, self.block, d, k_order)
+                )
         return keys, values, queries
 
     def apply(self, model, context: QuantizeContext) -> None:

@@ -331,14 +331,20 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int(seed))
 
 
+def _target(device) -> torch.device:
+    """Where a random matrix drawn on the CPU goes: ``device``, else the default device (as
+    for torch's factories, so a module built under ``with torch.device(...)`` holds it there)."""
+    return torch.get_default_device() if device is None else torch.device(device)
+
+
 def random_hadamard_signs(n: int, *, seed: int, dtype=torch.float64, device=None) -> Tensor:
     """The random ±1 vector s of ``random_hadamard_matrix(n, seed=seed)``, shape [n].
 
     Drawn on the CPU from ``torch.Generator().manual_seed(seed)``, so it is the same on
     every device.
     """
-    bits = torch.randint(0, 2, (n,), generator=_generator(seed))  # [n]
-    return (2 * bits - 1).to(dtype=dtype, device=device)
+    bits = torch.randint(0, 2, (n,), generator=_generator(seed), device="cpu")  # [n]
+    return (2 * bits - 1).to(dtype=dtype, device=_target(device))
 
 
 def random_orthogonal_matrix(n: int, *, seed: int, dtype=torch.float64, device=None) -> Tensor:
@@ -352,11 +358,13 @@ def random_orthogonal_matrix(n: int, *, seed: int, dtype=torch.float64, device=N
     """
     if n < 1:
         raise LowbitError(f"a random orthogonal matrix needs a positive order, got {n}")
-    gaussian = torch.randn(n, n, generator=_generator(seed), dtype=torch.float64)  # [n, n]
+    gaussian = torch.randn(
+        n, n, generator=_generator(seed), dtype=torch.float64, device="cpu"
+    )  # [n, n]
     q, r = torch.linalg.qr(gaussian)
     diagonal_signs = torch.sign(torch.diagonal(r))  # [n]
     diagonal_signs[diagonal_signs == 0] = 1
-    return (q * diagonal_signs).to(dtype=dtype, device=device)
+    return (q * diagonal_signs).to(dtype=dtype, device=_target(device))
 
 
 def random_hadamard_matrix(
@@ -377,9 +385,9 @@ def random_hadamard_matrix(
         if allow_random and n >= 1:
             return random_orthogonal_matrix(n, seed=seed, dtype=dtype, device=device)
         raise _no_construction_error(n)
-    signs = random_hadamard_signs(n, seed=seed)  # [n]
-    matrix = hadamard_matrix(n) * signs / math.sqrt(n)  # [n, n], column j scaled by s_j
-    return matrix.to(dtype=dtype, device=device)
+    signs = random_hadamard_signs(n, seed=seed, device="cpu")  # [n]
+    matrix = hadamard_matrix(n, device="cpu") * signs / math.sqrt(n)  # [n, n], column j scaled
+    return matrix.to(dtype=dtype, device=_target(device))
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +477,8 @@ def fast_hadamard_transform(
             raise LowbitError(
                 f"K_matrix has shape {tuple(K_matrix.shape)} but order {n} needs a {k}x{k} factor"
             )
-        y = y.view(-1, k) @ K_matrix.to(work_dtype).T  # [R * P, K] @ [K, K] -> [R * P, K]
+        factor = K_matrix.to(dtype=work_dtype, device=y.device)  # [K, K], e.g. a CPU constant
+        y = y.view(-1, k) @ factor.T  # [R * P, K] @ [K, K] -> [R * P, K]
     return y.reshape(x.shape).to(x.dtype)
 
 

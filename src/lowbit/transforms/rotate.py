@@ -175,8 +175,9 @@ def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------
 
 
-def residual_rotation(hidden_size: int, rotation: str = "hadamard", *, seed: int = 0):
-    """The residual rotation Q for a width, float64 [n, n] (None for ``"none"``).
+def residual_rotation(hidden_size: int, rotation: str = "hadamard", *, seed: int = 0, device=None):
+    """The residual rotation Q for a width, float64 [n, n] (None for ``"none"``), drawn on the
+    CPU and put on ``device`` (default: the default device), so it is the same everywhere.
 
     Raises:
         LowbitError: unknown kind, or ``"hadamard"`` for a width with no known construction.
@@ -186,13 +187,13 @@ def residual_rotation(hidden_size: int, rotation: str = "hadamard", *, seed: int
     if rotation == "none":
         return None
     if rotation == "random":
-        return random_orthogonal_matrix(hidden_size, seed=seed)
+        return random_orthogonal_matrix(hidden_size, seed=seed, device=device)
     if not has_hadamard(hidden_size):
         raise LowbitError(
             f"hidden size {hidden_size} has no known Hadamard construction; "
             "use rotation='random' for a random orthogonal rotation instead"
         )
-    return random_hadamard_matrix(hidden_size, seed=seed)
+    return random_hadamard_matrix(hidden_size, seed=seed, device=device)
 
 
 def _randomized_hadamard_map(hidden_size: int, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -202,9 +203,9 @@ def _randomized_hadamard_map(hidden_size: int, seed: int) -> Callable[[torch.Ten
     K factor transposed (it applies ``kron(S, H_K^T) = H^T``, i.e. ``x ↦ x H / sqrt(n)``).
     O(n log n + n K) per row instead of O(n^2); used above ``DENSE_ROTATION_MAX``.
     """
-    signs = random_hadamard_signs(hidden_size, seed=seed)  # [n] float64
+    signs = random_hadamard_signs(hidden_size, seed=seed, device="cpu")  # [n] float64
     k, _ = hadamard_factorization(hidden_size)
-    k_transposed = hadamard_matrix(k).T.contiguous()  # [K, K]; H_K itself since K is minimal
+    k_transposed = hadamard_matrix(k, device="cpu").T.contiguous()  # [K, K]: H_K (K minimal)
 
     def apply(x: torch.Tensor) -> torch.Tensor:  # [..., n] float64
         y = fast_hadamard_transform(x, K_matrix=k_transposed)
@@ -363,25 +364,26 @@ def _add_online_hadamards(
 
     layers = []
     for view in adapter.blocks():
-        down = OnlineHadamard(inter, compute_dtype=online_dtype)
-        down_weight = _rows_transformed(view.down_proj.weight, fast_hadamard_transform)
-        _replace(model, view.down_proj, _online_linear(view.down_proj, down_weight, down))
+        with torch.device(view.o_proj.weight.device):  # the block's online modules live with it
+            down = OnlineHadamard(inter, compute_dtype=online_dtype)
+            down_weight = _rows_transformed(view.down_proj.weight, fast_hadamard_transform)
+            _replace(model, view.down_proj, _online_linear(view.down_proj, down_weight, down))
 
-        o_weight = view.o_proj.weight
-        if o_path == "full":
-            online = OnlineHadamard(width, compute_dtype=online_dtype)
-            o_fused = _rows_transformed(o_weight, fast_hadamard_transform)  # W T^T
-            _replace(model, view.o_proj, _online_linear(view.o_proj, o_fused, online))
-        else:
-            _fuse_value_heads(view.v_proj, head_dim)
-            fused = _rows_transformed(o_weight, _per_head(head_dim))  # W (I ⊗ B)^T
-            if o_path == "factorized":
-                cross = CrossHeadHadamard(heads, head_dim, compute_dtype=online_dtype)
-                cross64 = CrossHeadHadamard(heads, head_dim)
-                fused = cross64(fused)  # W (A ⊗ B)^T
-                _replace(model, view.o_proj, _online_linear(view.o_proj, fused, cross))
+            o_weight = view.o_proj.weight
+            if o_path == "full":
+                online = OnlineHadamard(width, compute_dtype=online_dtype)
+                o_fused = _rows_transformed(o_weight, fast_hadamard_transform)  # W T^T
+                _replace(model, view.o_proj, _online_linear(view.o_proj, o_fused, online))
             else:
-                _assign(view.o_proj.weight, fused)
+                _fuse_value_heads(view.v_proj, head_dim)
+                fused = _rows_transformed(o_weight, _per_head(head_dim))  # W (I ⊗ B)^T
+                if o_path == "factorized":
+                    cross = CrossHeadHadamard(heads, head_dim, compute_dtype=online_dtype)
+                    cross64 = CrossHeadHadamard(heads, head_dim)
+                    fused = cross64(fused)  # W (A ⊗ B)^T
+                    _replace(model, view.o_proj, _online_linear(view.o_proj, fused, cross))
+                else:
+                    _assign(view.o_proj.weight, fused)
         layers.append(LayerRotation(view.index, down_text, o_path, o_text))
     return layers
 
@@ -432,7 +434,8 @@ def rotate_model(
     ):
         q = _randomized_hadamard_map(adapter.hidden_size, seed)  # never forms the n x n matrix
     else:
-        q = residual_rotation(adapter.hidden_size, rotation, seed=seed)  # raises on bad input
+        device = adapter.lm_head.weight.device
+        q = residual_rotation(adapter.hidden_size, rotation, seed=seed, device=device)  # checks
     o_path = _resolve_o_proj_path(adapter, o_proj_hadamard)
     if online_dtype is not None and not (
         isinstance(online_dtype, torch.dtype) and online_dtype.is_floating_point
