@@ -29,6 +29,7 @@ def quantize(
     progress: bool = True,
     packed: bool = False,
     resume_dir: str | Path | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.nn.Module:
     """Quantize ``model`` in place with ``recipe`` and return it.
 
@@ -50,6 +51,10 @@ def quantize(
             found there from an earlier, interrupted run of the same command (same model,
             recipe, overrides and calibration; else a LowbitError). The result is identical to
             an uninterrupted run. Other methods ignore it.
+        device: compute device of calibration (GPTQ's layer-by-layer walk, KVQuant's Fisher
+            pass): None = where the model's decoder blocks are. A model on the CPU calibrated
+            with ``device="cuda"`` has one block and its captured activations on the GPU at a
+            time and stays on the CPU. Calibration token ids may be on any device.
 
     The recipe is recorded on the model as ``model.lowbit_recipe``.
     """
@@ -62,6 +67,7 @@ def quantize(
             "load a fresh copy to apply another recipe"
         )
     adapter = adapter_for(model)
+    device = _compute_device(device)
     if recipe.needs_calibration and calibration is None:
         raise LowbitError(f"recipe {recipe.method!r} needs calibration data (calibration=...)")
     if calibration is not None and (calibration.ndim != 2 or calibration.dtype != torch.long):
@@ -73,6 +79,7 @@ def quantize(
         overrides=overrides or {},
         progress=progress,
         resume_dir=resume_dir,
+        device=device,
     )
     for pattern, values in context.overrides.items():
         recipe.with_settings(**values)  # reject unknown settings before any work is done
@@ -86,6 +93,22 @@ def quantize(
         pack_model(model)
     model.lowbit_recipe = recipe
     return model
+
+
+def _compute_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a torch.device (None stays None); a name torch does not know, or CUDA where
+    there is none, is a LowbitError."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise LowbitError(
+            f"device {device!r} is not a torch device name (e.g. cpu, cuda:0)"
+        ) from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LowbitError(f"device {str(device)!r} was asked for but this machine has no CUDA")
+    return device
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -243,6 +243,10 @@ def _quantize_gptq(
         if getattr(module, "act_quantizer", None) is not None:
             module.act_quantizer = None
 
+    # the walk moves each block to the compute device and back; the packed containers it makes
+    # are not module tensors, so they are put where their block lives (homes[index])
+    homes = [next(block.parameters()).device for block in adapter.blocks_module]
+
     def calibrated_linears(index: int) -> dict[str, nn.Module]:
         return {
             n: m
@@ -252,7 +256,9 @@ def _quantize_gptq(
 
     def quantize_block(index: int, collector: HessianCollector | None) -> None:
         if collector is None:  # finished in an earlier run
-            report.layers.extend(_restore_block(model, adapter, index, selected, specs, store))
+            report.layers.extend(
+                _restore_block(model, adapter, index, selected, specs, store, homes[index])
+            )
             return
         finished: list[tuple[LayerChoice, IntQuantized | None]] = []
         for name, module in block_linears(model, adapter, index).items():
@@ -286,6 +292,7 @@ def _quantize_gptq(
                 if choice.rtn_error <= choice.gptq_error:
                     choice.algo, packed, dequantized = "rtn", rtn, rtn_weight
             fmt = f"{spec.describe()}, {choice.algo}"
+            packed = packed.to(homes[index])
             replace_module(model, name, _replacement(module, dequantized, packed, fmt))
             report.layers.append(choice)
             finished.append((choice, packed))
@@ -332,8 +339,9 @@ def _open_checkpoints(
     return BlockCheckpoints(resume_dir, fingerprint)
 
 
-def _restore_block(model, adapter, index, selected, specs, store) -> list[LayerChoice]:
-    """Put block ``index``'s checkpointed linears in place; returns their choices."""
+def _restore_block(model, adapter, index, selected, specs, store, home) -> list[LayerChoice]:
+    """Put block ``index``'s checkpointed linears in place (packed containers on ``home``, the
+    block's own device); returns their choices."""
     layers, quantized = store.load(index)
     linears = {n: m for n, m in block_linears(model, adapter, index).items() if n in selected}
     mismatch = LowbitError(
@@ -363,6 +371,7 @@ def _restore_block(model, adapter, index, selected, specs, store) -> list[LayerC
                 zero=None if saved.zero is None else saved.zero.to(device),
             )  # the codes and fp32 statistics GPTQ or RTN returned
             fmt = f"{spec.describe()}, {choice.algo}"
-            replace_module(model, name, _replacement(module, packed.dequantize(), packed, fmt))
+            weight = packed.dequantize()  # [out, in] on the compute device
+            replace_module(model, name, _replacement(module, weight, packed.to(home), fmt))
         choices.append(choice)
     return choices

@@ -67,6 +67,29 @@ class KVCalibration:
     def has_gradients(self) -> bool:
         return self.key_grads is not None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the activations are (every tensor of a calibration is on one device)."""
+        return self.positions.device
+
+    def to(self, device: torch.device | str) -> KVCalibration:
+        """This calibration with every tensor on ``device`` (itself when already there)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+
+        def move(x: list[Tensor] | None) -> list[Tensor] | None:
+            return None if x is None else [t.to(device) for t in x]
+
+        return KVCalibration(
+            keys=move(self.keys),
+            key_grads=move(self.key_grads),
+            values=move(self.values),
+            value_grads=move(self.value_grads),
+            positions=self.positions.to(device),
+            samples=self.samples.to(device),
+        )
+
     def without_leading(self, tokens: int) -> KVCalibration:
         """The kept positions from ``tokens`` on (drop the sinks a cache keeps in fp16)."""
         keep = self.positions >= tokens  # [N]
@@ -126,7 +149,7 @@ def _kept_positions(
     per_sample = max(1, min(seqlen - 1, max_tokens // n_samples - 1))
     kept = []
     for _ in range(n_samples):
-        order = torch.randperm(seqlen - 1, generator=generator)[:per_sample] + 1
+        order = torch.randperm(seqlen - 1, generator=generator, device="cpu")[:per_sample] + 1
         kept.append(torch.cat([order.new_zeros(1), order.sort().values]))
     return kept
 
@@ -140,6 +163,9 @@ def collect_kv_fisher(
     seed: int = 0,
     gradients: bool = True,
     progress: bool = False,
+    device: torch.device | str | None = None,
+    offload_device: torch.device | str = "cpu",
+    block_by_block: bool | None = None,
 ) -> KVCalibration:
     """Run the float model on ``calibration`` and collect keys, values and their gradients.
 
@@ -155,9 +181,15 @@ def collect_kv_fisher(
         gradients: backpropagate the loss for the Fisher information (False: activations
             only, one forward pass per sample).
         progress: show a progress bar over samples.
+        device: compute device. None, or where the blocks are: the whole model runs there, one
+            sample at a time. Elsewhere (a model on the CPU, ``device="cuda"``): block by
+            block (:func:`_collect_block_by_block`), one block on ``device`` at a time.
+        offload_device: where the block-by-block pass keeps its hidden states.
+        block_by_block: force the pass (True) or the whole-model one (False); None chooses by
+            ``device`` as above.
 
     Returns:
-        :class:`KVCalibration`.
+        :class:`KVCalibration` on ``offload_device``; token ids may be on any device.
     """
     if not isinstance(calibration, Tensor) or calibration.dim() != 2:
         raise LowbitError("calibration must be a [n_samples, seqlen] tensor of token ids")
@@ -171,8 +203,16 @@ def collect_kv_fisher(
         )
     from tqdm.auto import tqdm
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # same positions on every device
     kept = _kept_positions(n_samples, seqlen, max_tokens, generator)
+    home = next(adapter.blocks_module.parameters()).device
+    device = home if device is None else torch.device(device)
+    if block_by_block or (block_by_block is None and device != home):
+        out = _collect_block_by_block(
+            model, adapter, calibration, kept, gradients, device,
+            torch.device(offload_device), progress,
+        )  # fmt: skip
+        return _calibration(out, kept, gradients, offload_device)
     blocks = adapter.blocks()
     h_kv, d = adapter.num_kv_heads, adapter.head_dim
     captured: dict[tuple[str, int], Tensor] = {}
@@ -214,10 +254,10 @@ def collect_kv_fisher(
                 for kind, grad_kind in (("k", "gk"), ("v", "gv")):
                     act = captured[(kind, view.index)]
                     rows = act.detach()[0].reshape(seqlen, h_kv, d)[pos]  # [n, H, D]
-                    out[kind][view.index].append(rows.float().cpu())
+                    out[kind][view.index].append(rows.float().to(offload_device))
                     if gradients:
                         grads = act.grad[0].reshape(seqlen, h_kv, d)[pos]
-                        out[grad_kind][view.index].append(grads.float().cpu())
+                        out[grad_kind][view.index].append(grads.float().to(offload_device))
             captured.clear()
     finally:
         for handle in handles:
@@ -225,8 +265,13 @@ def collect_kv_fisher(
         for p, flag in zip(model.parameters(), requires, strict=True):
             p.requires_grad_(flag)
         model.train(was_training)
-    positions = torch.cat(kept)
-    samples = torch.cat([torch.full_like(p, i) for i, p in enumerate(kept)])
+    return _calibration(out, kept, gradients, offload_device)
+
+
+def _calibration(out: dict, kept: list[Tensor], gradients: bool, device) -> KVCalibration:
+    """The :class:`KVCalibration` of per-layer lists of per-sample rows ``out`` (on ``device``)."""
+    positions = torch.cat(kept).to(device)  # [N]
+    samples = torch.cat([torch.full_like(p, i) for i, p in enumerate(kept)]).to(device)
     return KVCalibration(
         keys=[torch.cat(x) for x in out["k"]],
         key_grads=[torch.cat(x) for x in out["gk"]] if gradients else None,
@@ -235,3 +280,125 @@ def collect_kv_fisher(
         positions=positions,
         samples=samples,
     )
+
+
+def _collect_block_by_block(
+    model, adapter, calibration, kept, gradients, device, offload_device, progress
+) -> dict[str, list[list[Tensor]]]:
+    """The Fisher pass with one block on ``device`` at a time (the model stays where it is).
+
+    Forward, block by block over all samples, keeping every block's input hidden states on
+    ``offload_device`` (``(L + 1) * N * S * hidden`` elements); then the loss of each sample
+    (final norm and lm_head on ``device``) and backward, block by block from the last:
+    each block is run again on its kept input with gradients on, its output's gradient is
+    backpropagated, and the key/value activations and gradients are read where the
+    whole-model pass reads them. Parameters get no gradients.
+    """
+    from tqdm.auto import tqdm
+
+    from lowbit.calibrate.capture import _move_outside_blocks, capture_first_block_inputs
+
+    n_samples, seqlen = calibration.shape
+    h_kv, d = adapter.num_kv_heads, adapter.head_dim
+    blocks = adapter.blocks_module
+    views = adapter.blocks()
+    out = {name: [[] for _ in views] for name in ("k", "gk", "v", "gv")}
+    requires = [p.requires_grad for p in model.parameters()]
+    was_training = model.training
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    inputs = capture_first_block_inputs(
+        model, adapter, calibration, offload_device=offload_device, device=device
+    )
+    hidden = [inputs.hidden]  # L + 1 of [N, S, hidden] on offload_device
+    bar = tqdm(total=2 * len(views), desc="kv fisher", disable=not progress, leave=False)
+    captured: dict[str, Tensor] = {}
+
+    def capture(kind: str):
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                output.retain_grad()
+            captured[kind] = output
+
+        return hook
+
+    def keep(view, sample: int, with_grads: bool) -> None:
+        pos = kept[sample].to(device)  # [n]
+        for kind, grad_kind in (("k", "gk"), ("v", "gv")):
+            act = captured[kind]
+            rows = act.detach()[0].reshape(seqlen, h_kv, d)[pos]  # [n, H, D]
+            out[kind][view.index].append(rows.float().to(offload_device))
+            if with_grads:
+                grads = act.grad[0].reshape(seqlen, h_kv, d)[pos]
+                out[grad_kind][view.index].append(grads.float().to(offload_device))
+
+    def run(view, x: Tensor) -> Tensor:
+        y = view.block(x, **inputs.kwargs)
+        return y[0] if isinstance(y, tuple) else y  # older transformers return (hidden, ...)
+
+    try:
+        for view in views:  # forward: every block's input, kept on offload_device
+            home = next(view.block.parameters()).device
+            key_module = view.k_norm if view.k_norm is not None else view.k_proj
+            handles = [
+                key_module.register_forward_hook(capture("k")),
+                view.v_proj.register_forward_hook(capture("v")),
+            ]
+            view.block.to(device)
+            try:
+                following = torch.empty_like(hidden[-1])  # [N, S, hidden]
+                with torch.no_grad():
+                    for i in range(n_samples):
+                        following[i : i + 1] = run(view, hidden[-1][i : i + 1].to(device))
+                        if not gradients:
+                            keep(view, i, with_grads=False)
+                hidden.append(following)
+            finally:
+                for handle in handles:
+                    handle.remove()
+                view.block.to(home)
+            bar.update(1 if gradients else 2)
+        if not gradients:
+            return out
+        grad = torch.empty_like(hidden[-1])  # dL/d(block output) [N, S, hidden]
+        outside_home = adapter.lm_head.weight.device
+        _move_outside_blocks(model, blocks, device)
+        try:
+            for i in range(n_samples):
+                ids = calibration[i, 1:].to(device)  # [S-1]
+                x = hidden[-1][i : i + 1].to(device).requires_grad_(True)  # [1, S, hidden]
+                with torch.enable_grad():
+                    logits = adapter.lm_head(adapter.final_norm(x))[0, :-1].float()  # [S-1, V]
+                    torch.nn.functional.cross_entropy(logits, ids).backward()
+                grad[i : i + 1] = x.grad.to(offload_device)
+        finally:
+            _move_outside_blocks(model, blocks, outside_home)
+        for view in reversed(views):  # backward, from the last block
+            home = next(view.block.parameters()).device
+            key_module = view.k_norm if view.k_norm is not None else view.k_proj
+            handles = [
+                key_module.register_forward_hook(capture("k")),
+                view.v_proj.register_forward_hook(capture("v")),
+            ]
+            view.block.to(device)
+            try:
+                for i in range(n_samples):
+                    x = hidden[view.index][i : i + 1].to(device).requires_grad_(True)
+                    with torch.enable_grad():
+                        run(view, x).backward(grad[i : i + 1].to(device))
+                    keep(view, i, with_grads=True)
+                    grad[i : i + 1] = x.grad.to(offload_device)
+                    captured.clear()
+            finally:
+                for handle in handles:
+                    handle.remove()
+                view.block.to(home)
+            hidden.pop()  # this block's output is no longer needed
+            bar.update(1)
+        return out
+    finally:
+        bar.close()
+        for p, flag in zip(model.parameters(), requires, strict=True):
+            p.requires_grad_(flag)
+        model.train(was_training)

@@ -173,6 +173,8 @@ class QuantizeContext:
         progress: show progress bars.
         resume_dir: directory of block checkpoints for methods that calibrate weights with
             GPTQ (:mod:`lowbit.io.resume`), or None.
+        device: compute device of calibration, or None for where the model's blocks are
+            (:meth:`compute_device`).
     """
 
     adapter: Any
@@ -181,6 +183,14 @@ class QuantizeContext:
     overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     progress: bool = True
     resume_dir: str | Path | None = None
+    device: torch.device | None = None
+
+    def compute_device(self) -> torch.device:
+        """Where calibration computes: :attr:`device`, else where the first block's parameters
+        are."""
+        if self.device is not None:
+            return torch.device(self.device)
+        return next(self.adapter.blocks_module.parameters()).device
 
     def selected(self, fqn: str, module: torch.nn.Module) -> bool:
         return self.includes is None or bool(self.includes(module, fqn))

@@ -83,4 +83,5 @@ class GPTQRecipe(LinearQuantSettings, Recipe):
             progress=context.progress,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),
+            device=context.device,
         )

@@ -134,7 +134,8 @@ class KVQuantRecipe(Recipe):
         if calib is not None:  # sinks kept in fp16 stay out of calibration (seed 003)
             calib = calib.without_leading(self.sink_tokens)
         # the value basis of rotate_values, built once: its Fisher weights are those of x @ R
-        rotation = token_rotation(d) if self.rotate_values and calib is not None else None
+        rotate = self.rotate_values and calib is not None
+        rotation = token_rotation(d, calib.device) if rotate else None  # [D, D]
         shared = calib is not None and calib.has_gradients and self.shares_outliers
         splits = self.outlier_splits(h * d) if shared else [(self.outlier_fraction,) * 2]
         keys, values = [], []
@@ -220,13 +221,15 @@ class KVQuantRecipe(Recipe):
         # post-RoPE ranges must hold at every position served, not only the calibration ones;
         # leading tokens (sinks, when quantized) stay where they are
         context = max(adapter.max_context, int(calib.positions.max()) + 1)
-        generator = torch.Generator().manual_seed(layer)
-        drawn = torch.randint(1, context, (calib.num_tokens,), generator=generator)
+        generator = torch.Generator(device="cpu").manual_seed(layer)  # the same on every device
+        drawn = torch.randint(1, context, (calib.num_tokens,), generator=generator, device="cpu")
+        drawn = drawn.to(calib.positions.device)  # [N]
         positions = torch.where(calib.positions == 0, calib.positions, drawn)
         return calib.post_rope_keys(adapter, layer, positions)
 
     def calibrate(self, model, context: QuantizeContext) -> KVCalibration:
-        """The Fisher pass (activations only when no codebook is Fisher-weighted)."""
+        """The Fisher pass (activations only when no codebook is Fisher-weighted), on the
+        context's compute device; the result is on the CPU."""
         if context.calibration is None:
             raise LowbitError("recipe 'kvquant' needs calibration data (calibration=...)")
         return collect_kv_fisher(
@@ -236,6 +239,7 @@ class KVQuantRecipe(Recipe):
             max_tokens=self.calib_tokens,
             gradients=self.needs_gradients,
             progress=context.progress,
+            device=context.device,
         )
 
     def install(self, model, adapter, keys: list, values: list) -> KVCacheLayout:
@@ -250,8 +254,8 @@ class KVQuantRecipe(Recipe):
         )
 
     def apply(self, model, context: QuantizeContext) -> None:
-        calib = self.calibrate(model, context)
-        keys, values = self.quantizers(context.adapter, calib)
+        calib = self.calibrate(model, context).to(context.compute_device())  # fitted there
+        keys, values = self.quantizers(context.adapter, calib)  # moved to each layer on install
         self.install(model, context.adapter, keys, values)
 
     def kv_bytes_per_token(self, adapter, context_length: int) -> float | None:

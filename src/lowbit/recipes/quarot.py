@@ -123,6 +123,7 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
             progress=context.progress,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),
+            device=context.device,
         )
         kv = self.kv_recipe()
         if kv.key_bits() != OFF_BITS or kv.value_bits() != OFF_BITS:
