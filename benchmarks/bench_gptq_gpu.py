@@ -1,6 +1,6 @@
 """GPTQ calibration of a 7B-shaped random Llama held on the CPU, computed block by block on a GPU.
 
-    python benchmarks/bench_gptq_gpu.py --device cuda --samples 128 --seqlen 2048
+    python benchmarks/bench_gptq_gpu.py --device cuda --samples 128 --seqlen 2048 --threads 16
 
 (32 layers; ``--layers 4`` measures the same per-block figures in an eighth of the time). It
 builds a random-weight Llama of Llama-2-7B's shape (hidden 4096, 32 layers, intermediate 11008,
