@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run in Triton's interpreter. The choice is made when triton is
+# imported (its own library functions are @jit-decorated then), and transformers imports triton
+# when a model class loads, so it is set here, before any test imports either.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 torch.set_num_threads(2)
 

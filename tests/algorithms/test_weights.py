@@ -54,7 +54,7 @@ def test_rtn_path_equals_rtn_quantize_and_attaches_act_quantizers():
         layer, before = model.get_submodule(name), original.get_submodule(name)
         packed = rtn_quantize(before.weight.detach(), SPEC)
         assert torch.equal(layer.weight, packed.dequantize())
-        assert layer.weight_storage_bits == packed.storage_bits()
+        assert layer.quantized_weight.storage_bits() == packed.storage_bits()
         assert isinstance(layer.act_quantizer, CountingQuantizer)
 
 

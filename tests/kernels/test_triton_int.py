@@ -1,19 +1,15 @@
 """The triton backend's kernels against their torch reference and the reference backend.
 
-Without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set here, before Triton is imported:
-the interpreter is chosen when a kernel is defined, for the whole process) on small irregular
+Without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set by ``tests/conftest.py`` before
+anything imports Triton: the interpreter is chosen for the whole process) on small irregular
 shapes: N = 37 and K = 96/160 are not multiples of any block, M = 1, 3, 13 take the decode kernel
 (the GEMV path at M = 1, the tl.dot path above) and M = 33 the prefill kernel. With CUDA the
 same tests run compiled on the GPU, and the ``gpu`` ones add real layer sizes.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from lowbit.api import quantize  # noqa: E402

@@ -98,7 +98,8 @@ def _int_gemv_kernel(
     for i in range(TILES_PER_SPLIT):
         t = pid_k * TILES_PER_SPLIT + i
         w_ptrs = words_ptr + offs_n[:, None] * stride_wn + (t * TILE_WORDS + offs_w)[None, :]
-        w_mask = mask_n[:, None] & (t < K_TILES)
+        # (a block-shaped tile test: the interpreter of Triton 3.9 widens bool & scalar to int32)
+        w_mask = mask_n[:, None] & ((t * TILE_WORDS + offs_w) < K_TILES * TILE_WORDS)[None, :]
         words = tl.load(w_ptrs, mask=w_mask, other=0)  # [BLOCK_N, TILE_WORDS] int32
         words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
         for j in tl.static_range(PPW):
