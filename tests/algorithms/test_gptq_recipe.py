@@ -26,7 +26,10 @@ def test_recipe_runs_on_every_family(family):
     name = "model.layers.1.mlp.down_proj"
     layer, original = model.get_submodule(name), reference.get_submodule(name)
     spec = IntWeightSpec(4, 32)
-    assert layer.quantized_weight.storage_bits() == rtn_quantize(original.weight.detach(), spec).storage_bits()
+    assert (
+        layer.quantized_weight.storage_bits()
+        == rtn_quantize(original.weight.detach(), spec).storage_bits()
+    )
     assert layer.act_quantizer is not None and layer.act_quantizer.bits == 8
     tokens = calibration(2, 16)
     with torch.no_grad():
