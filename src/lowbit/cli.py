@@ -916,6 +916,7 @@ def run_recipes() -> None:
     print("presets:")
     for name, (method, settings) in PRESETS.items():
         print(f"    {name}: {method} " + " ".join(f"{k}={v}" for k, v in settings.items()))
+    print("compose with +, applied left to right: e.g. rotate+gptq+kvquant")
 
 
 def main(argv: list[str] | None = None) -> int:
