@@ -115,3 +115,28 @@ def test_packed_linear_on_cuda_matches_the_cpu(dtype):
     # the same weights; only the GEMM's rounding differs (fp16/bf16 inputs and outputs).
     # Tolerance 1 % of the output's scale; not yet measured on a GPU.
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
+
+
+def test_a_compiled_model_keeps_each_packed_linear_as_one_opaque_op():
+    """torch.compile sees lowbit.packed_matmul once per packed linear, in one graph, and the
+    compiled model gives the eager logits bit for bit (a recording backend: no codegen)."""
+    import copy
+
+    model = quantize(tiny_model("llama"), "w4a16", progress=False, packed=True)
+    model = model.to(torch.bfloat16)  # the torch-cpu kernels' dtype
+    ids = torch.randint(3, 200, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model(ids).logits
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=record)(ids).logits
+    assert torch.equal(compiled, eager)
+    assert len(graphs) == 1 and graphs[0].count("lowbit.packed_matmul") == 14
+    copied = copy.deepcopy(model)  # a copy's layers have handles of their own
+    handles = {m._handle for m in model.modules() if isinstance(m, PackedLinear)}
+    assert handles.isdisjoint(m._handle for m in copied.modules() if isinstance(m, PackedLinear))

@@ -13,11 +13,19 @@ layer and the input.
 
 Backends register themselves with :func:`register_backend`; their modules are imported lazily
 (:data:`_BACKEND_MODULES`) so that ``import lowbit`` never imports Triton.
+
+Under ``torch.compile`` a packed linear calls :func:`packed_matmul` through one opaque custom op,
+``torch.ops.lowbit.packed_matmul(x, layer_handle, out_features)``: the graph keeps every packed
+linear as a single node instead of tracing (and guarding on) the dispatch, so a decode step is
+one graph (CUDA graphs included) whatever the backend, and the rest of the model is compiled
+around it. The handle finds the layer in a registry of live packed linears
+(:func:`register_layer`).
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -34,6 +42,7 @@ __all__ = [
     "choose",
     "packed_matmul",
     "register_backend_module",
+    "register_layer",
     "AUTO_ORDER",
     "ANY_KIND",
 ]
@@ -160,3 +169,24 @@ def packed_matmul(layer, x: Tensor) -> Tensor:
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
     out = backend.matmul(layer, x2d, cache[key], bias)  # [M, N]
     return out.reshape(*lead, out.shape[-1])
+
+
+#: live packed linears by handle, for the compiled path's custom op
+_LAYERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def register_layer(layer) -> int:
+    """Make ``layer`` reachable by the custom op; returns its handle (its ``id``)."""
+    _LAYERS[id(layer)] = layer
+    return id(layer)
+
+
+@torch.library.custom_op("lowbit::packed_matmul", mutates_args=())
+def _packed_matmul_op(x: Tensor, layer_handle: int, out_features: int) -> Tensor:
+    """:func:`packed_matmul` of the registered layer, opaque to ``torch.compile``."""
+    return packed_matmul(_LAYERS[layer_handle], x)
+
+
+@_packed_matmul_op.register_fake
+def _(x: Tensor, layer_handle: int, out_features: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized
 from lowbit.formats.packing import packed_words_per_row
-from lowbit.kernels.dispatch import backend_names, packed_matmul
+from lowbit.kernels.dispatch import backend_names, packed_matmul, register_layer
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
 
 __all__ = [
@@ -111,6 +111,11 @@ class PackedLinearBase(nn.Module):
         )
         self.input_transform = input_transform
         self.act_quantizer = act_quantizer
+        self._handle = register_layer(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # copies get their own handle
+        super().__setstate__(state)
+        self._handle = register_layer(self)
 
     # -- what a format provides -------------------------------------------------------------------
     @classmethod
@@ -156,6 +161,8 @@ class PackedLinearBase(nn.Module):
             x = self.input_transform(x)
         if self.act_quantizer is not None:
             x = self.act_quantizer(x)
+        if torch.compiler.is_compiling():  # one opaque node (lowbit.kernels.dispatch)
+            return torch.ops.lowbit.packed_matmul(x, self._handle, self.out_features)
         return packed_matmul(self, x)  # [..., out]
 
     @property
