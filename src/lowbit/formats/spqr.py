@@ -165,8 +165,8 @@ def quantize_stats(values: Tensor, stat_bits: int, beta2: int) -> tuple[Tensor, 
     """Second-order quantization of first-order scales or zeros.
 
     Per tile of ``beta2`` rows (and per column: one column per group), min-max asymmetric with
-    a real zero: ``s2 = (max − min) / (2**stat_bits − 1)``, ``z2 = −min / s2``, both stored in
-    fp16; codes ``round(v / s2 + z2)`` with the stored values. A constant tile gets ``s2 = |v|``
+    a real zero: ``s2 = (max − min) / (2**stat_bits − 1)`` (at least ``max|v| / 1024``),
+    ``z2 = −min / s2``, both stored in fp16; codes ``round(v / s2 + z2)`` with the stored values. A constant tile gets ``s2 = |v|``
     (1 for 0) and ``z2 = 1 − v / s2``, so code 1 decodes to ``v``.
 
     Args:
@@ -181,12 +181,13 @@ def quantize_stats(values: Tensor, stat_bits: int, beta2: int) -> tuple[Tensor, 
     lo = torch.where(v.isnan(), torch.inf, v).amin(1)  # [T, cols]
     hi = torch.where(v.isnan(), -torch.inf, v).amax(1)
     constant = ~(hi > lo)
-    s2 = torch.where(constant, lo.abs(), (hi - lo) / maxq)
+    floor = torch.maximum(lo.abs(), hi.abs()) * _SCALE_FLOOR  # keeps |z2| <= 1024
+    s2 = torch.where(constant, lo.abs(), torch.maximum((hi - lo) / maxq, floor))
     s2 = torch.where(s2 == 0, torch.ones_like(s2), s2)
     s2 = s2.clamp(_FP16_TINY, _FP16_MAX).half()
     z2 = torch.where(constant, 1.0 - lo / s2.float(), -lo / s2.float())
     if not bool(z2.abs().max() <= _FP16_MAX):
-        raise LowbitError("a second-order zero is beyond the fp16 range")
+        raise LowbitError("SpQR statistics beyond the fp16 range; the weight is too large")
     z2 = z2.half()
     tile_of = torch.arange(rows, device=values.device) // beta2
     s2e, z2e = s2.float()[tile_of], z2.float()[tile_of]  # [rows, cols]
