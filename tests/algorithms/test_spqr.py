@@ -108,8 +108,12 @@ def test_rtn_and_gptq_entry_points_and_formats():
     rtn = spec.rtn(weight)
     assert rtn.perm is None and not rtn.packable
     assert (rtn.dequantize() - weight).abs().max() < 0.05
-    quantized, damp = spec.gptq(weight, hessian_of(correlated_inputs(200, 40)), GPTQOptions())
+    quantized, dequantized, damp = spec.gptq(
+        weight, hessian_of(correlated_inputs(200, 40)), GPTQOptions()
+    )
     assert quantized.perm is not None and damp == 0.01 and quantized.bits == 4
+    assert torch.equal(dequantized, quantized.dequantize()) and spec.matches(quantized)
+    assert not SpQRSpec().matches(quantized)
     with pytest.raises(LowbitError, match="3-bit codes and statistics, not 4-bit"):
         quantized.words()
 

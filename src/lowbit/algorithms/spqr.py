@@ -152,7 +152,8 @@ class SpQRSpec:
         eye = torch.eye(weight.shape[1], device=weight.device)
         return spqr_quantize(weight, eye, self, act_order=False, damp=0.0).quantized
 
-    def gptq(self, weight: Tensor, hessian: Tensor, options) -> tuple[SpQRQuantized, float]:
+    def gptq(self, weight: Tensor, hessian: Tensor, options) -> tuple[SpQRQuantized, Tensor, float]:
+        """With ``options`` (a GPTQOptions): ``(container, dequantized weight, damp)``."""
         result = spqr_quantize(
             weight,
             hessian,
@@ -161,10 +162,20 @@ class SpQRSpec:
             act_order=options.act_order,
             damp=options.damp,
         )
-        return result.quantized, result.damp
+        return result.quantized, result.weight, result.damp
 
     def guard_candidate(self, weight: Tensor) -> SpQRQuantized | None:
+        """The same groups and budget without calibration (:meth:`rtn`)."""
         return self.rtn(weight)
+
+    def matches(self, weight: Any) -> bool:
+        """Whether a stored container is in this format (resumed blocks are checked)."""
+        return isinstance(weight, SpQRQuantized) and (
+            weight.bits,
+            weight.stat_bits,
+            weight.beta1,
+            weight.beta2,
+        ) == (self.bits, self.stat_bits, self.beta1, self.beta2)
 
 
 @dataclass
