@@ -3,7 +3,7 @@ import torch
 
 from lowbit.algorithms.gptq import gptq_quantize
 from lowbit.algorithms.rtn import IntWeightSpec
-from lowbit.algorithms.spqr import SpQRSpec, spqr_quantize
+from lowbit.algorithms.spqr import SpQRSpec, spqr_quantize, spqr_rtn
 from lowbit.algorithms.weights import GPTQOptions
 from lowbit.errors import LowbitError
 
@@ -137,3 +137,17 @@ def test_bad_settings_are_one_sentence(settings, message):
 def test_too_wide_a_weight_is_refused():
     with pytest.raises(LowbitError, match="at most 65536 input columns, not 65537"):
         SpQRSpec().check(torch.empty(2, 65537, device="meta"), "wide")
+
+
+def test_vectorised_rtn_takes_the_weights_above_tau():
+    """``spqr_rtn`` (every group at once): the same rule as the identity-Hessian loop."""
+    weight = heavy_tailed_weight(40, 70, seed=7)  # a partial last group of 6 columns
+    spec = SpQRSpec(tau=0.5, outlier_fraction=0.1)
+    q = spqr_rtn(weight, spec)
+    tau = 0.5 * float(weight.var(dim=0).mean())
+    saliency = (weight - q.dense_permuted().float()).square()
+    is_outlier = q.outliers.to_dense() != 0
+    assert 0 < int(is_outlier.sum()) < 0.1 * weight.numel()
+    assert torch.equal(is_outlier, saliency > tau) and q.perm is None
+    budget = SpQRSpec(outlier_fraction=0.01).rtn(weight)  # the 28 most salient
+    assert budget.nnz == 28

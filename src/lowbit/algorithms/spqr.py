@@ -61,7 +61,7 @@ from lowbit.formats.spqr import (
     weight_codes,
 )
 
-__all__ = ["SpQRSpec", "SpQRResult", "spqr_quantize", "MAX_OUTLIER_FRACTION"]
+__all__ = ["SpQRSpec", "SpQRResult", "spqr_quantize", "spqr_rtn", "MAX_OUTLIER_FRACTION"]
 
 #: the largest outlier budget accepted (beyond it the sparse part costs more than the dense)
 MAX_OUTLIER_FRACTION = 0.1
@@ -147,10 +147,10 @@ class SpQRSpec:
         )
 
     def rtn(self, weight: Tensor) -> SpQRQuantized:
-        """Without calibration: the same groups and outliers with an identity Hessian (no error
-        feedback, saliency = squared error), in the original column order."""
-        eye = torch.eye(weight.shape[1], device=weight.device)
-        return spqr_quantize(weight, eye, self, act_order=False, damp=0.0).quantized
+        """Without calibration (:func:`spqr_rtn`): the same groups, statistics and outliers
+        with an identity Hessian, every group at once."""
+        self.check(weight)
+        return spqr_rtn(weight, self)
 
     def gptq(self, weight: Tensor, hessian: Tensor, options) -> tuple[SpQRQuantized, Tensor, float]:
         """With ``options`` (a GPTQOptions): ``(container, dequantized weight, damp)``."""
@@ -331,6 +331,80 @@ def _spqr(weight, hessian, spec: SpQRSpec, block, act_order, damp, max_damp_trie
     )
 
 
+def spqr_rtn(weight: Tensor, spec: SpQRSpec) -> SpQRQuantized:
+    """SpQR without calibration, vectorised: the column loop of :func:`spqr_quantize` with an
+    identity Hessian has no error feedback, so every group is fitted at once (likely outliers
+    left out, the best code pair per row, saliency = squared error) and the outliers are the
+    weights above τ (when given), or the budget's most salient ones, over the whole matrix. Original column order. Memory:
+    groups are processed in chunks of about 2**24 candidate weights."""
+    if not bool(torch.isfinite(weight).all()):
+        raise LowbitError("the weight contains NaN or Inf; SpQR has no code for them")
+    w = weight.detach().float()
+    out_f, in_f = w.shape
+    ones = torch.ones(in_f, device=w.device)
+    budget = round(spec.outlier_fraction * out_f * in_f)
+    if budget == 0:
+        tau = math.inf
+    elif spec.tau is not None:
+        tau = float(spec.tau * (w.var(dim=0).mean() if out_f > 1 else 1.0))
+    else:
+        tau = _budget_threshold(w, ones, spec, budget)
+    groups = math.ceil(in_f / spec.beta1)
+    scale_codes = torch.empty(out_f, groups, dtype=torch.uint8, device=w.device)
+    zero_codes = torch.empty_like(scale_codes)
+    second = torch.empty(math.ceil(out_f / spec.beta2), groups, 4, dtype=torch.float16,
+                         device=w.device)  # fmt: skip
+    dense = torch.empty_like(w)  # [out, in] decoded dense part (fp32 of fp16)
+    codes = torch.empty(out_f, in_f, dtype=torch.uint8, device=w.device)
+    for g0, g1, width in _group_chunks(out_f, in_f, spec.beta1):
+        wg = w[:, g0 * spec.beta1 : g0 * spec.beta1 + (g1 - g0) * width]
+        wg = wg.reshape(out_f, g1 - g0, width)
+        d = ones[: (g1 - g0) * width].view(g1 - g0, width)
+        likely = _likely_outliers(wg, d, spec, tau, budget)
+        sc, zc, sec, s16, z16 = _fit_groups(wg, likely, spec, d)
+        q = weight_codes(wg, s16.unsqueeze(-1), z16.unsqueeze(-1), spec.bits)  # [out, G, g]
+        cols = slice(g0 * spec.beta1, g0 * spec.beta1 + (g1 - g0) * width)
+        dense[:, cols] = decode_fp16(q, s16.unsqueeze(-1), z16.unsqueeze(-1)).float().flatten(1)
+        codes[:, cols] = q.flatten(1).to(torch.uint8)
+        scale_codes[:, g0:g1], zero_codes[:, g0:g1], second[:, g0:g1] = sc, zc, sec
+    residuals = torch.zeros_like(w)
+    if math.isfinite(tau):
+        saliency = (w - dense).square()  # [out, in], U_jj = 1
+        # with tau: the weights above it; without: the budget's most salient (the pre-pass's
+        # tau decided which weights the statistics left out)
+        chosen = saliency > (tau if spec.tau is not None else 0.0)
+        if int(chosen.sum()) > budget:
+            flat = torch.where(chosen, saliency, -1.0).reshape(-1)
+            chosen = torch.zeros_like(flat, dtype=torch.bool)
+            chosen[flat.topk(budget).indices] = True
+            chosen = chosen.view_as(w)
+        residuals = torch.where(chosen, (w - dense).half().float(), residuals)
+    return SpQRQuantized(
+        codes=codes,
+        scale_codes=scale_codes,
+        zero_codes=zero_codes,
+        second=second,
+        outliers=make_outliers(residuals, residuals != 0, spec.sparse_format),
+        perm=None,
+        bits=spec.bits,
+        stat_bits=spec.stat_bits,
+        beta1=spec.beta1,
+        beta2=spec.beta2,
+        dtype=weight.dtype,
+    )
+
+
+def _group_chunks(out_f: int, in_f: int, beta1: int, budget: int = 1 << 20):
+    """``(first group, end group, width)`` runs of whole groups (then the partial last one)
+    with about ``budget`` weights each (the leave-one-out test holds 16x that)."""
+    full = in_f // beta1
+    per = max(1, budget // max(1, out_f * beta1))
+    for g0 in range(0, full, per):
+        yield g0, min(full, g0 + per), beta1
+    if in_f % beta1:
+        yield full, full + 1, in_f % beta1
+
+
 def _fit_groups(wg: Tensor, likely: Tensor | None, spec: SpQRSpec, d: Tensor | None = None):
     """Bi-level statistics of groups ``wg [out, G, g]`` without their ``likely`` outliers.
 
@@ -454,14 +528,13 @@ def _budget_threshold(w: Tensor, diag: Tensor, spec: SpQRSpec, budget: int) -> f
     column loop fits it, without GPTQ's updates) flags ``budget`` weights: bisection on
     ``log τ``, keeping the largest count not over the budget."""
     out_f, in_f = w.shape
-    full = in_f // spec.beta1 * spec.beta1
     parts = []  # (weights [out, G, g], U_jj [G, g], leave-one-out reductions or None)
-    for lo, hi, width in ((0, full, spec.beta1), (full, in_f, in_f - full)):
-        if hi > lo:
-            wg = w[:, lo:hi].reshape(out_f, -1, width)
-            d = diag[lo:hi].view(-1, width)
-            loo = None if spec.simplified or width < 3 else _loo_reduction(wg, d, spec.bits)
-            parts.append((wg, d, loo))
+    for g0, g1, width in _group_chunks(out_f, in_f, spec.beta1):
+        cols = slice(g0 * spec.beta1, g0 * spec.beta1 + (g1 - g0) * width)
+        wg = w[:, cols].reshape(out_f, g1 - g0, width)
+        d = diag[cols].view(g1 - g0, width)
+        loo = None if spec.simplified or width < 3 else _loo_reduction(wg, d, spec.bits)
+        parts.append((wg, d, loo))
 
     def count(tau: float) -> int:
         return sum(int((_saliency_at(wg, d, spec, tau, loo) > tau).sum()) for wg, d, loo in parts)
