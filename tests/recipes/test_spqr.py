@@ -147,3 +147,29 @@ def test_formats_the_packed_layout_cannot_hold_are_refused_when_packing():
                     progress=False)  # fmt: skip
     with pytest.raises(LowbitError, match="3-bit codes and statistics, not 4-bit codes"):
         pack_model(model)
+
+
+def test_compiled_forward_calls_one_opaque_op(quantized):
+    """With the triton backend prepared, a compiled forward goes through
+    torch.ops.lowbit.spqr_matmul (under the interpreter here) and equals the eager kernels."""
+    _, model = quantized
+    pack_model(model)
+    half = model.to(torch.float16)
+    set_backend(half, "triton")
+    ids = _ids(1, 3, seed=7)
+    eager = _logits(half, ids)  # prepares every layer
+    layer = next(m for m in half.modules() if isinstance(m, SpQRLinear))
+    assert "_kernel_operands" in layer.__dict__
+    graphs = []
+
+    def record(gm, example_inputs):  # a dynamo backend that keeps the graphs it is given
+        graphs.append(gm.code)
+        return gm.forward
+
+    compiled = torch.compile(half, backend=record)
+    assert torch.equal(_logits(compiled, ids), eager)
+    code = "\n".join(graphs)
+    assert code.count("lowbit.spqr_matmul") == 14  # every packed linear, none traced through
+    set_backend(half, "reference")
+    model.to(torch.float32)
+    unpack_model(model)
