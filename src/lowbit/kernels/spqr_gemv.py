@@ -21,6 +21,11 @@ split-K partial sums) goes back to memory.
   one ``tl.dot`` with the ``[BLOCK_G, 16]`` inputs of the columns ``16 g + i``: decoding is paid
   once for all rows.
 
+Launch configurations (``BLOCK_M``, ``BLOCK_TR``, ``BLOCK_G``, ``SPLIT_K``, warps) are timed on
+the GPU's first call per shape among a few candidates and cached (``LOWBIT_TRITON_TUNE=0``: the
+default, ``BLOCK_TR`` 8, the fewest loop instructions per code in ``tools/kernel_sass.py
+--spqr``); never under the interpreter.
+
 Memory traffic at M = 1: 8 bytes per 16 weights (4.0 bits per weight), 4 bytes per outlier plus
 the row offsets, the input from cache, ``M · N`` outputs. Split-K: a grid of ``cdiv(N, 16 ·
 BLOCK_TR) x SPLIT_K``; partial sums go to an fp32 ``[SPLIT_K, M, N]`` buffer summed in order by
@@ -212,7 +217,13 @@ if triton is not None:
             else:
                 for i in tl.static_range(16):
                     k = g * 16 + i  # [G]
-                    xv = _gather_x(x_ptr, perm_ptr, k, k < K, stride_xm, offs_m, mask_m, HAS_PERM)
+                    if EVEN_K:  # every column real: only the rows are masked
+                        src = tl.load(perm_ptr + k) if HAS_PERM else k
+                        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + src[:, None]
+                        xv = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)  # [G, BLOCK_M]
+                    else:
+                        xv = _gather_x(x_ptr, perm_ptr, k, k < K, stride_xm, offs_m, mask_m,
+                                       HAS_PERM)  # fmt: skip
                     q = _code_fp16(lo, hi, i)
                     w = ((q - zero).to(tl.float16) * scale).to(tl.float16)  # [TR, 16, G]
                     w2 = tl.reshape(w, (BLOCK_N, BLOCK_G))
@@ -312,7 +323,7 @@ def _default_config(m: int, n: int, n_groups: int) -> tuple[int, int, int, int, 
     block_m = 1 if m == 1 else MAX_ROWS
     if INTERPRET:
         return block_m, 2, (4 if block_m == 1 else 16), 1, 4
-    block_tr, block_g = (4, 8) if block_m == 1 else (4, 16)
+    block_tr, block_g = (8, 8) if block_m == 1 else (8, 16)  # tools/kernel_sass.py --spqr
     programs = triton.cdiv(n, 16 * block_tr)
     chunks = triton.cdiv(n_groups, block_g)
     split_k = max(1, min(chunks, triton.cdiv(264, programs)))
@@ -408,9 +419,55 @@ def spqr_gemv(
     if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
         raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
     x = x.contiguous()
+    sparse = _sparse_operands(outliers)
+    args = (x, words, perm, sparse, bias, out_features)
     if config is None:
-        config = _default_config(m, out_features, words.shape[1] // TILE)
-    return _launch(x, words, perm, _sparse_operands(outliers), bias, out_features, config)
+        n_groups = words.shape[1] // TILE
+        key = (m == 1, out_features, x.shape[1], sparse[0], perm is not None, x.dtype, x.device)
+        config = _TUNED.get(key)
+        if config is None:
+            config = _default_config(m, out_features, n_groups)
+            if TUNE and not INTERPRET:
+                config = _fastest(args, list(_candidates(m, out_features, n_groups)))
+            _TUNED[key] = config
+    return _launch(*args, config)
+
+
+#: measure launch configurations on a GPU's first call per shape (LOWBIT_TRITON_TUNE=0: no)
+TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
+_TUNED: dict[tuple, tuple[int, int, int, int, int]] = {}
+
+
+def _candidates(m: int, n: int, n_groups: int):
+    """A few configurations around the default (each one is a compile of a few seconds)."""
+
+    def split(block_tr, block_g):  # SPLIT_K for ~2 programs per SM of an H100
+        programs = triton.cdiv(n, 16 * block_tr)
+        return max(1, min(triton.cdiv(n_groups, block_g), triton.cdiv(264, programs)))
+
+    if m == 1:
+        for block_tr in (8, 16, 4):
+            yield 1, block_tr, 8, split(block_tr, 8), 4
+        yield 1, 8, 8, max(1, split(8, 8) // 2), 4
+    for block_tr in (8, 4):
+        yield MAX_ROWS, block_tr, 16, split(block_tr, 16), 4
+    if m > 1:  # fewer splits: less fp32 partial traffic at 16 rows
+        yield MAX_ROWS, 8, 16, max(1, split(8, 16) // 4), 4
+
+
+def _fastest(args, configs):
+    """The configuration with the smallest ``do_bench`` time of the whole call."""
+    import triton.testing
+
+    best, best_ms = configs[0], float("inf")
+    for config in configs:
+        try:
+            ms = triton.testing.do_bench(lambda c=config: _launch(*args, c), warmup=5, rep=20)
+        except Exception:  # a configuration the compiler rejects (resources) is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best
 
 
 def spqr_dequantize_dense(words: Tensor, out_features: int, in_features: int) -> Tensor:
@@ -432,6 +489,3 @@ def words_dense_reference(words: Tensor, out_features: int, in_features: int) ->
     codes, sc, zc, second = unpack_words(words, out_features, in_features)
     empty = CSRMatrix.from_dense(torch.zeros(out_features, in_features))
     return SpQRQuantized(codes, sc, zc, second, empty, None).dense_permuted()
-
-
-_ = os  # reserved for LOWBIT_TRITON_TUNE in the tuning wrapper
