@@ -356,14 +356,29 @@ def spqr_rtn(weight: Tensor, spec: SpQRSpec) -> SpQRQuantized:
                          device=w.device)  # fmt: skip
     dense = torch.empty_like(w)  # [out, in] decoded dense part (fp32 of fp16)
     codes = torch.empty(out_f, in_f, dtype=torch.uint8, device=w.device)
-    for g0, g1, width in _group_chunks(out_f, in_f, spec.beta1):
-        wg = w[:, g0 * spec.beta1 : g0 * spec.beta1 + (g1 - g0) * width]
-        wg = wg.reshape(out_f, g1 - g0, width)
+    chunks = list(_group_chunks(out_f, in_f, spec.beta1))
+    likely_all = None  # [out, in]: left out of the statistics, the budget's largest at most
+    if math.isfinite(tau) and not spec.simplified:
+        reduction = torch.full_like(w, -torch.inf)  # [out, in] leave-one-out test
+        for g0, g1, width in chunks:
+            if width >= 3:
+                cols = slice(g0 * spec.beta1, g0 * spec.beta1 + (g1 - g0) * width)
+                wg = w[:, cols].reshape(out_f, g1 - g0, width)
+                d = ones[: (g1 - g0) * width].view(g1 - g0, width)
+                reduction[:, cols] = _loo_reduction(wg, d, spec.bits).flatten(1)
+        likely_all = reduction > tau
+        if int(likely_all.sum()) > budget:
+            flat = torch.where(likely_all, reduction, -torch.inf).reshape(-1)
+            likely_all = torch.zeros_like(flat, dtype=torch.bool)
+            likely_all[flat.topk(budget).indices] = True
+            likely_all = likely_all.view_as(w)
+    for g0, g1, width in chunks:
+        cols = slice(g0 * spec.beta1, g0 * spec.beta1 + (g1 - g0) * width)
+        wg = w[:, cols].reshape(out_f, g1 - g0, width)
         d = ones[: (g1 - g0) * width].view(g1 - g0, width)
-        likely = _likely_outliers(wg, d, spec, tau, budget)
+        likely = None if likely_all is None else likely_all[:, cols].reshape(wg.shape)
         sc, zc, sec, s16, z16 = _fit_groups(wg, likely, spec, d)
         q = weight_codes(wg, s16.unsqueeze(-1), z16.unsqueeze(-1), spec.bits)  # [out, G, g]
-        cols = slice(g0 * spec.beta1, g0 * spec.beta1 + (g1 - g0) * width)
         dense[:, cols] = decode_fp16(q, s16.unsqueeze(-1), z16.unsqueeze(-1)).float().flatten(1)
         codes[:, cols] = q.flatten(1).to(torch.uint8)
         scale_codes[:, g0:g1], zero_codes[:, g0:g1], second[:, g0:g1] = sc, zc, sec
