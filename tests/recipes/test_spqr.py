@@ -160,3 +160,20 @@ def test_triton_backend_eager_and_compiled(quantized):
     set_backend(half, "reference")
     model.to(torch.float32)
     unpack_model(model)
+
+
+def test_resume_directory_restores_spqr_blocks(quantized, tmp_path):
+    """A run restarted on its resume directory restores every block: the same weights."""
+    _, model = quantized
+    calibration = _ids(8, 32, seed=1)
+
+    def run():
+        fresh = tiny_model("llama", intermediate_size=100)
+        return lowbit.quantize(fresh, "spqr", calibration=calibration, progress=False,
+                               resume_dir=tmp_path / "resume")  # fmt: skip
+
+    first, second = run(), run()  # the second finds both blocks finished
+    for a, b, c in zip(first.modules(), second.modules(), model.modules(), strict=True):
+        if isinstance(a, FakeQuantLinear):
+            assert torch.equal(a.weight, b.weight) and torch.equal(a.weight, c.weight)
+            assert torch.equal(a.quantized_weight.words(), b.quantized_weight.words())
