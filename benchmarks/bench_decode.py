@@ -17,12 +17,17 @@ from source in its own virtual environment (``--llama-cpp-venv``, created when m
 minutes; a benchmark dependency only).
 
 GPU rows (``--device cuda``): a 7B-shaped random-weight Llama (hidden 4096, intermediate 11008,
-32 layers, 32 heads, vocab 32000) in fp16 against lowbit W8/W4/W3/W2 with ``auto`` backends.
+32 layers, 32 heads, vocab 32000) in fp16 against lowbit W8/W4/W3/W2 with ``auto`` backends and
+SpQR (w3, 16/16, 1% and 0% outliers, random input permutations, fused ``triton`` kernels).
+SpQR rows quantize without calibration (:func:`quantize_spqr`); on the CPU SpQR runs on the bf16
+SmolLM2 with ``torch-cpu`` (its weight decoded once) and ``reference``.
 
 Commands::
 
     python benchmarks/bench_decode.py --compile --out docs/results/decode.md      # CPU
     python benchmarks/bench_decode.py --device cuda --compile                      # GPU, 7B-shaped
+    python benchmarks/bench_decode.py --device cuda --compile --rows fp16 "SpQR w3 1%" "SpQR w3 0%"
+    python benchmarks/bench_decode.py --rows "transformers fp32" "SpQR w3 1%, torch-cpu" --no-llama-cpp
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ CPU_ROWS = {
     "W2 g64, reference": ("bfloat16", (2, 64), "reference"),
     "W8 per-channel, reference": ("bfloat16", (8, None), "reference"),
     "W4 g64, reference": ("bfloat16", (4, 64), "reference"),
+    "SpQR w3 1%, torch-cpu": ("bfloat16", ("spqr", 0.01), "torch-cpu"),
+    "SpQR w3 1%, reference": ("bfloat16", ("spqr", 0.01), "reference"),
 }
 GPU_ROWS = {
     "fp16": ("float16", None, None),
@@ -60,6 +67,8 @@ GPU_ROWS = {
     "W4 g64": ("float16", (4, 64), "auto"),
     "W3 g64": ("float16", (3, 64), "auto"),
     "W2 g64": ("float16", (2, 64), "auto"),
+    "SpQR w3 1%": ("float16", ("spqr", 0.01), "triton"),
+    "SpQR w3 0%": ("float16", ("spqr", 0.0), "triton"),
 }
 SEVEN_B = dict(
     hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -91,12 +100,43 @@ def build_model(device: str, dtype_name: str, quant, backend):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = None
     model.eval()
-    if quant is not None:
+    if quant is not None and quant[0] == "spqr":
+        quantize_spqr(model, quant[1], permute=device == "cuda")
+        set_backend(model, backend)
+    elif quant is not None:
         bits, group = quant
         recipe = RTNRecipe(w_bits=bits, w_group=group)
         lowbit.quantize(model, recipe, progress=False, packed=True)
         set_backend(model, backend)
     return model, tokenizer
+
+
+def quantize_spqr(model, fraction: float, permute: bool) -> None:
+    """SpQR weights without calibration, packed (speed does not depend on calibration): the
+    vectorised RTN with a tiny tau, so each layer's budget goes to its most salient weights
+    without the bisection (minutes less on a 7B model). ``permute``: a random input
+    permutation per layer, so the kernels gather their input as act-order's layers do (the
+    7B-shaped model is random: its outputs mean nothing either way)."""
+    import torch
+
+    from lowbit.algorithms.spqr import SpQRSpec
+    from lowbit.algorithms.weights import quantize_linears
+    from lowbit.models.adapter import adapter_for
+    from lowbit.nn.packed_linear import pack_model
+
+    spec = SpQRSpec(outlier_fraction=fraction, tau=1e-12 if fraction else None)
+    quantize_linears(model, adapter_for(model), spec_for=lambda fqn: spec, algo="rtn",
+                     progress=False)  # fmt: skip
+    if permute:
+        generator = torch.Generator().manual_seed(0)
+        for module in model.modules():
+            weight = getattr(module, "quantized_weight", None)
+            if weight is not None and hasattr(weight, "perm"):
+                k = weight.shape[1]
+                weight.perm = (
+                    torch.randperm(k, generator=generator).to(torch.int16).to(weight.codes.device)
+                )
+    pack_model(model)
 
 
 def prompt_ids(tokenizer, batch: int, prompt_tokens: int, vocab: int, device: str):
@@ -255,12 +295,17 @@ def child(args, row: str, compiled: bool) -> dict:
 
 
 def table(results: list[dict], batches: list[int]) -> str:
-    base = next((r for r in results if r["row"].endswith("fp32") and not r["compile"]), None)
+    """Speeds against the dense row (transformers fp32 on the CPU, fp16 on the GPU) of the
+    same compile setting (eager when that one is missing)."""
+    dense = [r for r in results if r["row"] in ("transformers fp32", "fp16")]
+    dense_name = dense[0]["row"].removeprefix("transformers ") if dense else "dense"
     header = ["row", "compile"]
     for b in batches:
-        header += [f"tok/s B={b}", f"x fp32 B={b}", f"peak MB B={b}"]
+        header += [f"tok/s B={b}", f"x {dense_name} B={b}", f"peak MB B={b}"]
     lines = []
     for r in results:
+        base = next((d for d in dense if d["compile"] == r["compile"] and d["batches"]), None)
+        base = base or next((d for d in dense if not d["compile"]), None)
         cells = [r["row"], "yes" if r["compile"] else "no"]
         for b in batches:
             got = r["batches"].get(b) or r["batches"].get(str(b))

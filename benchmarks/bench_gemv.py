@@ -10,7 +10,11 @@ lowbit's triton rows (3-bit words hold ten codes, rows padded to whole tiles), t
 packed storage (codes, fp16 scales, uint8 zeros) for the other lowbit rows.
 
 GPU (the issue's table: cuBLAS fp16, ``aten._weight_int4pack_mm`` at 4 bits g128 in bf16, the
-lowbit ``triton`` backend at W8/W4/W3 g128 and W2 g64, fp16 inputs; times from
+lowbit ``triton`` backend at W8/W4/W3 g128 and W2 g64, fp16 inputs; SpQR rows (``--formats
+spqr`` alone): lowbit's fused SpQR kernel at 1% outliers with the outlier layout profiled, CSR,
+PTCSR, and without outliers, and seed 004's own CUDA kernel from the PyPI package
+``spqr-quant`` on the same words when it imports (a benchmark dependency only: ``pip install
+spqr-quant``; it compiles its extension with nvcc on first import); times from
 ``triton.testing.do_bench_cudagraph``, i.e. GPU time without Python launch overhead, as decoding
 runs under CUDA graphs; ``--timer do_bench`` for plain ``do_bench``). The triton backend tunes
 a few launch configurations per shape on its first call: ~9 compiles of a few seconds per shape
@@ -20,6 +24,7 @@ reruns fast; ``LOWBIT_TRITON_TUNE=0`` skips tuning for a quick first pass)::
     python benchmarks/bench_gemv.py --device cuda --shapes 4096x4096 11008x4096 --out docs/results/kernels_gpu_1.md
     python benchmarks/bench_gemv.py --device cuda --shapes 4096x11008 14336x4096 --out docs/results/kernels_gpu_2.md
     python benchmarks/bench_gemv.py --device cuda --shapes 8192x8192 28672x8192 --out docs/results/kernels_gpu_3.md
+    python benchmarks/bench_gemv.py --device cuda --formats spqr --rows 1 16 --out docs/results/spqr_gemv_gpu.md
 
 CPU (4096² and SmolLM2's layer shapes; fp32 and bf16 ``F.linear``,
 ``aten._weight_int4pack_mm_for_cpu`` at 4 bits g128 in bf16, and every lowbit backend that runs
@@ -44,10 +49,88 @@ GPU_SHAPES = ["4096x4096", "11008x4096", "4096x11008", "14336x4096", "8192x8192"
 CPU_SHAPES = ["4096x4096", "576x1536", "1536x576", "576x576"]
 FORMATS = ["8:128", "4:128", "3:128", "2:64"]  # bits:group ("8:0" = per channel)
 CPU_FORMATS = [*FORMATS, "8:0"]  # 8-bit per channel: the layout torch's int8 CPU kernel takes
+GPU_FORMATS = [*FORMATS, "spqr"]  # "spqr": SpQR rows (lowbit's kernels and the seed's)
+SEED_FLAGS = 257  # spqr_quant's FeatureFlags.SPARSE_FUSED_FP32 (fused sparse, fp32 accumulation)
+
+
+def spqr_rows(weight, device: str, act_dtype, rows_m) -> list:
+    """SpQR rows for one shape: lowbit's fused kernel (outlier layout profiled, CSR, PTCSR, and
+    no outliers: what they cost) and, when the PyPI package ``spqr-quant`` imports, the seed's
+    own CUDA kernel on the same words (its fused, permuted matvec; at M > 1 one call per row,
+    as its batched path loops). Weights: SpQR without calibration with 1% outliers and a
+    random input permutation (act-order's gather), as seed 004's layers have. Also checks that
+    the seed's dequantization of the words equals lowbit's (the layouts are the same)."""
+    import torch
+
+    from lowbit.algorithms.spqr import SpQRSpec
+    from lowbit.nn.spqr_linear import SpQRLinear
+
+    n, k = weight.shape
+    # a tiny tau: the budget's most salient weights, without the bisection (faster at 28672 x
+    # 8192; the speed does not depend on which weights are outliers, only on how many)
+    q = SpQRSpec(outlier_fraction=0.01, tau=1e-12).rtn(weight)
+    q.perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)).to(torch.int16)
+    q = q.to(device)
+    w_ref = q.dequantize(torch.float32)
+    backend = "triton" if device == "cuda" else "torch-cpu"
+    rows = []
+    for label, sparse, container in (
+        ("auto", "auto", q), ("csr", "csr", q), ("ptcsr", "ptcsr", q),
+        ("0% outliers", "csr", SpQRSpec(outlier_fraction=0.0).rtn(weight).to(device)),
+    ):  # fmt: skip
+        if label == "0% outliers":
+            container.perm = q.perm
+        layer = SpQRLinear.from_quantized(container, backend=backend)
+        layer.set_sparse_format(sparse)
+        ref = w_ref if label != "0% outliers" else container.dequantize(torch.float32)
+        rows.append((f"lowbit spqr w3 1% {label}" if label != "0% outliers"
+                     else "lowbit spqr w3 0% (dense only)", layer, None, ref, act_dtype))  # fmt: skip
+    if device == "cuda":
+        try:
+            import spqr_quant  # noqa: F401  (compiles its CUDA extension on first import)
+        except Exception as err:  # a benchmark dependency only
+            print(f"seed kernel skipped: spqr_quant does not import ({err})", flush=True)
+            return rows
+        words = q.words().reshape(-1).contiguous()  # the seed's dense_weights, same layout
+        row_offsets, col_vals = q.outliers.row_ptr, q.outliers.col_val
+        perm16 = q.perm.to(torch.int32) & 0xFFFF
+        in_perm = (perm16[0::2] | (perm16[1::2] << 16)).to(torch.int32)  # uint16 pairs
+        nnz = col_vals.numel()
+
+        def seed(x):  # [M, K] fp16 -> [M, N], one matvec per row
+            out = torch.empty(x.shape[0], n, dtype=torch.float16, device=x.device)
+            for i in range(x.shape[0]):
+                torch.ops.spqr_cuda.spqr_mul_fused(
+                    n, k, 3, 16, 16, in_perm, words, row_offsets, col_vals, nnz,
+                    x[i].contiguous(), SEED_FLAGS, out[i], out[i],
+                )  # fmt: skip
+            return out
+
+        seed_w = torch.zeros(n, k, dtype=torch.float16)
+        torch.ops.spqr_cuda.dequantize_compressed(
+            n, k, 3, 16, 16, words.cpu(), row_offsets.cpu(), col_vals.cpu(), nnz, seed_w
+        )  # its host decoder: the stored column order, outliers included
+        same = torch.equal(seed_w.float(), q.dequantize_permuted().cpu().half().float())
+        print(f"{n}x{k}: the seed decodes lowbit's words to the same weight: {same}", flush=True)
+        nbytes = sum(t.numel() * t.element_size() for t in (words, row_offsets, col_vals, in_perm))
+        rows.append(("seed spqr-quant CUDA w3 1%", seed, nbytes, w_ref, torch.float16))
+    return rows
 
 
 def _bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _tensors(prepared: dict) -> list:
+    """The tensors a prepared layout holds (SpQR's: words, permutation, outlier buffers)."""
+    out = []
+    for value in prepared.values():
+        if hasattr(value, "col_val"):  # an outlier container
+            ptr = value.row_ptr if hasattr(value, "row_ptr") else value.tile_ptr
+            out += [ptr, value.col_val]
+        elif hasattr(value, "numel"):
+            out.append(value)
+    return out
 
 
 def _fitting_group(group: int, k: int) -> int:
@@ -114,8 +197,9 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes or (
         GPU_SHAPES if device == "cuda" else CPU_SHAPES)]  # fmt: skip
     rows_m = args.rows or [1, 4, 16, 2048]
-    formats = args.formats or (FORMATS if device == "cuda" else CPU_FORMATS)
-    formats = [tuple(int(v) for v in f.split(":")) for f in formats]
+    formats = args.formats or (GPU_FORMATS if device == "cuda" else CPU_FORMATS)
+    with_spqr = "spqr" in formats
+    formats = [tuple(int(v) for v in f.split(":")) for f in formats if f != "spqr"]
     load_before = os.getloadavg()[0]
 
     if device == "cuda":
@@ -177,6 +261,9 @@ def main() -> None:
                     continue
                 name = f"lowbit {backend} W{bits} " + (f"g{group}" if group else "pc")
                 kernels.append((name, layer, None, q.dequantize(torch.float32), act_dtype))
+        if with_spqr:
+            spqr_act = torch.float16 if device == "cuda" else act_dtype
+            kernels.extend(spqr_rows(weight, device, spqr_act, rows_m))
 
         for m in rows_m:
             x32 = torch.randn(m, k, device=device)  # [M, K]
@@ -189,7 +276,7 @@ def main() -> None:
                     seconds = timer(lambda fn=fn, x=x: fn(x))
                 if nbytes is None and fn.backend == "triton":  # what the kernels read
                     (prepared,) = fn.__dict__["_prepared"].values()
-                    nbytes = _bytes(*prepared.values())
+                    nbytes = _bytes(*_tensors(prepared))
                 elif nbytes is None:  # the canonical packed storage
                     nbytes = fn.memory_bytes()
                 err = float((y - y_ref).abs().max() / y_ref.abs().max())

@@ -8,6 +8,7 @@ For the prefill kernel a decoded weight serves BLOCK_M rows, so its count is per
 Pointers and strides are declared 16-divisible, as Triton's launcher specializes them. ::
 
     python tools/kernel_sass.py --bits 2 3 4 8 --arch 90
+    python tools/kernel_sass.py --spqr --arch 90     # the SpQR kernel (seed 004's words)
 """
 
 from __future__ import annotations
@@ -69,6 +70,55 @@ def compile_prefill_kernel(bits, block_m, block_n, num_warps, arch, dtype="fp16"
                     num_warps=num_warps, num_stages=3)  # fmt: skip
 
 
+def compile_spqr_kernel(block_m, block_tr, block_g, num_warps, arch, dtype="fp16"):
+    """``_spqr_gemv_kernel`` (seed 004's words): 4096 columns (256 tiles), act-order
+    permutation, CSR outliers, no split, no masks (``EVEN_K``)."""
+    from lowbit.kernels import spqr_gemv
+
+    kernel = spqr_gemv._spqr_gemv_kernel
+    names = kernel.arg_names
+    pointers = {"x_ptr": f"*{dtype}", "words_ptr": "*i64", "perm_ptr": "*i32",
+                "sp_ptr_ptr": "*i32", "sp_val_ptr": "*i32", "bias_ptr": f"*{dtype}",
+                "out_ptr": f"*{dtype}"}  # fmt: skip
+    scalars = ["M", "N", "K", "stride_xm", "stride_wt", "stride_os", "stride_om"]
+    constants = dict(
+        N_TILES_G=256, SPLIT_K=1, CHUNKS_PER_SPLIT=256 // block_g, HAS_PERM=True, SPARSE=1,
+        HAS_BIAS=False, EVEN_K=True, BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m,
+        INTERPRET=False,
+    )  # fmt: skip
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
+    aligned = [*pointers, "K", *(s for s in scalars if s.startswith("stride"))]
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(c),): v for c, v in constants.items()},
+        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps))  # fmt: skip
+
+
+def spqr_table(arch: int) -> None:
+    """Instructions per decoded 3-bit code of the SpQR kernel's main loop (one chunk of
+    ``BLOCK_TR`` x 16 rows x ``BLOCK_G`` tiles per iteration)."""
+    print(
+        "| kernel | BLOCK_M | BLOCK_TR | BLOCK_G | warps | loop instrs | per code | most frequent |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for block_m, block_tr, block_g, warps in ((1, 4, 8, 4), (1, 8, 8, 4), (1, 16, 8, 4),
+                                               (16, 4, 16, 4), (16, 8, 16, 4)):  # fmt: skip
+        kernel = compile_spqr_kernel(block_m, block_tr, block_g, warps, arch)
+        ops = loop_instructions(kernel.asm["cubin"])
+        codes_per_thread = block_tr * 16 * block_g * 16 / (32 * warps)
+        top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
+        print(f"| spqr | {block_m} | {block_tr} | {block_g} | {warps} | {len(ops)} | "
+              f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
+
+
 def loop_instructions(cubin: bytes) -> list[str]:
     """Opcodes of the longest backward-branch loop of a cubin."""
     import triton
@@ -93,8 +143,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--spqr", action="store_true", help="the SpQR kernel's table instead")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.spqr:
+        spqr_table(args.arch)
+        return
     print(
         "| kernel | bits | x | BLOCK_M | BLOCK_N | warps | loop instrs | per code | most frequent |"
     )

@@ -30,6 +30,20 @@ def test_word_layout_is_index_high_fp16_low():
     assert idx.tolist() == [3, 65535] and val.tolist() == [1.0, -2.0]
 
 
+def test_value_high_words_are_seed_004_col_val():
+    """SpQR's kernel word: fp16 value in the high half, column in the low half."""
+    words = pack_index_value(torch.tensor([3, 65535]), torch.tensor([1.0, -2.0]), value_high=True)
+    assert (int(words[0]) & 0xFFFFFFFF) == (0x3C00 << 16) | 3
+    assert (int(words[1]) & 0xFFFFFFFF) == (0xC000 << 16) | 65535
+    idx, val = unpack_index_value(words, value_high=True)
+    assert idx.tolist() == [3, 65535] and val.tolist() == [1.0, -2.0]
+    x = _sparse(37, 50, 0.1, 4)
+    for container in (CSRMatrix, PTCSRMatrix):
+        assert torch.equal(
+            container.from_dense(x, value_high=True).to_dense(), container.from_dense(x).to_dense()
+        )
+
+
 @pytest.mark.parametrize("container", CONTAINERS)
 @pytest.mark.parametrize("shape", [(1, 7), (13, 40), (37, 5), (64, 64)])
 def test_round_trip_and_matvec(container, shape):

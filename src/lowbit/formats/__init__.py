@@ -50,6 +50,7 @@ from lowbit.formats.sparse import (
     split_outliers,
     unpack_index_value,
 )
+from lowbit.formats.spqr import SpQRQuantized
 
 __all__ = [
     "BFP_FORMATS",
@@ -70,6 +71,7 @@ __all__ = [
     "nuq_dequantize",
     "nuq_normalize",
     "nuq_quantize",
+    "SpQRQuantized",
     "CSCMatrix",
     "CSRMatrix",
     "PTCSRMatrix",

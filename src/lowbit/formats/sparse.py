@@ -1,8 +1,10 @@
 """Dense-and-sparse split and sparse outlier containers (CSR, CSC, PTCSR).
 
-Every stored nonzero is one 32-bit word: the 16-bit index (column for CSR/PTCSR, row for CSC)
-in the high half and the fp16 bit pattern of the value in the low half (seed 004 §3.4.2), so
-outlier values are rounded to fp16 and matrices are limited to 65536 columns (rows for CSC).
+Every stored nonzero is one 32-bit word holding a 16-bit index (column for CSR/PTCSR, row for
+CSC) and the fp16 bit pattern of the value, so outlier values are rounded to fp16 and matrices
+are limited to 65536 columns (rows for CSC). By default the index is the high half and the value
+the low half (KVQuant's layout); ``value_high=True`` swaps them: the value in the high half, the
+column in the low half, the ``col_val`` word of seed 004's SpQR kernel (§3.4.2).
 Exact zeros are never stored; values beyond the fp16 range raise
 :class:`~lowbit.errors.LowbitError`.
 
@@ -89,8 +91,9 @@ def split_outliers(
     return x.masked_fill(sel, 0.0), sel
 
 
-def pack_index_value(index: Tensor, value: Tensor) -> Tensor:
-    """int32 words ``index << 16 | fp16_bits(value)`` (index in 0..65535)."""
+def pack_index_value(index: Tensor, value: Tensor, *, value_high: bool = False) -> Tensor:
+    """int32 words ``index << 16 | fp16_bits(value)`` (index in 0..65535), or with
+    ``value_high`` ``fp16_bits(value) << 16 | index``."""
     if index.numel() and (int(index.min()) < 0 or int(index.max()) > 0xFFFF):
         raise LowbitError("sparse indices must fit in 16 bits (matrix side <= 65536)")
     if value.numel() and float(value.abs().max()) > _FP16_MAX:
@@ -98,16 +101,17 @@ def pack_index_value(index: Tensor, value: Tensor) -> Tensor:
             f"outlier values beyond the fp16 range (|v| > {_FP16_MAX}) cannot be stored"
         )
     bits = value.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    word = (index.to(torch.int64) << 16) | bits
+    index = index.to(torch.int64)
+    word = (bits << 16) | index if value_high else (index << 16) | bits
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
-def unpack_index_value(words: Tensor) -> tuple[Tensor, Tensor]:
+def unpack_index_value(words: Tensor, *, value_high: bool = False) -> tuple[Tensor, Tensor]:
     """Inverse of :func:`pack_index_value`: int64 indices and fp32 values."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    low = w & 0xFFFF
-    value = torch.where(low >= 2**15, low - 2**16, low).to(torch.int16).view(torch.float16)
-    return w >> 16, value.float()
+    index, bits = (w & 0xFFFF, w >> 16) if value_high else (w >> 16, w & 0xFFFF)
+    value = torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.float16)
+    return index, value.float()
 
 
 def _entries(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -164,12 +168,16 @@ class CSRMatrix(_SparseFromCOO):
     row_ptr: Tensor
     col_val: Tensor
     shape: tuple[int, int]
+    value_high: bool = False
 
     @classmethod
-    def from_dense(cls, x: Tensor, mask: Tensor | None = None) -> CSRMatrix:
+    def from_dense(
+        cls, x: Tensor, mask: Tensor | None = None, *, value_high: bool = False
+    ) -> CSRMatrix:
         """Store the nonzeros of ``x`` (those under ``mask`` if given)."""
         rows, cols, vals = _entries(x, mask)
-        return cls(_ptr(rows, x.shape[0]), pack_index_value(cols, vals), tuple(x.shape))
+        words = pack_index_value(cols, vals, value_high=value_high)
+        return cls(_ptr(rows, x.shape[0]), words, tuple(x.shape), value_high)
 
     @property
     def nnz(self) -> int:
@@ -178,7 +186,7 @@ class CSRMatrix(_SparseFromCOO):
     def _coo(self) -> tuple[Tensor, Tensor, Tensor]:
         counts = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
         rows = torch.repeat_interleave(torch.arange(self.shape[0], device=counts.device), counts)
-        cols, vals = unpack_index_value(self.col_val)
+        cols, vals = unpack_index_value(self.col_val, value_high=self.value_high)
         return rows, cols, vals
 
     def storage_bits(self) -> int:
@@ -221,13 +229,16 @@ class PTCSRMatrix(_SparseFromCOO):
     tile_ptr: Tensor
     col_val: Tensor
     shape: tuple[int, int]
+    value_high: bool = False
 
     @classmethod
-    def from_dense(cls, x: Tensor, mask: Tensor | None = None) -> PTCSRMatrix:
+    def from_dense(
+        cls, x: Tensor, mask: Tensor | None = None, *, value_high: bool = False
+    ) -> PTCSRMatrix:
         rows, cols, vals = _entries(x, mask)
         n_rows = x.shape[0]
         n_tiles = math.ceil(n_rows / TILE_ROWS)
-        words = pack_index_value(cols, vals).to(torch.int64)  # row-major order
+        words = pack_index_value(cols, vals, value_high=value_high).to(torch.int64)  # row-major
         per_row = torch.bincount(rows, minlength=n_rows)  # [rows]
         row_start = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)[:-1]])
         rank = torch.arange(rows.numel(), device=x.device) - row_start[rows]  # i within its row
@@ -238,7 +249,7 @@ class PTCSRMatrix(_SparseFromCOO):
         col_val = torch.zeros(int(tile_ptr[-1]), dtype=torch.int64, device=x.device)
         tile = rows // TILE_ROWS
         col_val[tile_ptr[tile] + rank * TILE_ROWS + rows % TILE_ROWS] = words
-        return cls(tile_ptr.to(torch.int32), col_val.to(torch.int32), tuple(x.shape))
+        return cls(tile_ptr.to(torch.int32), col_val.to(torch.int32), tuple(x.shape), value_high)
 
     @property
     def nnz(self) -> int:
@@ -255,7 +266,7 @@ class PTCSRMatrix(_SparseFromCOO):
         )
         rows = slot_tile * TILE_ROWS + offset % TILE_ROWS
         keep = self.col_val != 0  # padding words are exactly 0
-        cols, vals = unpack_index_value(self.col_val[keep])
+        cols, vals = unpack_index_value(self.col_val[keep], value_high=self.value_high)
         return rows[keep], cols, vals
 
     def storage_bits(self) -> int:

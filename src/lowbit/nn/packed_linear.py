@@ -203,13 +203,27 @@ def register_packed_format(cls: type[PackedLinearBase]) -> type[PackedLinearBase
     return cls
 
 
+#: modules of lowbit's own formats beyond the integer one, imported (registering them) on
+#: first use, so that ``import lowbit`` stays light
+_BUILTIN_FORMAT_MODULES = ("lowbit.nn.spqr_linear",)
+
+
+def _import_builtin_formats() -> None:
+    import importlib
+
+    for module in _BUILTIN_FORMAT_MODULES:
+        importlib.import_module(module)
+
+
 def packed_formats() -> dict[str, type[PackedLinearBase]]:
     """Every registered packed format, by class name."""
+    _import_builtin_formats()
     return dict(_FORMATS)
 
 
 def packed_format_for(weight: Any) -> type[PackedLinearBase]:
     """The packed module class of a weight container."""
+    _import_builtin_formats()
     for cls in _FORMATS.values():
         if isinstance(weight, cls.container_type):
             return cls

@@ -1,0 +1,491 @@
+"""Fused dense-and-sparse SpQR products on seed 004's packed words (Triton), with the torch
+reference beside them.
+
+``y = x_p @ D'ᵀ + x_p @ S'ᵀ + b`` where ``x_p = x[:, perm]`` (the stored column order),
+``D'`` the packed 3-bit words (:mod:`lowbit.formats.spqr`) and ``S'`` the fp16 outliers in CSR
+or PTCSR. One pass over the tiles: each program owns ``BLOCK_TR`` tile rows (16 output rows
+each) and a range of tile columns; per chunk of ``BLOCK_G`` tiles it loads the ``[BLOCK_TR,
+16, BLOCK_G]`` words once, rebuilds each tile's second-order statistics from the 8-bit chunks
+(a sum over the tile's 16 rows of the even rows' chunks shifted into place: the seed's OR
+shuffle), decodes each row's fp16 scale and zero, then the sixteen codes of every word, and
+multiplies with the input gathered through ``perm``. Before the output is written, the same
+program adds its rows' outliers (a share of them under split-K), so nothing but ``y`` (and
+split-K partial sums) goes back to memory.
+
+* ``BLOCK_M == 1`` (GEMV): per code ``q · x`` in fp32 (the exponent trick ``float(code |
+  0x4B000000) − 2**23`` turns a code into a float with integer ops), summed per word; the scale
+  and zero are applied once per word: ``s · (Σ q x − z · Σ x)``, exact algebra, fp32 rounding.
+* ``BLOCK_M == 16`` (2 <= M <= 16, the small batch; the seed's kernel loops over the rows one
+  at a time): per code slot ``i`` of the words, the dequantized weights ``fp16(s · fp16(q −
+  z))`` (the reference's weights bit for bit) of a ``[BLOCK_TR · 16, BLOCK_G]`` block go into
+  one ``tl.dot`` with the ``[BLOCK_G, 16]`` inputs of the columns ``16 g + i``: decoding is paid
+  once for all rows.
+
+Launch configurations (``BLOCK_M``, ``BLOCK_TR``, ``BLOCK_G``, ``SPLIT_K``, warps) are timed on
+the GPU's first call per shape among a few candidates and cached (``LOWBIT_TRITON_TUNE=0``: the
+default, ``BLOCK_TR`` 8, the fewest loop instructions per code in ``tools/kernel_sass.py
+--spqr``); never under the interpreter.
+
+Memory traffic at M = 1: 8 bytes per 16 weights (4.0 bits per weight), 4 bytes per outlier plus
+the row offsets, the input from cache, ``M · N`` outputs. Split-K: a grid of ``cdiv(N, 16 ·
+BLOCK_TR) x SPLIT_K``; partial sums go to an fp32 ``[SPLIT_K, M, N]`` buffer summed in order by
+torch (deterministic). Outliers are split between the programs of a row by slot index.
+
+:func:`spqr_reference` (pure torch) is the oracle: the dense part decoded from the words in fp16
+arithmetic, then ``x_p @ D'ᵀ`` and the outliers in fp32. :func:`spqr_dequantize_dense` is the
+Triton decode of ``D'`` alone (the prefill path: decode, then a dense GEMM).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from lowbit.errors import LowbitError
+from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
+from lowbit.formats.spqr import TILE, SpQRQuantized, unpack_words
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the backend explains itself; the reference needs no Triton
+    triton = None
+
+__all__ = ["spqr_reference", "spqr_gemv", "spqr_dequantize_dense", "MAX_ROWS"]
+
+#: largest M the fused kernel takes (tl.dot's narrow side)
+MAX_ROWS = 16
+_SPARSE_KIND = {None: 0, "csr": 1, "ptcsr": 2}
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def spqr_reference(
+    x: Tensor, weight: SpQRQuantized, bias: Tensor | None = None, *, dense_only: bool = False
+) -> Tensor:
+    """``x @ W'ᵀ + b`` the way the kernels compute it, in fp32, cast to ``x``'s dtype.
+
+    Args:
+        x: ``[M, K]`` float input (original column order).
+        weight: the SpQR weight (stored order, its ``perm`` gathers ``x``).
+        bias: ``[N]`` or None.
+        dense_only: leave the outliers out (what they cost is measured against this).
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype. Memory traffic: the words, the outliers and ``x`` once.
+    """
+    perm = weight.perm_index()
+    xp = (x if perm is None else x[:, perm]).float()  # [M, K] stored order
+    y = xp @ weight.dense_permuted().float().T  # [M, N]
+    if not dense_only:
+        y = y + xp @ weight.outliers.to_dense(torch.float32).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton
+
+if triton is not None:
+    INTERPRET = bool(triton.knobs.runtime.interpret)
+
+    @triton.jit
+    def _tile_statistics(lo, hi, offs_r):
+        """Decoded fp16 scale and zero ``[TR, 16, G]`` of words split into ``lo``/``hi`` int32
+        halves ``[TR, 16, G]``; ``offs_r`` ``[1, 16, 1]`` is the row within the tile."""
+        chunk = (hi >> 22) & 0xFF  # bits 54-61
+        r = offs_r
+        even = (r & 1) == 0
+        # rows 0-6 (even) hold the bytes of ss | zs << 16, rows 8-14 those of sz | zz << 16
+        shift = 8 * ((r >> 1) & 3)
+        low_part = tl.where(even & (r < 8), chunk << shift, 0)
+        high_part = tl.where(even & (r >= 8), chunk << shift, 0)
+        low_word = tl.sum(low_part, axis=1, keep_dims=True)  # [TR, 1, G] ss | zs << 16
+        high_word = tl.sum(high_part, axis=1, keep_dims=True)  # sz | zz << 16
+        q_ss = (low_word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        q_zs = ((low_word >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        q_sz = (high_word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        q_zz = ((high_word >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        code_s = (lo & 7).to(tl.float32)
+        code_z = ((lo >> 3) & 7).to(tl.float32)
+        # fp16(q_ss * fp16(c_s - q_sz)): each operation rounded to fp16, as the seed's half2
+        scale = (q_ss * (code_s - q_sz).to(tl.float16).to(tl.float32)).to(tl.float16)
+        zero = q_zs.to(tl.float32) * (code_z - q_zz.to(tl.float32)).to(tl.float16).to(tl.float32)
+        return scale, zero.to(tl.float16)
+
+    @triton.jit
+    def _code(lo, hi, I: tl.constexpr):
+        """Code ``I`` (0-15) of words split into int32 halves: bits ``6 + 3 I`` of the 64."""
+        if I < 8:
+            c = (lo >> (6 + 3 * I)) & 7
+        elif I == 8:
+            c = ((lo >> 30) & 3) | ((hi & 1) << 2)
+        else:
+            c = (hi >> (3 * I - 26)) & 7
+        return c
+
+    @triton.jit
+    def _code_fp16(lo, hi, I: tl.constexpr):
+        """Code ``I`` as an fp16 value, exactly: the bits ``code | 0x6400`` are ``1024 + code``
+        (integer ops instead of a slow int-to-float conversion), minus 1024."""
+        bits = (_code(lo, hi, I) | 0x6400).to(tl.int16)
+        return bits.to(tl.float16, bitcast=True) - 1024.0
+
+    @triton.jit
+    def _gather_x(x_ptr, perm_ptr, k, mask, stride_xm, offs_m, mask_m, HAS_PERM: tl.constexpr):
+        """``x[m, perm[k]]``: ``k`` ``[G]`` column indices in stored order → ``[G, BLOCK_M]``."""
+        if HAS_PERM:
+            src = tl.load(perm_ptr + k, mask=mask, other=0)
+        else:
+            src = k
+        ptrs = x_ptr + offs_m[None, :] * stride_xm + src[:, None]
+        return tl.load(ptrs, mask=mask[:, None] & mask_m[None, :], other=0.0)
+
+    @triton.jit
+    def _spqr_gemv_kernel(
+        x_ptr, words_ptr, perm_ptr, sp_ptr_ptr, sp_val_ptr, bias_ptr, out_ptr,
+        M, N, K,
+        stride_xm, stride_wt, stride_os, stride_om,
+        N_TILES_G: tl.constexpr, SPLIT_K: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
+        HAS_PERM: tl.constexpr, SPARSE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BLOCK_TR: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) = 2**23 + code
+        BLOCK_N: tl.constexpr = BLOCK_TR * 16
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_tr = pid_n * BLOCK_TR + tl.arange(0, BLOCK_TR)  # [TR]
+        offs_r = tl.arange(0, 16)  # [16]
+        offs_g = tl.arange(0, BLOCK_G)  # [G]
+        offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        mask_m = offs_m < M
+        r3 = offs_r[None, :, None]  # [1, 16, 1]
+        # whole tiles are loaded (padding rows too): every row's chunk is needed
+        tile_ok = offs_tr[:, None, None] < tl.cdiv(N, 16)  # [TR, 1, 1]
+        if BLOCK_M == 1:
+            acc = tl.zeros((BLOCK_TR, 16, BLOCK_G), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for it in range(CHUNKS_PER_SPLIT):
+            g = (pid_k * CHUNKS_PER_SPLIT + it) * BLOCK_G + offs_g  # [G] tile columns
+            g3 = g[None, None, :]
+            w_ptrs = words_ptr + offs_tr[:, None, None] * stride_wt + g3 * 16 + r3
+            if EVEN_K:
+                words = tl.load(w_ptrs, mask=tile_ok, other=0)  # [TR, 16, G] int64
+            else:
+                words = tl.load(w_ptrs, mask=tile_ok & (g3 < N_TILES_G), other=0)
+            lo = words.to(tl.int32)  # truncation: bits 0-31
+            hi = (words >> 32).to(tl.int32)  # bits 32-63 (62-63 are zero)
+            scale, zero = _tile_statistics(lo, hi, r3)  # [TR, 16, G] fp16
+            if BLOCK_M == 1:
+                # inputs as [1, 1, G] tensors: loaded in the words' layout, no conversion
+                partial = tl.zeros((BLOCK_TR, 16, BLOCK_G), dtype=tl.float32)
+                sum_x = tl.zeros((1, 1, BLOCK_G), dtype=tl.float32)
+                lo_15 = lo >> 15
+                for i in tl.static_range(16):
+                    k3 = g3 * 16 + i  # [1, 1, G] stored column
+                    if EVEN_K:  # no padded columns (and every chunk whole): no masks
+                        src = tl.load(perm_ptr + k3) if HAS_PERM else k3
+                        xv = tl.load(x_ptr + src).to(tl.float32)
+                    else:
+                        k_ok = k3 < K
+                        src = tl.load(perm_ptr + k3, mask=k_ok, other=0) if HAS_PERM else k3
+                        xv = tl.load(x_ptr + src, mask=k_ok, other=0.0).to(tl.float32)
+                    # code i in place (times 2**p) as a float: one and-or, one add; the
+                    # input is scaled by 2**-p instead (exact: a power of two)
+                    if i < 5:  # bits 6-20 of lo: 7 << p < 2**23
+                        bits = lo & (7 << (6 + 3 * i))
+                        inv = 1.0 / (1 << (6 + 3 * i))
+                    elif i < 8:  # bits 21-29: from lo >> 15
+                        bits = lo_15 & (7 << (3 * i - 9))
+                        inv = 1.0 / (1 << (3 * i - 9))
+                    elif i == 8:  # bits 30-32 straddle the halves
+                        bits = ((lo >> 30) & 3) | ((hi & 1) << 2)
+                        inv = 1.0
+                    else:  # bits 33-53: hi bits 1-21
+                        bits = hi & (7 << (3 * i - 26))
+                        inv = 1.0 / (1 << (3 * i - 26))
+                    q = (bits | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+                    partial += q * (xv * inv)
+                    sum_x += xv
+                acc += scale.to(tl.float32) * (partial - zero.to(tl.float32) * sum_x)
+            else:
+                for i in tl.static_range(16):
+                    k = g * 16 + i  # [G]
+                    if EVEN_K:  # every column real: only the rows are masked
+                        src = tl.load(perm_ptr + k) if HAS_PERM else k
+                        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + src[:, None]
+                        xv = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)  # [G, BLOCK_M]
+                    else:
+                        xv = _gather_x(x_ptr, perm_ptr, k, k < K, stride_xm, offs_m, mask_m,
+                                       HAS_PERM)  # fmt: skip
+                    q = _code_fp16(lo, hi, i)
+                    w = ((q - zero).to(tl.float16) * scale).to(tl.float16)  # [TR, 16, G]
+                    w2 = tl.reshape(w, (BLOCK_N, BLOCK_G))
+                    if INTERPRET:  # the interpreter's low-precision dot is wrong: exact fp32
+                        acc = tl.dot(w2.to(tl.float32), xv.to(tl.float32), acc)
+                    else:  # fp16 weights are exact in fp16; for bf16 inputs they are rounded
+                        acc = tl.dot(w2.to(xv.dtype), xv, acc)  # [BLOCK_N, BLOCK_M]
+        if BLOCK_M == 1:
+            out = tl.reshape(tl.sum(acc, axis=2), (BLOCK_N, 1))  # [BLOCK_N, 1]
+        else:
+            out = acc  # [BLOCK_N, BLOCK_M]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        mask_n = offs_n < N
+        # ---- the outliers of these rows: slots pid_k, pid_k + SPLIT_K, ... of each row
+        if SPARSE == 1:  # CSR: row offsets per row
+            start = tl.load(sp_ptr_ptr + offs_n, mask=mask_n, other=0)
+            end = tl.load(sp_ptr_ptr + offs_n + 1, mask=mask_n, other=0)
+            longest = tl.max(end - start, axis=0)
+            for j in range(0, tl.cdiv(longest - pid_k, SPLIT_K)):
+                slot = start + pid_k + j * SPLIT_K  # [BLOCK_N]
+                ok = slot < end
+                word = tl.load(sp_val_ptr + slot, mask=ok, other=0)
+                out += _outlier_product(word, ok, x_ptr, perm_ptr, stride_xm, offs_m, mask_m,
+                                        HAS_PERM)  # fmt: skip
+        elif SPARSE == 2:  # PTCSR: words of tile row t at tile_ptr[t] + i * 16 + r
+            tile = offs_n // 16
+            t_start = tl.load(sp_ptr_ptr + tile, mask=mask_n, other=0)
+            t_end = tl.load(sp_ptr_ptr + tile + 1, mask=mask_n, other=0)
+            width = (t_end - t_start) // 16  # [BLOCK_N]
+            longest = tl.max(width, axis=0)
+            for j in range(0, tl.cdiv(longest - pid_k, SPLIT_K)):
+                i = pid_k + j * SPLIT_K
+                ok = i < width
+                word = tl.load(sp_val_ptr + t_start + i * 16 + offs_n % 16, mask=ok, other=0)
+                out += _outlier_product(word, ok, x_ptr, perm_ptr, stride_xm, offs_m, mask_m,
+                                        HAS_PERM)  # fmt: skip
+        out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = mask_n[:, None] & mask_m[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptrs, out, mask=mask)  # fp32 partial sums
+
+    @triton.jit
+    def _outlier_product(word, ok, x_ptr, perm_ptr, stride_xm, offs_m, mask_m, HAS_PERM):
+        """``value · x[:, perm[col]]`` ``[BLOCK_N, BLOCK_M]`` of col_val words ``[BLOCK_N]``
+        (fp16 value in the high half, column in the low half; padding words are 0)."""
+        col = word & 0xFFFF
+        value = ((word >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        xv = _gather_x(x_ptr, perm_ptr, col, ok, stride_xm, offs_m, mask_m, HAS_PERM)
+        return value.to(tl.float32)[:, None] * xv.to(tl.float32)
+
+    @triton.jit
+    def _spqr_dense_kernel(
+        words_ptr, out_ptr, N, K, stride_wt, stride_on,
+        N_TILES_G: tl.constexpr, BLOCK_TR: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        """``D'`` in fp16, stored column order: out ``[N, K]``."""
+        pid_n = tl.program_id(0)
+        pid_g = tl.program_id(1)
+        offs_tr = pid_n * BLOCK_TR + tl.arange(0, BLOCK_TR)
+        offs_r = tl.arange(0, 16)
+        g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
+        rows3 = offs_tr[:, None, None] * 16 + offs_r[None, :, None]  # [TR, 16, 1]
+        r3 = offs_r[None, :, None]
+        g3 = g[None, None, :]
+        w_ptrs = words_ptr + offs_tr[:, None, None] * stride_wt + g3 * 16 + r3
+        tile_ok = offs_tr[:, None, None] < tl.cdiv(N, 16)  # whole tiles: every row's chunk
+        words = tl.load(w_ptrs, mask=tile_ok & (g3 < N_TILES_G), other=0)
+        lo = words.to(tl.int32)
+        hi = (words >> 32).to(tl.int32)
+        scale, zero = _tile_statistics(lo, hi, r3)
+        for i in tl.static_range(16):
+            q = _code_fp16(lo, hi, i)
+            w = ((q - zero).to(tl.float16) * scale).to(tl.float16)  # [TR, 16, G]
+            k = g3 * 16 + i
+            tl.store(out_ptr + rows3 * stride_on + k, w, mask=(rows3 < N) & (k < K))
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise LowbitError("the SpQR kernels need Triton (pip install 'lowbit[triton]')")
+
+
+def _sparse_operands(outliers: CSRMatrix | PTCSRMatrix | None):
+    if outliers is None or outliers.nnz == 0:
+        return None, None, None
+    if isinstance(outliers, CSRMatrix):
+        return "csr", outliers.row_ptr, outliers.col_val
+    return "ptcsr", outliers.tile_ptr, outliers.col_val
+
+
+def _default_config(m: int, n: int, n_groups: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_TR, BLOCK_G, SPLIT_K, warps) without measuring: ~2 programs per H100 SM."""
+    block_m = 1 if m == 1 else MAX_ROWS
+    if INTERPRET:
+        return block_m, 2, (4 if block_m == 1 else 16), 1, 4
+    block_tr, block_g = (8, 8) if block_m == 1 else (8, 16)  # tools/kernel_sass.py --spqr
+    programs = triton.cdiv(n, 16 * block_tr)
+    chunks = triton.cdiv(n_groups, block_g)
+    split_k = max(1, min(chunks, triton.cdiv(264, programs)))
+    return block_m, block_tr, block_g, split_k, 4
+
+
+def _launch(x, words, perm, sparse, bias, n, config) -> Tensor:
+    m, k = x.shape
+    block_m, block_tr, block_g, split_k, num_warps = config
+    n_groups = words.shape[1] // TILE
+    chunks = triton.cdiv(n_groups, block_g)
+    per_split = triton.cdiv(chunks, split_k)
+    split_k = triton.cdiv(chunks, per_split)  # no empty splits
+    kind, sp_ptr, sp_val = sparse
+    if split_k == 1:
+        out = torch.empty(1, m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, 16 * block_tr), split_k)
+    _spqr_gemv_kernel[grid](
+        x, words, words if perm is None else perm,
+        words if sp_ptr is None else sp_ptr, words if sp_val is None else sp_val,
+        x if bias is None else bias, out,
+        m, n, k,
+        x.stride(0), words.stride(0), out.stride(0), out.stride(1),
+        N_TILES_G=n_groups, SPLIT_K=split_k, CHUNKS_PER_SPLIT=per_split,
+        HAS_PERM=perm is not None, SPARSE=_SPARSE_KIND[kind], HAS_BIAS=bias is not None,
+        EVEN_K=k % TILE == 0 and per_split * split_k * block_g == n_groups,
+        BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m, INTERPRET=INTERPRET,
+        num_warps=num_warps,
+    )  # fmt: skip
+    if split_k == 1:
+        return out[0]
+    total = out.sum(0)  # [M, N] fp32, in split order
+    if bias is not None:
+        total += bias.float()
+    return total.to(x.dtype)
+
+
+def check_operands(x: Tensor, words: Tensor, perm: Tensor | None, n: int) -> tuple[int, int]:
+    """Shapes, dtypes and devices of a product's operands; returns ``(M, K)``."""
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise LowbitError(f"the SpQR kernels take [M, K] fp16 or bf16 inputs, not {x.dtype}")
+    m, k = x.shape
+    tiles, width = words.shape
+    if (
+        words.dtype != torch.int64
+        or tiles != triton.cdiv(n, TILE)
+        or width != triton.cdiv(k, TILE) * TILE
+    ):
+        raise LowbitError(
+            f"SpQR words of shape {tuple(words.shape)} ({words.dtype}) do not fit a {n} x {k} "
+            "weight"
+        )
+    if perm is not None and (perm.dtype != torch.int32 or perm.numel() != k):
+        raise LowbitError(
+            f"the input permutation must be int32 [{k}], not {perm.dtype} {tuple(perm.shape)}"
+        )
+    if words.device != x.device:
+        raise LowbitError(f"the weight is on {words.device} and the input on {x.device}")
+    return m, k
+
+
+def spqr_gemv(
+    x: Tensor,
+    words: Tensor,
+    perm: Tensor | None,
+    outliers: CSRMatrix | PTCSRMatrix | None,
+    bias: Tensor | None,
+    *,
+    out_features: int,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> Tensor:
+    """``x @ W'ᵀ + bias`` for M <= 16, fused dense and sparse.
+
+    Args:
+        x: ``[M, K]`` fp16/bf16, M <= 16, original column order.
+        words: ``[ceil(N / 16), ceil(K / 16) * 16]`` int64 packed words.
+        perm: ``[K]`` int32 input permutation (stored column ``j`` reads ``x[:, perm[j]]``) or
+            None (:meth:`SpQRQuantized.perm_index` as int32; the containers keep 16 bits).
+        outliers: CSR or PTCSR with seed 004's words (stored column order), or None.
+        bias: ``[N]`` in ``x``'s dtype, or None.
+        out_features: N.
+        config: ``(BLOCK_M, BLOCK_TR, BLOCK_G, SPLIT_K, num_warps)`` to force a launch.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype (fp32 accumulation).
+    """
+    _require_triton()
+    m, _ = check_operands(x, words, perm, out_features)
+    if not 1 <= m <= MAX_ROWS:
+        raise LowbitError(f"spqr_gemv takes 1 to {MAX_ROWS} rows, not {m}")
+    if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
+        raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
+    x = x.contiguous()
+    sparse = _sparse_operands(outliers)
+    args = (x, words, perm, sparse, bias, out_features)
+    if config is None:
+        n_groups = words.shape[1] // TILE
+        key = (m == 1, out_features, x.shape[1], sparse[0], perm is not None, x.dtype, x.device)
+        config = _TUNED.get(key)
+        if config is None:
+            config = _default_config(m, out_features, n_groups)
+            if TUNE and not INTERPRET:
+                config = _fastest(args, list(_candidates(m, out_features, n_groups)))
+            _TUNED[key] = config
+    return _launch(*args, config)
+
+
+#: measure launch configurations on a GPU's first call per shape (LOWBIT_TRITON_TUNE=0: no)
+TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
+_TUNED: dict[tuple, tuple[int, int, int, int, int]] = {}
+
+
+def _candidates(m: int, n: int, n_groups: int):
+    """A few configurations around the default (each one is a compile of a few seconds)."""
+
+    def split(block_tr, block_g):  # SPLIT_K for ~2 programs per SM of an H100
+        programs = triton.cdiv(n, 16 * block_tr)
+        return max(1, min(triton.cdiv(n_groups, block_g), triton.cdiv(264, programs)))
+
+    if m == 1:
+        for block_tr in (8, 16, 4):
+            yield 1, block_tr, 8, split(block_tr, 8), 4
+        yield 1, 8, 8, max(1, split(8, 8) // 2), 4
+    for block_tr in (8, 4):
+        yield MAX_ROWS, block_tr, 16, split(block_tr, 16), 4
+    if m > 1:  # fewer splits: less fp32 partial traffic at 16 rows
+        yield MAX_ROWS, 8, 16, max(1, split(8, 16) // 4), 4
+
+
+def _fastest(args, configs):
+    """The configuration with the smallest ``do_bench`` time of the whole call."""
+    import triton.testing
+
+    best, best_ms = configs[0], float("inf")
+    for config in configs:
+        try:
+            ms = triton.testing.do_bench(lambda c=config: _launch(*args, c), warmup=5, rep=20)
+        except Exception:  # a configuration the compiler rejects (resources) is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best
+
+
+def spqr_dequantize_dense(words: Tensor, out_features: int, in_features: int) -> Tensor:
+    """``D'`` ``[N, K]`` fp16 in stored column order, decoded by a Triton kernel."""
+    _require_triton()
+    out = torch.empty(out_features, in_features, dtype=torch.float16, device=words.device)
+    block_tr, block_g = 2, 4
+    n_groups = words.shape[1] // TILE
+    grid = (triton.cdiv(out_features, 16 * block_tr), triton.cdiv(n_groups, block_g))
+    _spqr_dense_kernel[grid](
+        words, out, out_features, in_features, words.stride(0), out.stride(0),
+        N_TILES_G=n_groups, BLOCK_TR=block_tr, BLOCK_G=block_g,
+    )  # fmt: skip
+    return out
+
+
+def words_dense_reference(words: Tensor, out_features: int, in_features: int) -> Tensor:
+    """``D'`` ``[N, K]`` fp16 decoded by torch (the oracle of :func:`spqr_dequantize_dense`)."""
+    codes, sc, zc, second = unpack_words(words, out_features, in_features)
+    empty = CSRMatrix.from_dense(torch.zeros(out_features, in_features))
+    return SpQRQuantized(codes, sc, zc, second, empty, None).dense_permuted()

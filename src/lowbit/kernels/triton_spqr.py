@@ -1,0 +1,163 @@
+"""The ``triton`` backend for SpQR layers (:class:`~lowbit.nn.spqr_linear.SpQRLinear`).
+
+``prepare`` keeps the words as stored (the kernels read seed 004's layout directly), widens the
+16-bit permutation to int32 (one load per gathered input, no sign fix-up), and picks the outlier
+layout the kernel multiplies with: the layer's ``sparse_format``, or with ``"auto"`` the faster
+of CSR and PTCSR for this tensor, timed once on the GPU (seed 004 §3.4.4: the better layout
+depends on the tensor and the device) and cached per (device, shape, outlier pattern) for the
+process; under the interpreter, and whenever timing is off (``LOWBIT_TRITON_TUNE=0``), the
+stored layout. ``LOWBIT_SPQR_SPARSE=csr|ptcsr`` overrides every layer set to ``"auto"``.
+
+``matmul`` runs the fused dense-and-sparse kernel for M <= 16
+(:func:`~lowbit.kernels.spqr_gemv.spqr_gemv`) and, above, decodes ``D'`` with the Triton decode
+kernel, adds the outliers in fp32, rounds once to the input's dtype (the reference's weight)
+and calls a dense GEMM on the permuted input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
+from lowbit.kernels.dispatch import WeightBackend, register_backend
+
+try:
+    import triton
+except ImportError:  # the backend explains itself in unsupported()
+    triton = None
+
+__all__ = ["TritonSpQRBackend", "SMALL_M", "choose_sparse_format"]
+
+#: largest M that takes the fused kernel
+SMALL_M = 16
+#: process cache of profiled outlier layouts: (device, N, K, pattern digest) -> "csr" | "ptcsr"
+_SPARSE_CHOICE: dict[tuple, str] = {}
+
+
+def _interpreting() -> bool:
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _convert(sparse, kind: str):
+    """``sparse`` as a ``"csr"`` or ``"ptcsr"`` container (itself when already so)."""
+    if (kind == "csr") == isinstance(sparse, CSRMatrix):
+        return sparse
+    dense = sparse.to_dense(torch.float32)
+    cls = CSRMatrix if kind == "csr" else PTCSRMatrix
+    return cls.from_dense(dense, dense != 0, value_high=True)
+
+
+def _pattern_key(layer, device) -> tuple:
+    digest = hashlib.sha256(layer.sparse_ptr.cpu().numpy().tobytes()).hexdigest()[:16]
+    return (str(device), layer.out_features, layer.in_features, layer.stored_sparse, digest)
+
+
+def choose_sparse_format(layer, words, perm, device) -> str:
+    """The outlier layout the kernel uses for ``layer`` (see the module docstring)."""
+    choice = os.environ.get("LOWBIT_SPQR_SPARSE") if layer.sparse_format == "auto" else None
+    choice = choice or layer.sparse_format
+    if choice in ("csr", "ptcsr"):
+        return choice
+    stored = layer.stored_sparse
+    if device.type != "cuda" or _interpreting() or os.environ.get("LOWBIT_TRITON_TUNE") == "0":
+        return stored
+    key = _pattern_key(layer, device)
+    if key not in _SPARSE_CHOICE:
+        _SPARSE_CHOICE[key] = _profile(layer, words, perm, device)
+    return _SPARSE_CHOICE[key]
+
+
+def _profile(layer, words, perm, device) -> str:
+    """The faster layout for a one-row product, by ``triton.testing.do_bench``."""
+    import triton.testing
+
+    from lowbit.kernels.spqr_gemv import spqr_gemv
+
+    x = torch.randn(1, layer.in_features, device=device, dtype=torch.float16)
+    times = {}
+    for kind in ("csr", "ptcsr"):
+        sparse = _convert(layer.outliers(), kind)
+        fn = lambda s=sparse: spqr_gemv(x, words, perm, s, None, out_features=layer.out_features)  # noqa: E731
+        times[kind] = triton.testing.do_bench(fn, warmup=5, rep=25)
+    return min(times, key=times.get)
+
+
+class TritonSpQRBackend(WeightBackend):
+    """Fused dense-and-sparse kernels on seed 004's packed words."""
+
+    name = "triton"
+    format_kind = "spqr"
+
+    def unsupported(self, layer, x: Tensor) -> str | None:
+        if triton is None:
+            return "Triton is not installed (pip install 'lowbit[triton]')"
+        if x.device.type != "cuda" and not _interpreting():
+            return (
+                f"its kernels need a CUDA device (or TRITON_INTERPRET=1), and the input is "
+                f"on {x.device.type}"
+            )
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return f"its kernels take fp16 or bf16 inputs, not {x.dtype}"
+        if layer.words.device != x.device:
+            return f"the weight is on {layer.words.device} and the input on {x.device}"
+        return None
+
+    def prepare(self, layer) -> dict:
+        words = layer.words
+        perm = None if layer.perm is None else (layer.perm.to(torch.int32) & 0xFFFF)
+        kind = choose_sparse_format(layer, words, perm, words.device)
+        sparse = _convert(layer.outliers(), kind)
+        ptr = sparse.row_ptr if kind == "csr" else sparse.tile_ptr
+        # what the compiled forward passes to torch.ops.lowbit.spqr_matmul (SpQRLinear.forward)
+        layer.__dict__["_kernel_operands"] = (perm, ptr, sparse.col_val, kind)
+        return {"words": words, "perm": perm, "sparse": sparse, "sparse_format": kind}
+
+    def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
+        return spqr_product(
+            x, prepared["words"], prepared["perm"], prepared["sparse"], bias, layer.out_features
+        )
+
+
+def spqr_product(x: Tensor, words, perm, sparse, bias, n: int) -> Tensor:
+    """``x [M, K] @ W'ᵀ + bias``: the fused kernel for M <= 16, decode + GEMM above."""
+    from lowbit.kernels.spqr_gemv import spqr_dequantize_dense, spqr_gemv
+
+    if x.shape[0] <= SMALL_M:
+        return spqr_gemv(x, words, perm, sparse, bias, out_features=n)  # [M, N]
+    weight = spqr_dequantize_dense(words, n, x.shape[1]).float()  # [N, K] stored order
+    rows, cols, values = sparse._coo()
+    weight.index_put_((rows, cols), values, accumulate=True)  # D' + S' in fp32
+    xp = x if perm is None else x[:, perm.long()]  # [M, K] stored order
+    return F.linear(xp, weight.to(x.dtype), bias)  # [M, N]
+
+
+@torch.library.custom_op("lowbit::spqr_matmul", mutates_args=())
+def spqr_matmul(
+    x: Tensor,
+    words: Tensor,
+    perm: Tensor | None,
+    sparse_ptr: Tensor,
+    col_vals: Tensor,
+    bias: Tensor | None,
+    out_features: int,
+    sparse_format: str,
+) -> Tensor:
+    """The triton backend's product as one opaque op, so ``torch.compile`` keeps a decode step
+    in one graph (CUDA graphs included) instead of tracing the dispatch around the kernels."""
+    shape = (out_features, x.shape[1])
+    cls = CSRMatrix if sparse_format == "csr" else PTCSRMatrix
+    sparse = cls(sparse_ptr, col_vals, shape, value_high=True)
+    return spqr_product(x, words, perm, sparse, bias, out_features)
+
+
+@spqr_matmul.register_fake
+def _(x, words, perm, sparse_ptr, col_vals, bias, out_features, sparse_format):
+    return x.new_empty(x.shape[0], out_features)
+
+
+register_backend(TritonSpQRBackend())

@@ -1,0 +1,138 @@
+"""The fused SpQR kernels against their torch reference.
+
+Without CUDA they run under ``TRITON_INTERPRET=1`` (``tests/conftest.py``) on small irregular
+shapes: N = 37 and K = 50 / 130 are not multiples of 16 (partial tiles in both directions,
+rows and columns padded), M = 1 takes the GEMV path, M = 3 and 13 the small-batch ``tl.dot``
+path. With CUDA the same tests run compiled, and the ``gpu`` ones add layer sizes.
+"""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lowbit.algorithms.spqr import SpQRSpec  # noqa: E402
+from lowbit.errors import LowbitError  # noqa: E402
+from lowbit.kernels.spqr_gemv import (  # noqa: E402
+    spqr_dequantize_dense,
+    spqr_gemv,
+    spqr_reference,
+    words_dense_reference,
+)
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.interpreter
+
+# |kernel - reference| <= TOL * max|reference| (reference: fp32 product of the same weights,
+# one rounding to x's dtype). Measured under the interpreter over the cases below: fp16
+# 4.1e-4 (the output's fp16 rounding), bf16 5.4e-3 (the small-batch path rounds the weights to
+# bf16, as the reference backend does; the GEMV path keeps them exact).
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def _weight(n, k, fraction=0.02, perm=True, seed=0, sparse="csr"):
+    """An SpQR weight of a heavy-tailed matrix (outliers in every tile row), random perm."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[torch.rand(n, k, generator=gen) < 0.02] *= 20
+    q = SpQRSpec(outlier_fraction=fraction, sparse_format=sparse).rtn(w)
+    if perm:
+        q.perm = torch.randperm(k, generator=gen).to(torch.int16)
+    return q.to(DEVICE)
+
+
+def _rel_err(got, want):
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def _run(q, x, bias, config=None):
+    perm = None if q.perm is None else q.perm_index().to(torch.int32)
+    return spqr_gemv(x, q.words(), perm, q.outliers, bias, out_features=q.shape[0], config=config)
+
+
+@pytest.mark.parametrize("sparse", ["csr", "ptcsr"])
+@pytest.mark.parametrize("m", [1, 3, 13])
+@pytest.mark.parametrize("n, k", [(37, 50), (40, 130), (48, 64)])
+def test_fused_kernel_matches_reference(n, k, m, sparse):
+    q = _weight(n, k, sparse=sparse, seed=n + k)
+    x = torch.randn(m, k, device=DEVICE).half()
+    bias = torch.randn(n, device=DEVICE).half()
+    got = _run(q, x, bias)
+    assert got.shape == (m, n) and got.dtype == torch.float16
+    assert _rel_err(got, spqr_reference(x.float(), q, bias.float())) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_bf16_no_permutation_no_bias(m):
+    q = _weight(37, 130, perm=False, seed=3)
+    x = torch.randn(m, 130, device=DEVICE).bfloat16()
+    got = _run(q, x, None)
+    assert got.dtype == torch.bfloat16
+    assert _rel_err(got, spqr_reference(x.float(), q)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [(1, 1, 2, 3, 4), (16, 1, 16, 1, 4), (1, 2, 4, 2, 4)],
+    ids=["gemv-split3", "dot", "gemv-split2"],
+)
+def test_forced_configurations_and_split_k(config):
+    """Split-K divides both the tiles and each row's outliers between programs."""
+    q = _weight(37, 130, fraction=0.05, seed=4)
+    m = 1 if config[0] == 1 else 4
+    x = torch.randn(m, 130, device=DEVICE).half()
+    bias = torch.randn(37, device=DEVICE).half()
+    got = _run(q, x, bias, config)
+    assert _rel_err(got, spqr_reference(x.float(), q, bias.float())) < TOL[torch.float16]
+
+
+def test_csr_and_ptcsr_give_the_same_product():
+    q = _weight(37, 130, fraction=0.05, seed=5)
+    x = torch.randn(1, 130, device=DEVICE).half()
+    csr = _run(q.with_sparse_format("csr"), x, None).float()
+    ptcsr = _run(q.with_sparse_format("ptcsr"), x, None).float()
+    ref = spqr_reference(x.float(), q).float()
+    # different summation orders of the same products: equal up to the fp16 output rounding
+    assert _rel_err(csr, ref) < TOL[torch.float16] and _rel_err(ptcsr, ref) < TOL[torch.float16]
+    assert _rel_err(csr, ptcsr) < TOL[torch.float16]
+
+
+def test_outliers_are_added():
+    """The sparse part matters: the fused product is far from the dense-only reference."""
+    q = _weight(37, 130, fraction=0.05, seed=6)
+    x = torch.randn(1, 130, device=DEVICE).half()
+    got = _run(q, x, None)
+    dense_only = spqr_reference(x.float(), q, dense_only=True)
+    assert _rel_err(got, dense_only) > 10 * TOL[torch.float16]
+
+
+def test_dense_decode_kernel_is_bit_exact():
+    q = _weight(37, 50, seed=7)
+    words = q.words()
+    got = spqr_dequantize_dense(words, 37, 50)
+    assert torch.equal(
+        got.view(torch.int16), words_dense_reference(words, 37, 50).view(torch.int16)
+    )
+    assert torch.equal(got, q.dense_permuted())
+
+
+def test_bad_operands_are_one_sentence():
+    q = _weight(37, 50, seed=8)
+    x = torch.randn(17, 50, device=DEVICE).half()
+    with pytest.raises(LowbitError, match="1 to 16 rows, not 17"):
+        _run(q, x, None)
+    with pytest.raises(LowbitError, match="fp16 or bf16 inputs"):
+        _run(q, x[:1].float(), None)
+    with pytest.raises(LowbitError, match="do not fit a 37 x 70 weight"):
+        _run(q, torch.randn(1, 70, device=DEVICE).half(), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_layer_sizes_on_cuda(n, k, m):
+    q = _weight(n, k, fraction=0.01, seed=9)
+    x = torch.randn(m, k, device=DEVICE).half()
+    got = _run(q, x, None)
+    assert _rel_err(got, spqr_reference(x.float(), q)) < TOL[torch.float16]
