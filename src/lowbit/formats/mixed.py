@@ -74,6 +74,8 @@ __all__ = [
     "decode_scales",
     "triplet_order",
     "mixed_statistics",
+    "group_statistics",
+    "clipped_groups",
     "mixed_rtn",
 ]
 
@@ -254,32 +256,27 @@ def triplet_order(groups2: Tensor, priority: Tensor | None = None) -> Tensor:
 
 @dataclass
 class MixedStats:
-    """Statistics of a mixed weight, per slot and per column group.
+    """Statistics of a mixed weight per row and column group, and the slot order.
 
     Attributes:
         is4: ``[G]`` bool, 4-bit column groups.
         order2, order4: ``[n2]``, ``[n4]`` long, the column group of each real 2-bit / 4-bit
             slot (slot order; padding slots come after them).
-        zero2, code2: ``[N, n2]`` uint8 zeros and 4-bit-grid scale codes of the 2-bit slots.
-        s2_2, z2_2: ``[R, n2]`` fp16 second-order statistics of the 2-bit slots.
-        zero4, code4, s2_4, z2_4: the same for the 4-bit slots.
-        scale, zero: ``[N, G]`` fp32 decoded scale and zero per row and column group.
+        code: ``[N, G]`` uint8 4-bit-grid scale codes (clip levels where clipped).
+        zero: ``[N, G]`` fp32 integer zeros.
+        s2, z2: ``[R, G]`` fp16 second-order scale and integer zero of each group's scales.
+        scale: ``[N, G]`` fp32 decoded scales, ``decode_scales(code, s2, z2, g2)``.
         g2: rows per second-order group.
     """
 
     is4: Tensor
     order2: Tensor
     order4: Tensor
-    zero2: Tensor
-    code2: Tensor
-    s2_2: Tensor
-    z2_2: Tensor
-    zero4: Tensor
-    code4: Tensor
-    s2_4: Tensor
-    z2_4: Tensor
-    scale: Tensor
+    code: Tensor
     zero: Tensor
+    s2: Tensor
+    z2: Tensor
+    scale: Tensor
     g2: int
 
     @property
@@ -290,6 +287,17 @@ class MixedStats:
     def qmax(self) -> Tensor:
         """``[G]`` fp32 largest code of each column group."""
         return torch.where(self.is4, 15.0, 3.0)
+
+    def clipped(self) -> Tensor:
+        """``[G]`` bool, the groups whose scale code is clipped (triplet positions 1 and 2)."""
+        return clipped_groups(self.order2, self.is4.numel())
+
+
+def clipped_groups(order2: Tensor, groups: int) -> Tensor:
+    """``[groups]`` bool: the 2-bit groups at triplet positions 1 and 2 of ``order2``."""
+    out = torch.zeros(groups, dtype=torch.bool, device=order2.device)
+    out[order2] = torch.arange(order2.numel(), device=order2.device) % 3 != 0
+    return out
 
 
 def _check_weight(weight: Tensor) -> None:
@@ -324,6 +332,35 @@ def _padded_mask(mask: Tensor | None, k: int) -> Tensor | None:
     return out.view(n, g, GROUP)
 
 
+def group_statistics(
+    groups: Tensor,
+    bits: int,
+    outliers: Tensor | None,
+    g2: int,
+    clipped: Tensor | None = None,
+    mse_clip: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """First and second order of ``n`` column groups of one width.
+
+    Args:
+        groups: ``[N, n, 16]`` fp32 weights.
+        bits: 2 or 4.
+        outliers: ``[N, n, 16]`` bool, left out of the ranges, or None.
+        g2: rows per second-order group.
+        clipped: ``[n]`` bool, groups with clipped scale codes.
+        mse_clip: see :func:`first_order_range`.
+
+    Returns:
+        ``(code uint8 [N, n], zero fp32 [N, n], s2 fp16 [R, n], z2 fp16 [R, n], scale fp32
+        [N, n])``. Groups are independent: a slice of the groups gives the slice's statistics.
+    """
+    s, lo = first_order_range(groups, bits, outliers, mse_clip=mse_clip)
+    code, s2, z2 = second_order_quantize(s, g2, clipped)
+    scale = decode_scales(code, s2, z2, g2)  # [N, n]
+    zero = torch.round(-lo / scale).clamp(0, 2**bits - 1)
+    return code, zero, s2, z2, scale
+
+
 def mixed_statistics(
     weight: Tensor,
     is4: Tensor,
@@ -345,45 +382,41 @@ def mixed_statistics(
         priority: ``[G]`` sensitivity of each column group; the most sensitive 2-bit groups get
             the 4-bit scale codes of the triplets (:func:`triplet_order`). None: column order.
     """
+    order2, order4, mask = _check_mixed(weight, is4, outliers, g2, priority)
+    n = weight.shape[0]
+    g = is4.numel()
+    groups = _padded_groups(weight)  # [N, G, 16]
+    clipped = clipped_groups(order2, g)
+    code = torch.empty(n, g, dtype=torch.uint8, device=weight.device)
+    zero, scale = torch.empty(n, g, device=weight.device), torch.empty(n, g, device=weight.device)
+    r = math.ceil(n / g2)
+    s2 = torch.empty(r, g, dtype=torch.float16, device=weight.device)
+    z2 = torch.empty_like(s2)
+    for bits, ids in ((2, ~is4), (4, is4)):
+        if bool(ids.any()):
+            sub = None if mask is None else mask[:, ids]
+            parts = group_statistics(groups[:, ids], bits, sub, g2, clipped[ids], mse_clip)
+            code[:, ids], zero[:, ids], s2[:, ids], z2[:, ids], scale[:, ids] = parts
+    return MixedStats(is4.clone(), order2, order4, code, zero, s2, z2, scale, g2)
+
+
+def _check_mixed(weight, is4, outliers, g2, priority):
+    """Checks shared by the static and the GPTQ-time statistics -> (order2, order4, padded
+    outlier mask)."""
     _check_weight(weight)
-    n, k = weight.shape
+    k = weight.shape[1]
     g = math.ceil(k / GROUP)
-    if is4.shape != (g,) or is4.dtype != torch.bool:
+    if not isinstance(is4, Tensor) or is4.shape != (g,) or is4.dtype != torch.bool:
         raise LowbitError(f"is4 must be a [{g}] bool tensor (one flag per 16 input channels)")
     if isinstance(g2, bool) or not isinstance(g2, int) or g2 < 1:
         raise LowbitError(f"g2 must be a positive integer, not {g2!r}")
     mask = _padded_mask(outliers, k)
     if mask is not None and bool(mask[:, is4].any()):
         raise LowbitError("outliers must lie in 2-bit groups only (exclusive 2-bit outliers)")
-    groups = _padded_groups(weight)  # [N, G, 16]
-    device = weight.device
-    ids = torch.arange(g, device=device)
+    ids = torch.arange(g, device=weight.device)
     groups2, groups4 = ids[~is4], ids[is4]
     order2 = triplet_order(groups2, None if priority is None else priority[groups2])
-    order4 = groups4.clone()
-    scale = torch.empty(n, g, device=device)
-    zero = torch.empty(n, g, device=device)
-    parts = {}
-    for bits, order in ((2, order2), (4, order4)):
-        if order.numel() == 0:
-            r = math.ceil(n / g2)
-            empty = torch.empty(n, 0, dtype=torch.uint8, device=device)
-            fp16 = torch.empty(r, 0, dtype=torch.float16, device=device)
-            parts[bits] = (empty, empty.clone(), fp16, fp16.clone())
-            continue
-        sub_mask = None if mask is None else mask[:, order]
-        s, lo = first_order_range(groups[:, order], bits, sub_mask, mse_clip=mse_clip)
-        clipped = None
-        if bits == 2:  # triplet positions 1 and 2 hold 3-bit codes
-            clipped = torch.arange(order.numel(), device=device) % 3 != 0
-        codes, s2, z2 = second_order_quantize(s, g2, clipped)
-        decoded = decode_scales(codes, s2, z2, g2)  # [N, n]
-        z = torch.round(-lo / decoded).clamp(0, 2**bits - 1)
-        scale[:, order], zero[:, order] = decoded, z
-        parts[bits] = (z.to(torch.uint8), codes, s2, z2)
-    return MixedStats(
-        is4.clone(), order2, order4, *parts[2], *parts[4], scale=scale, zero=zero, g2=g2
-    )
+    return order2, groups4.clone(), mask
 
 
 def mixed_rtn(
@@ -512,20 +545,21 @@ class MixedQuantized:
         secondary = hi4[:, :ua]
 
         t3 = seg.triplets
-        zero2 = _pad_cols(stats.zero2.to(torch.int64), 3 * t3).view(n, t3, 3)
-        code2 = _pad_cols(stats.code2.to(torch.int64), 3 * t3).view(n, t3, 3)
+        o2, o4 = stats.order2, stats.order4
+        zero2 = _pad_cols(stats.zero[:, o2].to(torch.int64), 3 * t3).view(n, t3, 3)
+        code2 = _pad_cols(stats.code[:, o2].to(torch.int64), 3 * t3).view(n, t3, 3)
         pads = torch.arange(3 * t3, device=codes.device) >= seg.n2
         code2 = torch.where(pads.view(1, t3, 3), CLIP_LEVELS[0], code2)  # index 0 if clipped
-        word = zero2[..., 0] | zero2[..., 1] << 2 | zero2[..., 2] << 4 | code2[..., 0] << 6
         if bool(((code2[..., 1:] - CLIP_LEVELS[0]) % 2 != 0).any()):
             raise LowbitError("a clipped scale code is not one of CLIP_LEVELS")
+        word = zero2[..., 0] | zero2[..., 1] << 2 | zero2[..., 2] << 4 | code2[..., 0] << 6
         word |= _clip_index(code2[..., 1]) << 10 | _clip_index(code2[..., 2]) << 13
         stats2 = torch.where(word >= 2**15, word - 2**16, word).to(torch.int16)
-        stats4 = _pad_cols((stats.zero4.to(torch.int64) | stats.code4.to(torch.int64) << 4), p4).to(
-            torch.uint8
-        )
-        second2 = _pad_cols(torch.stack([stats.s2_2, stats.z2_2], 1), p2).transpose(1, 2)
-        second4 = _pad_cols(torch.stack([stats.s2_4, stats.z2_4], 1), p4).transpose(1, 2)
+        byte = stats.zero[:, o4].to(torch.int64) | stats.code[:, o4].to(torch.int64) << 4
+        stats4 = _pad_cols(byte, p4).to(torch.uint8)
+        second2 = _pad_cols(torch.stack([stats.s2[:, o2], stats.z2[:, o2]], 1), p2)
+        second4 = _pad_cols(torch.stack([stats.s2[:, o4], stats.z2[:, o4]], 1), p4)
+        second2, second4 = second2.transpose(1, 2), second4.transpose(1, 2)  # [R, P, 2]
         order = torch.full((p2 + p4,), -1, dtype=torch.int64, device=codes.device)
         order[: seg.n2] = stats.order2
         order[p2 : p2 + seg.n4] = stats.order4
@@ -580,30 +614,26 @@ class MixedQuantized:
         code2 = torch.stack(
             [(word >> 6) & 15, _clip_level((word >> 10) & 7), _clip_level((word >> 13) & 7)], -1
         ).view(n, -1)
-        s4 = self.stats4.to(torch.int64)
-        second2, second4 = self.second2.transpose(1, 2), self.second4.transpose(1, 2)
+        byte = self.stats4.to(torch.int64)
+        r = self.second2.shape[0]
+        code = torch.zeros(n, g, dtype=torch.uint8, device=device)
+        zero = torch.zeros(n, g, device=device)
+        s2 = torch.zeros(r, g, dtype=torch.float16, device=device)
+        z2 = torch.zeros_like(s2)
+        code[:, order2], code[:, order4] = (
+            code2[:, : seg.n2].to(torch.uint8),
+            (byte[:, : seg.n4] >> 4).to(torch.uint8),
+        )
+        zero[:, order2], zero[:, order4] = (
+            zero2[:, : seg.n2].float(),
+            (byte[:, : seg.n4] & 15).float(),
+        )
+        s2[:, order2], z2[:, order2] = self.second2[:, : seg.n2, 0], self.second2[:, : seg.n2, 1]
+        s2[:, order4], z2[:, order4] = self.second4[:, : seg.n4, 0], self.second4[:, : seg.n4, 1]
         is4 = torch.zeros(g, dtype=torch.bool, device=device)
         is4[order4] = True
-        stats_parts = dict(
-            zero2=zero2[:, : seg.n2].to(torch.uint8),
-            code2=code2[:, : seg.n2].to(torch.uint8),
-            s2_2=second2[:, 0, : seg.n2].contiguous(),
-            z2_2=second2[:, 1, : seg.n2].contiguous(),
-            zero4=(s4[:, : seg.n4] & 15).to(torch.uint8),
-            code4=(s4[:, : seg.n4] >> 4).to(torch.uint8),
-            s2_4=second4[:, 0, : seg.n4].contiguous(),
-            z2_4=second4[:, 1, : seg.n4].contiguous(),
-        )
-        scale = torch.zeros(n, g, device=device)
-        zero = torch.zeros(n, g, device=device)
-        for tag, order_b in (("2", order2), ("4", order4)):
-            if order_b.numel():
-                scale[:, order_b] = decode_scales(
-                    stats_parts[f"code{tag}"], stats_parts[f"s2_{tag}"], stats_parts[f"z2_{tag}"],
-                    self.g2,
-                )  # fmt: skip
-                zero[:, order_b] = stats_parts[f"zero{tag}"].float()
-        stats = MixedStats(is4, order2, order4, **stats_parts, scale=scale, zero=zero, g2=self.g2)
+        scale = decode_scales(code, s2, z2, self.g2)
+        stats = MixedStats(is4, order2, order4, code, zero, s2, z2, scale, self.g2)
         return codes.view(n, g * GROUP), stats, self.outliers.to_dense()
 
     # -- the container protocol -------------------------------------------------------------
