@@ -26,20 +26,25 @@ def prepare_mixed(weight: MixedQuantized) -> dict:
     n, k = weight.shape
     seg = weight.segments
     order = weight.order.to(torch.int32)
-    cols = torch.where(order >= 0, order * GROUP, torch.full_like(order, k))  # padding: K
+    # a padding slot names column K (masked), or column 0 when K is a multiple of 16 so the
+    # M = 1 kernel's activation loads need no mask (the slot's codes and statistics are 0)
+    pad = 0 if k % GROUP == 0 else k
+    cols = torch.where(order >= 0, order * GROUP, torch.full_like(order, pad))
     counts = weight.outliers.row_ptr[1:] - weight.outliers.row_ptr[:-1]
     return {
         "primary": _nonempty(weight.primary),
         "secondary": _nonempty(weight.secondary),
         "stats2": _nonempty(weight.stats2),
         "stats4": _nonempty(weight.stats4),
-        "second2": _nonempty(weight.second2),
-        "second4": _nonempty(weight.second4),
+        # the (s2, z2) fp16 pairs as one int32 word each: [R, P] (little-endian: s2 low)
+        "second2": _nonempty(weight.second2.view(torch.int32).squeeze(-1)),
+        "second4": _nonempty(weight.second4.view(torch.int32).squeeze(-1)),
         "col2": _nonempty(cols[: seg.slots2].contiguous()),
         "col4": _nonempty(cols[seg.slots2 :].contiguous()),
         "row_ptr": weight.outliers.row_ptr,
         "col_val": _nonempty(weight.outliers.col_val),
         "max_row_nnz": int(counts.max()) if n else 0,
+        "even_cols": k % GROUP == 0,
         "shape": (n, k),
         "segments": seg,
         "g2": weight.g2,
