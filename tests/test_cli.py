@@ -132,6 +132,7 @@ def test_factor_pow2():
 def test_recipes_lists_methods_and_presets(capsys):
     code, out, _ = run(capsys, "recipes")
     assert code == 0 and "rtn:" in out and "w4a16-g64: rtn" in out
+    assert "rotate:" in out and "rotate+gptq+kvquant" in out
 
 
 def test_no_traceback_in_a_real_process(tmp_path):

@@ -52,6 +52,37 @@ def test_kv_recipe_generates_with_its_quantized_cache(tiny_model_dir):
     assert len(result.new_tokens) == 12
 
 
+def test_a_static_cache_gives_the_dynamic_cache_tokens(tiny):
+    dynamic = generate(tiny.model, tiny.tokenizer, "The module", max_new_tokens=16)
+    static = generate(tiny.model, tiny.tokenizer, "The module", max_new_tokens=16,
+                      static_cache=True)  # fmt: skip
+    assert static.cache_type == "StaticCache"
+    assert static.new_tokens == dynamic.new_tokens
+
+
+def test_a_static_cache_is_refused_beside_a_quantized_one(tiny_model_dir):
+    from lowbit import quantize
+
+    loaded = load_model(str(tiny_model_dir))
+    quantize(loaded.model, "kv-int", progress=False)
+    for option in ("static_cache", "compile"):
+        with pytest.raises(LowbitError, match="static cache holds floats"):
+            generate(loaded.model, loaded.tokenizer, "The", max_new_tokens=2, **{option: True})
+    assert "forward" not in loaded.model.__dict__  # nothing was compiled
+
+
+@pytest.mark.gpu
+def test_compiled_generation_on_cuda_gives_the_eager_tokens(tiny):
+    model = tiny.model.to("cuda")
+    try:
+        eager = generate(model, tiny.tokenizer, "The module", max_new_tokens=12)
+        compiled = generate(model, tiny.tokenizer, "The module", max_new_tokens=12, compile=True)
+        assert compiled.new_tokens == eager.new_tokens
+        assert "forward" not in model.__dict__  # the compiled forward is removed afterwards
+    finally:
+        model.to("cpu")
+
+
 def test_chat_messages_go_through_the_template(tiny):
     tokenizer = tiny.tokenizer
     messages = [{"role": "user", "content": "hello"}]

@@ -399,6 +399,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="nucleus sampling threshold when sampling (default: 1)",
     )
     generate_parser.add_argument(
+        "--static-cache",
+        action="store_true",
+        help="decode into a fixed-size float cache (transformers' StaticCache)",
+    )
+    generate_parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model's forward (implies --static-cache; CUDA graphs on a GPU); "
+        "the first tokens include the compile time",
+    )
+    generate_parser.add_argument(
         "--seqlen", type=int, default=2048, help="tokens per calibration window (default: 2048)"
     )
     _add_calibration_args(generate_parser)
@@ -862,6 +873,7 @@ def run_generate(args) -> None:
         result = generate(
             model, tokenizer, prompt, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, streamer=emit,
+            static_cache=args.static_cache, compile=args.compile,
         )  # fmt: skip
         emit("\n")
         speed = "-" if result.tokens_per_second is None else f"{result.tokens_per_second:.1f}"
@@ -904,6 +916,7 @@ def run_recipes() -> None:
     print("presets:")
     for name, (method, settings) in PRESETS.items():
         print(f"    {name}: {method} " + " ".join(f"{k}={v}" for k, v in settings.items()))
+    print("compose with +, applied left to right: e.g. rotate+gptq+kvquant")
 
 
 def main(argv: list[str] | None = None) -> int:

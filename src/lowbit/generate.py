@@ -110,6 +110,8 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     streamer: Callable[[str], None] | None = None,
+    static_cache: bool = False,
+    compile: bool = False,
 ) -> GenerationResult:
     """Generate a continuation of ``prompt`` with ``model``, streaming text as it comes.
 
@@ -125,6 +127,12 @@ def generate(
         top_p: nucleus sampling threshold when sampling.
         streamer: called with each piece of finished text (whole words, lines) as it is
             generated; the pieces concatenate to ``result.text``.
+        static_cache: decode into a transformers ``StaticCache`` of the prompt's length plus
+            ``max_new_tokens`` (fixed shapes; float caches only: a recipe's quantized cache
+            grows as it goes).
+        compile: run the model's forward through ``torch.compile`` (implies ``static_cache``;
+            CUDA graphs on a GPU, Inductor's C++ code on the CPU); the first steps include the
+            compile time, so tokens/s of a short answer understates it.
 
     Returns:
         GenerationResult: text, new token ids, prefill and decode times, decode tokens/s,
@@ -156,21 +164,39 @@ def generate(
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id or config.eos_token_id
     make_cache = getattr(model, "lowbit_make_cache", None)
-    cache = make_cache() if make_cache is not None else None  # None: transformers' own cache
+    static_cache = static_cache or compile
+    if static_cache and make_cache is not None:
+        raise LowbitError(
+            "a static cache holds floats, and this model's recipe quantizes its KV cache; "
+            "generate without a static cache (or --compile)"
+        )
+    if static_cache:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+    else:  # the recipe's quantized cache, or None: transformers' own dynamic cache
+        cache = make_cache() if make_cache is not None else None
 
     timed = TimedStreamer(tokenizer, streamer)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    if compile:  # an instance attribute shadows the class's forward until it is deleted
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        model.forward = torch.compile(model.forward, mode=mode)
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            generation_config=config,
-            past_key_values=cache,
-            streamer=timed,
-        )
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                past_key_values=cache,
+                streamer=timed,
+            )
+    finally:
+        if compile:
+            del model.forward
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     new_tokens = out.sequences[0, ids.shape[1] :].tolist()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lowbit.algorithms.weights as weights_module
+from lowbit.algorithms.rtn import IntWeightSpec
 from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.models.tiny import tiny_model
@@ -80,13 +80,13 @@ def one_thread():
 def count_gptq(monkeypatch):
     """Counts the calls of GPTQ made by the weight driver."""
     calls = []
-    original = weights_module.gptq_quantize
+    original = IntWeightSpec.gptq
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(weights_module, "gptq_quantize", counted)
+    monkeypatch.setattr(IntWeightSpec, "gptq", counted)
     return calls
 
 

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lowbit.algorithms.weights as weights_module
 from lowbit.algorithms.rtn import IntWeightSpec, rtn_quantize
 from lowbit.algorithms.weights import quantize_linears
 from lowbit.errors import LowbitError
@@ -86,15 +85,15 @@ def test_gptq_beats_rtn_on_a_tiny_model_and_calibrates_with_float_activations():
 
 @pytest.mark.parametrize("scale_rule", ["absmax", "absmax_half"])
 def test_guard_keeps_rtn_when_gptq_is_made_worse(monkeypatch, scale_rule):
-    real = weights_module.gptq_quantize
+    real = IntWeightSpec.gptq
 
-    def gptq_with_wrong_hessian(weight, hessian, spec, **options):
+    def gptq_with_wrong_hessian(spec, weight, hessian, options):
         # a Hessian of unrelated, strongly correlated data: GPTQ optimises for the wrong inputs
         g = torch.Generator().manual_seed(7)
         x = torch.randn(64, weight.shape[1], generator=g).cumsum(1)
-        return real(weight, 2 * x.T @ x / 64, spec, **options)
+        return real(spec, weight, 2 * x.T @ x / 64, options)
 
-    monkeypatch.setattr(weights_module, "gptq_quantize", gptq_with_wrong_hessian)
+    monkeypatch.setattr(IntWeightSpec, "gptq", gptq_with_wrong_hessian)
     model, original = tiny_model("mistral"), tiny_model("mistral")
     spec = dataclasses.replace(SPEC, scale_rule=scale_rule)
     report = quantize_linears(

@@ -38,8 +38,8 @@ class _Counting(dispatch.WeightBackend):
 @pytest.fixture
 def counting(monkeypatch):
     backend = _Counting()
-    monkeypatch.setitem(dispatch._BACKEND_MODULES, "counting", __name__)
-    monkeypatch.setitem(dispatch._REGISTRY, "counting", backend)
+    monkeypatch.setitem(dispatch._BACKEND_MODULES, ("counting", "int"), __name__)
+    monkeypatch.setitem(dispatch._REGISTRY, ("counting", "int"), backend)
     monkeypatch.setitem(dispatch.AUTO_ORDER, "cpu", ("counting", "reference"))
     return backend
 

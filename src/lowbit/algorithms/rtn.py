@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,39 @@ class IntWeightSpec:
         clip = ", mse-clip" if self.mse_clip else ""
         rule = "" if self.scale_rule == "absmax" else f", {self.scale_rule}"
         return f"int{self.bits} {group} {kind}{clip}{rule}"
+
+    # -- the WeightSpec protocol (lowbit.algorithms.weights) -----------------------------------
+    def rtn(self, weight: torch.Tensor) -> IntQuantized:
+        """Round to nearest."""
+        return rtn_quantize(weight, self)
+
+    def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, options) -> tuple:
+        """GPTQ with ``options`` (a GPTQOptions): ``(container, dequantized weight, damp)``."""
+        from lowbit.algorithms.gptq import gptq_quantize
+
+        result = gptq_quantize(
+            weight,
+            hessian,
+            self,
+            block_size=options.block_size,
+            act_order=options.act_order,
+            damp=options.damp,
+            static_groups=options.static_groups,
+        )
+        return result.quantized, result.weight, result.damp
+
+    def guard_candidate(self, weight: torch.Tensor) -> IntQuantized:
+        """RTN in the same stored format with the ``absmax`` scale rule, RTN's better one
+        (see ``lowbit.recipes.linear_settings``)."""
+        return rtn_quantize(weight, dataclasses.replace(self, scale_rule="absmax"))
+
+    def matches(self, weight: IntQuantized) -> bool:
+        """Whether a stored container is in this format (resumed blocks are checked)."""
+        return isinstance(weight, IntQuantized) and (
+            weight.bits,
+            weight.group_size,
+            weight.symmetric,
+        ) == (self.bits, self.group_size, self.symmetric)
 
 
 def rtn_quantize(weight: torch.Tensor, spec: IntWeightSpec) -> IntQuantized:

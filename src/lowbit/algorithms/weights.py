@@ -5,6 +5,11 @@ whose ``input_transform`` is kept) by a ``FakeQuantLinear`` holding the dequanti
 the exact storage of its packed form. With ``algo="gptq"`` it walks the model layer by layer
 (:mod:`lowbit.calibrate.capture`).
 
+The driver knows no format: each layer's :class:`WeightSpec` (integers:
+:class:`~lowbit.algorithms.rtn.IntWeightSpec`; SpQR and 2/4/16 bring theirs) quantizes a weight
+by RTN or, given the layer's Hessian, by its GPTQ variant, and returns a weight container
+(``dequantize``, ``storage_bits``, ``to``) that :mod:`lowbit.nn.packed_linear` can pack.
+
 Choices:
 
 * Calibration runs with float activations, as QuaRot's code does: activation quantizers
@@ -16,10 +21,9 @@ Choices:
   block (one Hessian pass per block). ``sequential=False`` propagates the float block's
   outputs from the Hessian pass instead (one pass per block).
 * Guard: the last ``heldout_fraction`` of the calibration samples (at least one) are kept out
-  of the Hessians; per layer, GPTQ's and RTN's output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those
-  samples (``tr(ΔW H_heldout ΔWᵀ)``) are compared and the smaller one's weight is kept. The
-  RTN candidate takes the ``absmax`` scale rule whatever GPTQ's is (same stored format): it is
-  RTN's better rule (see ``lowbit.recipes.linear_settings``).
+  of the Hessians; per layer, GPTQ's and the spec's ``guard_candidate``'s (RTN's, for
+  integers) output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those samples (``tr(ΔW H_heldout ΔWᵀ)``) are
+  compared and the smaller one's weight is kept.
 * Resuming (GPTQ, ``resume_dir``): each finished block's packed weights and choices are written
   to a :class:`~lowbit.io.resume.BlockCheckpoints` directory. A run started again with the same
   inputs restores the finished blocks instead of calibrating them; the walk still runs them
@@ -35,22 +39,46 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from lowbit.algorithms.gptq import gptq_quantize
-from lowbit.algorithms.rtn import IntWeightSpec, rtn_quantize
 from lowbit.calibrate.capture import block_linears, calibrate_layer_by_layer
 from lowbit.calibrate.hessian import HessianCollector
 from lowbit.errors import LowbitError
-from lowbit.formats.intq import IntQuantized
 from lowbit.io.resume import BlockCheckpoints, run_fingerprint
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
 
-__all__ = ["GPTQOptions", "LayerChoice", "WeightQuantReport", "quantize_linears"]
+__all__ = ["GPTQOptions", "WeightSpec", "LayerChoice", "WeightQuantReport", "quantize_linears"]
+
+
+class WeightSpec(Protocol):
+    """A layer's weight format, as :func:`quantize_linears` uses it. Containers it returns have
+    ``dequantize(dtype=None)``, ``storage_bits()``, ``to(device)`` and a packed module
+    (:func:`lowbit.nn.packed_linear.register_packed_format`)."""
+
+    def check(self, weight: Tensor, name: str) -> None:
+        """Raise LowbitError (one sentence) when ``weight`` cannot take this format."""
+
+    def describe(self) -> str:
+        """Short description, for reports."""
+
+    def rtn(self, weight: Tensor) -> Any:
+        """The container of ``weight`` [out, in] fp32 without calibration."""
+
+    def gptq(
+        self, weight: Tensor, hessian: Tensor, options: GPTQOptions
+    ) -> tuple[Any, Tensor, float]:
+        """Calibrated on ``hessian`` [in, in]: ``(container, its dequantized fp32 weight (equal
+        to ``container.dequantize()`` bit for bit), relative dampening used)``."""
+
+    def guard_candidate(self, weight: Tensor) -> Any | None:
+        """The uncalibrated container the held-out guard compares GPTQ's with, or None."""
+
+    def matches(self, weight: Any) -> bool:
+        """Whether a stored container is in this format (for resumed blocks)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +149,7 @@ def _heldout_error(delta: Tensor, hessian: Tensor) -> float:
     return 0.5 * float(((delta @ hessian) * delta).sum())  # [out, in] · [in, in]
 
 
-def _replacement(
-    linear: nn.Module, weight: Tensor, packed: IntQuantized | None, fmt: str
-) -> FakeQuantLinear:
+def _replacement(linear: nn.Module, weight: Tensor, packed: Any, fmt: str) -> FakeQuantLinear:
     return FakeQuantLinear(
         weight.to(linear.weight.dtype),
         linear.bias,
@@ -137,7 +163,7 @@ def quantize_linears(
     model: nn.Module,
     adapter,
     *,
-    spec_for: Callable[[str], IntWeightSpec | None],
+    spec_for: Callable[[str], WeightSpec | None],
     algo: Literal["rtn", "gptq"] = "gptq",
     calibration: Tensor | None = None,
     act_quantizer_for: Callable[[str], nn.Module | None] = lambda fqn: None,
@@ -156,12 +182,14 @@ def quantize_linears(
 
     Args:
         model, adapter: the model and its adapter.
-        spec_for: ``spec_for(fqn)`` -> the layer's weight format, or None to keep it in float.
+        spec_for: ``spec_for(fqn)`` -> the layer's :class:`WeightSpec`, or None to keep it in
+            float.
         algo: "rtn" (no calibration) or "gptq" (layer by layer on ``calibration``).
         calibration: [N, S] token ids (GPTQ).
         act_quantizer_for: ``act_quantizer_for(fqn)`` -> the module quantizing the layer's
             input at run time, or None; attached after calibration.
-        guard: GPTQ only: keep RTN for layers where it has the smaller held-out output error.
+        guard: GPTQ only: keep the spec's ``guard_candidate`` (RTN for integers) for layers
+            where it has the smaller held-out output error.
         heldout_fraction: share of the calibration samples held out for the guard.
         includes: ``includes(fqn, module)`` -> whether the linear is touched (None = all).
         gptq: GPTQ settings.
@@ -204,13 +232,13 @@ def quantize_linears(
     return report
 
 
-def _quantize_rtn(model: nn.Module, name: str, spec: IntWeightSpec | None) -> LayerChoice:
+def _quantize_rtn(model: nn.Module, name: str, spec: WeightSpec | None) -> LayerChoice:
     linear = model.get_submodule(name)
     weight = linear.weight.detach()
     if spec is None:
         replace_module(model, name, _replacement(linear, weight, None, "float"))
         return LayerChoice(name, "float")
-    packed = rtn_quantize(weight, spec)
+    packed = spec.rtn(weight.float())
     replace_module(model, name, _replacement(linear, packed.dequantize(), packed, spec.describe()))
     return LayerChoice(name, "rtn")
 
@@ -260,7 +288,7 @@ def _quantize_gptq(
                 _restore_block(model, adapter, index, selected, specs, store, homes[index])
             )
             return
-        finished: list[tuple[LayerChoice, IntQuantized | None]] = []
+        finished: list[tuple[LayerChoice, Any]] = []
         for name, module in block_linears(model, adapter, index).items():
             if name not in selected:
                 continue
@@ -272,19 +300,10 @@ def _quantize_gptq(
                 continue
             accumulator = collector.accumulators[name]
             weight = module.weight.detach().float()
-            result = gptq_quantize(
-                weight,
-                accumulator.hessian("train"),
-                spec,
-                block_size=options.block_size,
-                act_order=options.act_order,
-                damp=options.damp,
-                static_groups=options.static_groups,
-            )
-            choice = LayerChoice(name, "gptq", damp=result.damp)
-            packed, dequantized = result.quantized, result.weight
-            if guard:
-                rtn = rtn_quantize(weight, dataclasses.replace(spec, scale_rule="absmax"))
+            packed, dequantized, damp = spec.gptq(weight, accumulator.hessian("train"), options)
+            choice = LayerChoice(name, "gptq", damp=damp)
+            rtn = spec.guard_candidate(weight) if guard else None
+            if rtn is not None:
                 rtn_weight = rtn.dequantize()
                 heldout_hessian = accumulator.hessian("heldout")
                 choice.gptq_error = _heldout_error(weight - dequantized, heldout_hessian)
@@ -360,16 +379,9 @@ def _restore_block(model, adapter, index, selected, specs, store, home) -> list[
         if spec is None:
             replace_module(model, name, _replacement(module, module.weight, None, "float"))
         else:
-            saved_format = (saved.bits, saved.group_size, saved.symmetric)
-            if saved_format != (spec.bits, spec.group_size, spec.symmetric):
+            if not spec.matches(saved):
                 raise mismatch
-            device = module.weight.device
-            packed = dataclasses.replace(
-                saved,
-                qdata=saved.qdata.to(device),
-                scale=saved.scale.to(device),
-                zero=None if saved.zero is None else saved.zero.to(device),
-            )  # the codes and fp32 statistics GPTQ or RTN returned
+            packed = saved.to(module.weight.device)  # the codes and statistics GPTQ returned
             fmt = f"{spec.describe()}, {choice.algo}"
             weight = packed.dequantize()  # [out, in] on the compute device
             replace_module(model, name, _replacement(module, weight, packed.to(home), fmt))

@@ -118,14 +118,16 @@ def describe(model: nn.Module) -> dict[str, Any]:
 def checkpoint_tensors(model: nn.Module) -> dict[str, Tensor]:
     """Every tensor to store, by state-dict key: simulated quantized linears as their packed
     buffers (the float weight is not stored), shared tensors (tied embeddings) once, on CPU."""
-    from lowbit.nn.packed_linear import PackedLinear
+    from lowbit.nn.packed_linear import packed_format_for
     from lowbit.nn.quant_linear import FakeQuantLinear
 
     state = model.state_dict()
     for fqn, module in model.named_modules():
         if isinstance(module, FakeQuantLinear) and module.quantized_weight is not None:
             del state[f"{fqn}.weight"]
-            packed = PackedLinear.from_quantized(module.quantized_weight)
+            packed = packed_format_for(module.quantized_weight).from_quantized(
+                module.quantized_weight
+            )
             for name, buffer in packed.named_buffers(recurse=False):
                 if buffer is not None:
                     state[f"{fqn}.{name}"] = buffer

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
+from lowbit.formats.intq import IntQuantized
 
 __all__ = [
     "export_compressed_tensors",
@@ -160,6 +161,11 @@ def _layer_scheme(fqn: str, module: nn.Module) -> LayerScheme | None:
         if act is not None:
             raise LowbitError(f"{where}: it quantizes activations but keeps a float weight")
         return None
+    if not isinstance(weight, IntQuantized):
+        raise LowbitError(
+            f"{where}: its weight is in lowbit's {type(weight).__name__} format, which "
+            "compressed-tensors cannot express (it holds plain integer weights)"
+        )
     if weight.scale_q is not None or weight.zero_dtype is not None:
         raise LowbitError(
             f"{where}: its weight has double-quantized scales or real-valued zero points"
@@ -200,7 +206,7 @@ def plan_export(model: nn.Module) -> ExportPlan:
     """Check that compressed-tensors can hold ``model`` and say how; LowbitError if not."""
     from lowbit.models.adapter import adapter_for
     from lowbit.nn.act_quant import ActivationQuantizer
-    from lowbit.nn.packed_linear import PackedLinear
+    from lowbit.nn.packed_linear import PackedLinearBase
     from lowbit.nn.quant_linear import FakeQuantLinear
 
     adapter = adapter_for(model)
@@ -210,7 +216,7 @@ def plan_export(model: nn.Module) -> ExportPlan:
     for fqn, module in model.named_modules():
         if any(fqn.startswith(prefix + ".") for prefix in inside):
             continue
-        if isinstance(module, (FakeQuantLinear, PackedLinear)):
+        if isinstance(module, (FakeQuantLinear, PackedLinearBase)):
             inside.append(fqn)
             scheme = _layer_scheme(fqn, module)
             if scheme is None:

@@ -4,8 +4,9 @@ A spec is a small JSON dict (``{"class": name, ...settings}``) from which an emp
 right structure is built: buffers and parameters of the right shape and dtype, filled later by
 the checkpoint's tensors. Derived state (Hadamard factors, RoPE tables, token rotations) is
 recomputed by the constructor, never stored. A quantized ``FakeQuantLinear`` is saved as the
-``PackedLinear`` of the same weight (the canonical stored form); an unquantized one (a float
-linear behind an online transform) keeps its float weight.
+packed module of its weight's format (``PackedLinear`` for integers; the canonical stored form);
+an unquantized one (a float linear behind an online transform) keeps its float weight. Packed
+formats bring their own spec (:class:`~lowbit.nn.packed_linear.PackedLinearBase`).
 
 KV quantizers have their own ``to_dict`` / :func:`~lowbit.kv.quantizer.kv_quantizer_from_dict`
 and are handled with the cache layout in :mod:`lowbit.io.checkpoint`.
@@ -21,7 +22,14 @@ from torch import nn
 from lowbit.errors import LowbitError
 from lowbit.kv.bfp_quant import BFPQueryQuantizer
 from lowbit.nn.act_quant import ActivationQuantizer
-from lowbit.nn.packed_linear import PackedLinear
+from lowbit.nn.packed_linear import (
+    NonNegative,
+    PackedLinearBase,
+    dtype_from_name,
+    dtype_name,
+    packed_format_for,
+    packed_formats,
+)
 from lowbit.nn.quant_linear import FakeQuantLinear
 from lowbit.transforms.hadamard import OnlineHadamard
 from lowbit.transforms.rotate import CrossHeadHadamard
@@ -29,33 +37,15 @@ from lowbit.transforms.rotate import CrossHeadHadamard
 __all__ = ["module_spec", "build_module", "dtype_name", "dtype_from_name", "SPEC_CLASSES"]
 
 
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise LowbitError(f"{name!r} is not a torch dtype")
-    return dtype
-
-
 def _linear_spec(module: nn.Module) -> dict[str, Any]:
-    if isinstance(module, PackedLinear):
-        return dict(
-            _packed_spec(
-                module.in_features, module.out_features, module.quantized_weight,
-                module.weight_dtype, module.bias is not None,
-            ),
-            backend=module.backend,
-        )  # fmt: skip
-    if module.quantized_weight is not None:
-        return _packed_spec(
-            module.in_features, module.out_features, module.quantized_weight,
-            module.weight.dtype, module.bias is not None,
-        )  # fmt: skip
+    if isinstance(module, PackedLinearBase):
+        return {"class": type(module).__name__, **module.spec(), "backend": module.backend}
+    weight = module.quantized_weight
+    if weight is not None:  # stored as the packed module of the same weight
+        packed = packed_format_for(weight).from_quantized(
+            weight, module.bias, weight_dtype=module.weight.dtype
+        )
+        return {"class": type(packed).__name__, **packed.spec()}
     return {
         "class": "FloatLinear",
         "in_features": module.in_features,
@@ -65,23 +55,9 @@ def _linear_spec(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def _packed_spec(in_features, out_features, weight, weight_dtype, bias) -> dict[str, Any]:
-    return {
-        "class": "PackedLinear",
-        "in_features": in_features,
-        "out_features": out_features,
-        "bits": weight.bits,
-        "group_size": weight.group_size,
-        "symmetric": weight.symmetric,
-        "scale_dtype": dtype_name(weight.scale_dtype),
-        "weight_dtype": dtype_name(weight_dtype),
-        "bias": bias,
-    }
-
-
 def module_spec(module: nn.Module) -> dict[str, Any] | None:
     """The spec of a lowbit runtime module, or None for a module lowbit did not put there."""
-    if isinstance(module, (PackedLinear, FakeQuantLinear)):
+    if isinstance(module, (PackedLinearBase, FakeQuantLinear)):
         return _linear_spec(module)
     if isinstance(module, OnlineHadamard):
         group = None if module.size == module.n else module.size
@@ -118,20 +94,6 @@ def module_spec(module: nn.Module) -> dict[str, Any] | None:
     return None
 
 
-def _build_packed(spec: dict[str, Any]) -> nn.Module:
-    return PackedLinear(
-        spec["in_features"],
-        spec["out_features"],
-        bits=spec["bits"],
-        group_size=spec["group_size"],
-        symmetric=spec["symmetric"],
-        scale_dtype=dtype_from_name(spec["scale_dtype"]),
-        weight_dtype=dtype_from_name(spec["weight_dtype"]),
-        bias=spec["bias"],
-        backend=spec.get("backend", "reference"),
-    )
-
-
 def _build_float(spec: dict[str, Any]) -> nn.Module:
     dtype = dtype_from_name(spec["dtype"])
     weight = torch.zeros(spec["out_features"], spec["in_features"], dtype=dtype)
@@ -150,7 +112,6 @@ def _build_query(spec: dict[str, Any]) -> nn.Module:
 
 
 SPEC_CLASSES = {
-    "PackedLinear": _build_packed,
     "FloatLinear": _build_float,
     "OnlineHadamard": lambda s: OnlineHadamard(
         s["n"], group_size=s["group_size"], compute_dtype=dtype_from_name(s["compute_dtype"])
@@ -170,11 +131,6 @@ _NONE = (type(None),)
 
 #: the JSON type of every field of each spec (what a checkpoint is checked against)
 SPEC_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "PackedLinear": {
-        "in_features": _INT, "out_features": _INT, "bits": _INT, "group_size": _INT + _NONE,
-        "symmetric": _BOOL, "scale_dtype": _STR, "weight_dtype": _STR, "bias": _BOOL,
-        "backend": _STR,
-    },
     "FloatLinear": {"in_features": _INT, "out_features": _INT, "bias": _BOOL, "dtype": _STR},
     "OnlineHadamard": {"n": _INT, "group_size": _INT + _NONE, "compute_dtype": _STR + _NONE},
     "CrossHeadHadamard": {"num_heads": _INT, "head_dim": _INT, "compute_dtype": _STR + _NONE},
@@ -189,7 +145,8 @@ SPEC_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 
 def check_fields(values: dict[str, Any], fields: dict[str, tuple[type, ...]], what: str) -> None:
     """Raise LowbitError unless ``values`` has exactly ``fields`` (an optional ``backend``
-    aside) with values of their JSON types (a bool is not an int; integers are positive)."""
+    aside) with values of their JSON types (a bool is not an int; integers are positive, or
+    non-negative where the field's types include :class:`NonNegative`)."""
     missing = sorted(set(fields) - set(values) - {"backend"})
     extra = sorted(set(values) - set(fields) - {"class"})
     if missing or extra:
@@ -200,8 +157,8 @@ def check_fields(values: dict[str, Any], fields: dict[str, tuple[type, ...]], wh
         allowed = fields[key]
         is_bool = isinstance(value, bool)
         ok = isinstance(value, allowed) and (not is_bool or bool in allowed)
-        if ok and isinstance(value, int) and not is_bool and value < 1:
-            ok = False
+        if ok and isinstance(value, int) and not is_bool:
+            ok = value >= (0 if NonNegative in allowed else 1)
         if not ok:
             raise LowbitError(f"the checkpoint's {what} entry has an invalid {key}: {value!r}")
 
@@ -242,8 +199,12 @@ def fields_from_signature(function) -> dict[str, tuple[type, ...]]:
 
 def build_module(spec: dict[str, Any]) -> nn.Module:
     """An empty module from :func:`module_spec`'s output (its tensors come from a checkpoint)."""
-    if not isinstance(spec, dict) or spec.get("class") not in SPEC_CLASSES:
-        name = spec.get("class") if isinstance(spec, dict) else spec
+    name = spec.get("class") if isinstance(spec, dict) else spec
+    packed = packed_formats().get(name)
+    if packed is not None:
+        check_fields(spec, {**packed.spec_fields, "backend": _STR}, name)
+        return packed.from_spec(spec)
+    if name not in SPEC_CLASSES:
         raise LowbitError(f"unknown lowbit module {name!r} in the checkpoint")
-    check_fields(spec, SPEC_FIELDS[spec["class"]], spec["class"])
-    return SPEC_CLASSES[spec["class"]](spec)
+    check_fields(spec, SPEC_FIELDS[name], name)
+    return SPEC_CLASSES[name](spec)

@@ -4,10 +4,12 @@ A resume directory holds::
 
     run.json                 {"format_version": 1, "fingerprint": {part: value}}: everything
                              the quantized weights depend on (below), written before any block
-    block-0003.safetensors   the packed weight of each quantized linear of block 3, keyed
-                             "{layer name}.qdata" / ".scale" / ".zero" (PackedLinear's buffers)
-    block-0003.json          the block's layer choices, each weight's format, the layers kept in
-                             float, and the SHA-256 of the safetensors file
+    block-0003.safetensors   the packed weight of each quantized linear of block 3: the buffers
+                             of its packed module, keyed "{layer name}.{buffer}" (qdata, scale,
+                             zero for integer weights)
+    block-0003.json          the block's layer choices, each weight's packed-module spec (as a
+                             checkpoint's), the layers kept in float, and the SHA-256 of the
+                             safetensors file
 
 Every file is written atomically (a temporary file in the same directory, fsync, rename), the
 block's JSON after its tensors: a block is finished exactly when its JSON exists, so a SIGKILL
@@ -38,15 +40,12 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
-from lowbit.formats.intq import IntQuantized
-from lowbit.formats.packing import packed_words_per_row
 
 __all__ = ["RESUME_FORMAT_VERSION", "BlockCheckpoints", "run_fingerprint", "tensor_sha256"]
 
-RESUME_FORMAT_VERSION = 1
+RESUME_FORMAT_VERSION = 2  # 2: any packed format, weights described by module specs
 RUN_NAME = "run.json"
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DIGESTS = ("model_weights", "calibration")
 _PART_NAMES = {
     "format_version": "the resume format version",
@@ -230,35 +229,26 @@ class BlockCheckpoints:
         """Whether block ``index`` is finished (its JSON exists)."""
         return (self.directory / f"{_block_stem(index)}.json").is_file()
 
-    def save(
-        self, index: int, layers: list[dict[str, Any]], quantized: dict[str, IntQuantized]
-    ) -> None:
+    def save(self, index: int, layers: list[dict[str, Any]], quantized: dict[str, Any]) -> None:
         """Write block ``index``: its layer choices and the packed weight of each quantized one.
 
         Args:
             index: the block.
             layers: one JSON-able dict per selected linear of the block, with at least ``name``
                 and ``algo`` ("float" for a layer left unquantized).
-            quantized: ``{layer name: weight container}`` of the quantized layers.
+            quantized: ``{layer name: weight container}`` of the quantized layers (any format
+                with a packed module, :func:`lowbit.nn.packed_linear.packed_format_for`).
         """
-        from lowbit.nn.packed_linear import PackedLinear
+        from lowbit.io.modules import module_spec
+        from lowbit.nn.packed_linear import packed_format_for
 
         stem = _block_stem(index)
         tensors, formats = {}, {}
         for name, weight in quantized.items():
-            packed = PackedLinear.from_quantized(weight)
-            tensors[f"{name}.qdata"] = packed.qdata.cpu()
-            tensors[f"{name}.scale"] = packed.scale.cpu()  # [out, G] in scale_dtype
-            if packed.zero is not None:
-                tensors[f"{name}.zero"] = packed.zero.cpu()  # [out, G] uint8
-            formats[name] = {
-                "bits": weight.bits,
-                "group_size": weight.group_size,
-                "symmetric": weight.symmetric,
-                "scale_dtype": str(weight.scale_dtype).removeprefix("torch."),
-                "dtype": str(weight.dtype).removeprefix("torch."),
-                "shape": list(weight.shape),
-            }
+            packed = packed_format_for(weight).from_quantized(weight)
+            for key, buffer in packed.named_buffers(recurse=False):
+                tensors[f"{name}.{key}"] = buffer.cpu()
+            formats[name] = {k: v for k, v in module_spec(packed).items() if k != "backend"}
         data = save_tensors(tensors)
         _write_atomic(self.directory / f"{stem}.safetensors", data)
         record = {
@@ -270,7 +260,7 @@ class BlockCheckpoints:
         }
         _write_atomic(self.directory / f"{stem}.json", self._json(_jsonable(record)))
 
-    def load(self, index: int) -> tuple[list[dict[str, Any]], dict[str, IntQuantized]]:
+    def load(self, index: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Block ``index``'s layer choices and packed weights, as :meth:`save` got them.
 
         Containers are on the CPU. A damaged block is a :class:`LowbitError`.
@@ -303,32 +293,15 @@ class BlockCheckpoints:
         return layers, quantized
 
 
-def _container(name: str, fmt: dict[str, Any], tensors: dict[str, Tensor]) -> IntQuantized:
-    """The :class:`IntQuantized` of one saved layer, its tensors checked against its format."""
-    out_features, in_features = fmt["shape"]
-    bits, group_size, symmetric = int(fmt["bits"]), fmt["group_size"], bool(fmt["symmetric"])
-    scale_dtype, dtype = _DTYPES[fmt["scale_dtype"]], _DTYPES[fmt["dtype"]]
-    groups = 1 if group_size is None else in_features // group_size
-    expected = {
-        "qdata": ((packed_words_per_row(out_features * in_features, bits),), torch.uint8),
-        "scale": ((out_features, groups), scale_dtype),
-    }
-    if not symmetric:
-        expected["zero"] = ((out_features, groups), torch.uint8)
-    for key, (shape, want) in expected.items():
+def _container(name: str, spec: dict[str, Any], tensors: dict[str, Tensor]) -> Any:
+    """The weight container of one saved layer: its packed module rebuilt from ``spec`` and
+    filled with its tensors, each checked against the module's buffers."""
+    from lowbit.io.modules import build_module
+
+    packed = build_module(spec)  # a bad spec is a LowbitError, a ValueError
+    for key, empty in list(packed.named_buffers(recurse=False)):
         tensor = tensors[f"{name}.{key}"]
-        if tuple(tensor.shape) != shape or tensor.dtype != want:
+        if tensor.shape != empty.shape or tensor.dtype != empty.dtype:
             raise ValueError(f"{name}.{key} is {tuple(tensor.shape)} {tensor.dtype}")
-    zero = tensors.get(f"{name}.zero")
-    return IntQuantized(
-        qdata=tensors[f"{name}.qdata"],
-        scale=tensors[f"{name}.scale"].float(),  # exact: the container keeps fp32 values
-        zero=None if symmetric else zero.float(),
-        bits=bits,
-        symmetric=symmetric,
-        axis=-1,
-        group_size=group_size,
-        shape=torch.Size((out_features, in_features)),
-        dtype=dtype,
-        scale_dtype=scale_dtype,
-    )
+        setattr(packed, key, tensor)
+    return packed.quantized_weight

@@ -1,11 +1,15 @@
 """How a packed linear computes ``x @ Wᵀ``: backends chosen per module, never globally.
 
-A :class:`WeightBackend` says whether it can run a layer on an input (and if not, why, in a
+A :class:`WeightBackend` multiplies by one packed weight format (its ``format_kind``: ``"int"``
+for :class:`~lowbit.nn.packed_linear.PackedLinear`, others for the formats that register their
+own packed modules). It says whether it can run a layer on an input (and if not, why, in a
 sentence), converts the layer's canonical packed tensors into the layout its kernel wants
-(``prepare``, once per layer and device, cached on the layer), and multiplies. ``"reference"``
-(dequantize in fp32, ``F.linear``) runs everything and is the oracle the others are tested
-against. A layer's ``backend`` is a backend name or ``"auto"``: the first backend of
-:data:`AUTO_ORDER` for the input's device that supports the layer and the input.
+(``prepare``, once per layer and device, cached on the layer), and multiplies. A backend name
+such as ``"triton"`` stands for one backend per format kind; ``"reference"`` (dequantize in
+fp32 with the layer's container, ``F.linear``) runs every kind and is the oracle the others are
+tested against. A layer's ``backend`` is a backend name or ``"auto"``: the first backend of
+:data:`AUTO_ORDER` for the input's device that exists for the layer's kind and supports the
+layer and the input.
 
 Backends register themselves with :func:`register_backend`; their modules are imported lazily
 (:data:`_BACKEND_MODULES`) so that ``import lowbit`` never imports Triton.
@@ -29,16 +33,22 @@ __all__ = [
     "backend_names",
     "choose",
     "packed_matmul",
+    "register_backend_module",
     "AUTO_ORDER",
+    "ANY_KIND",
 ]
 
-_REGISTRY: dict[str, WeightBackend] = {}
+#: every kind's backends by (name, format kind); "reference" is registered for ANY_KIND
+_REGISTRY: dict[tuple[str, str], WeightBackend] = {}
 
-#: where each backend lives (imported on first use)
-_BACKEND_MODULES: dict[str, str] = {
-    "reference": __name__,
-    "torch-cpu": "lowbit.kernels.torch_cpu",
-    "triton": "lowbit.kernels.triton_int",
+#: a format kind that stands for every kind (the reference backend's)
+ANY_KIND = "*"
+
+#: where each backend lives, by (name, format kind) (imported on first use)
+_BACKEND_MODULES: dict[tuple[str, str], str] = {
+    ("reference", ANY_KIND): __name__,
+    ("torch-cpu", "int"): "lowbit.kernels.torch_cpu",
+    ("triton", "int"): "lowbit.kernels.triton_int",
 }
 
 #: preference of ``backend="auto"`` per device type (first supported wins)
@@ -49,9 +59,11 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 
 
 class WeightBackend:
-    """One way to multiply by a packed integer weight. Subclasses set ``name``."""
+    """One way to multiply by one packed weight format. Subclasses set ``name`` and
+    ``format_kind``."""
 
     name: ClassVar[str] = ""
+    format_kind: ClassVar[str] = "int"
 
     def unsupported(self, layer, x: Tensor) -> str | None:
         """Why this backend cannot run ``layer`` on ``x`` (a sentence), or None if it can."""
@@ -70,55 +82,66 @@ class ReferenceBackend(WeightBackend):
     """Dequantize the whole weight in fp32, cast to the input's dtype, ``F.linear``."""
 
     name = "reference"
+    format_kind = ANY_KIND
 
     def matmul(self, layer, x: Tensor, prepared: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         return F.linear(x, layer.dequantize_weight(x.dtype), bias)
 
 
 def register_backend(backend: WeightBackend) -> WeightBackend:
-    """Make ``backend`` available by its name."""
-    if not backend.name:
-        raise LowbitError(f"{type(backend).__name__} has no name")
-    _REGISTRY[backend.name] = backend
+    """Make ``backend`` available by its name for its format kind."""
+    if not backend.name or not backend.format_kind:
+        raise LowbitError(f"{type(backend).__name__} has no name or format kind")
+    _REGISTRY[(backend.name, backend.format_kind)] = backend
     return backend
 
 
 register_backend(ReferenceBackend())
 
 
+def register_backend_module(name: str, format_kind: str, module: str) -> None:
+    """Say where backend ``name`` for ``format_kind`` lives (imported on first use)."""
+    _BACKEND_MODULES[(name, format_kind)] = module
+
+
 def backend_names() -> tuple[str, ...]:
     """Every backend name a layer accepts, ``"auto"`` included."""
-    return ("auto", *_BACKEND_MODULES)
+    return ("auto", *dict.fromkeys(name for name, _ in _BACKEND_MODULES))
 
 
-def get_backend(name: str) -> WeightBackend:
-    """The backend called ``name`` (importing its module on first use)."""
-    if name not in _BACKEND_MODULES:
+def get_backend(name: str, format_kind: str = "int") -> WeightBackend:
+    """The backend called ``name`` for layers of ``format_kind`` (importing its module on first
+    use)."""
+    if name not in backend_names() or name == "auto":
         raise LowbitError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
-    if name not in _REGISTRY:
+    key = (name, format_kind) if (name, format_kind) in _BACKEND_MODULES else (name, ANY_KIND)
+    if key not in _BACKEND_MODULES:
+        raise LowbitError(f"backend {name!r} has no kernel for {format_kind} weights")
+    if key not in _REGISTRY:
         try:
-            importlib.import_module(_BACKEND_MODULES[name])
+            importlib.import_module(_BACKEND_MODULES[key])
         except ImportError as err:
             raise LowbitError(f"backend {name!r} is not available here ({err})") from err
-    return _REGISTRY[name]
+    return _REGISTRY[key]
 
 
 def choose(layer, x: Tensor) -> WeightBackend:
     """The backend that runs ``layer`` on ``x``: its own, or the first that fits for ``auto``."""
+    kind = layer.format_kind
     if layer.backend != "auto":
-        backend = get_backend(layer.backend)
+        backend = get_backend(layer.backend, kind)
         reason = backend.unsupported(layer, x)
         if reason is not None:
             raise LowbitError(f"backend {backend.name!r} cannot run this layer: {reason}")
         return backend
     for name in AUTO_ORDER.get(x.device.type, ("reference",)):
         try:
-            backend = get_backend(name)
+            backend = get_backend(name, kind)
         except LowbitError:
             continue
         if backend.unsupported(layer, x) is None:
             return backend
-    return get_backend("reference")
+    return get_backend("reference", kind)
 
 
 def packed_matmul(layer, x: Tensor) -> Tensor:
@@ -129,7 +152,7 @@ def packed_matmul(layer, x: Tensor) -> Tensor:
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])  # [M, K]
     backend = choose(layer, x2d)
-    key = (backend.name, x2d.device, layer.qdata.data_ptr())
+    key = (backend.name, x2d.device, layer.storage_key())
     cache: dict[Any, dict[str, Tensor]] = layer.__dict__.setdefault("_prepared", {})
     if key not in cache:
         cache.clear()  # one prepared layout per layer: a new device or backend replaces it

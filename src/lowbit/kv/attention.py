@@ -287,6 +287,11 @@ def install_kv_quantization(
     """
     from lowbit.models.adapter import adapter_for
 
+    if getattr(model, "lowbit_kv", None) is not None:
+        raise LowbitError(
+            "this model already has a quantized KV cache; a recipe (or a composition of "
+            "recipes) installs at most one"
+        )
     adapter = adapter or adapter_for(model)
     n = adapter.num_layers
     keys = _per_layer("key_quantizers", key_quantizers, n)

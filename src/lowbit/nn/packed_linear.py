@@ -1,25 +1,30 @@
 """Packed quantized linear layers: the weight is held as real low-bit codes in memory.
 
-A ``PackedLinear`` is the packed face of a :class:`~lowbit.nn.quant_linear.FakeQuantLinear`:
-the same integer weight (2-8 bits, symmetric or with integer zeros, per output channel or in
-groups along the input), the same online input transform and activation quantizer in front,
-and the same output bit for bit. Its buffers are what a checkpoint stores:
+:class:`PackedLinearBase` is what every packed weight format shares: the bias, the online input
+transform and activation quantizer in front (as on a
+:class:`~lowbit.nn.quant_linear.FakeQuantLinear`), the backend that multiplies (chosen per module,
+:mod:`lowbit.kernels.dispatch`), accounting, and the JSON spec a checkpoint rebuilds it from.
+A format subclasses it with its buffers, its container (``quantized_weight``, the simulated
+face's source of truth) and a ``format_kind`` that backends are registered for, and registers
+itself with :func:`register_packed_format`; :func:`pack_model`, :func:`unpack_model`, checkpoints
+and resume directories then handle it.
+
+``PackedLinear`` is the integer format (2-8 bits, symmetric or with integer zeros, per output
+channel or in groups along the input). Its buffers are what a checkpoint stores:
 
 * ``qdata``: uint8 ``[ceil(out * in * bits / 8)]``, the unsigned codes of the row-major weight
   as one little-endian bit stream (:mod:`lowbit.formats.packing`, the canonical layout);
 * ``scale``: ``[out, n_groups]`` in the scale dtype (fp16 for every weight recipe);
 * ``zero``: uint8 ``[out, n_groups]`` integer zero points, asymmetric formats only.
 
-The product runs on a backend chosen per module (``backend``, see
-:mod:`lowbit.kernels.dispatch`): ``"reference"`` dequantizes the whole weight in fp32
-(:meth:`IntQuantized.dequantize`), casts it to the input's dtype and calls ``F.linear``; it is
-the oracle for faster backends. ``"auto"`` picks per device and input.
-
-:func:`pack_model` swaps every ``FakeQuantLinear`` that holds a quantized weight for a
-``PackedLinear`` (freeing the float weight); :func:`unpack_model` goes back.
+Every format's ``"reference"`` backend dequantizes the whole weight in fp32 (the container's
+``dequantize``), casts it to the input's dtype and calls ``F.linear``: the output equals the
+simulated face's bit for bit, and it is the oracle for faster backends.
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -30,12 +35,182 @@ from lowbit.formats.packing import packed_words_per_row
 from lowbit.kernels.dispatch import backend_names, packed_matmul
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
 
-__all__ = ["PackedLinear", "pack_model", "unpack_model", "set_backend"]
+__all__ = [
+    "PackedLinearBase",
+    "PackedLinear",
+    "register_packed_format",
+    "packed_format_for",
+    "packed_formats",
+    "pack_model",
+    "unpack_model",
+    "set_backend",
+    "dtype_name",
+    "dtype_from_name",
+    "NonNegative",
+]
 
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class PackedLinear(nn.Module):
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """``torch.float16`` -> ``"float16"`` (how specs store dtypes)."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    """``"float16"`` -> ``torch.float16``; a name that is not a dtype is a LowbitError."""
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise LowbitError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+class NonNegative:
+    """In a ``spec_fields`` type tuple, next to ``int``: the integer may be 0 (a count); plain
+    ``int`` fields must be positive."""
+
+
+class PackedLinearBase(nn.Module):
+    """y = act_quantizer(input_transform(x)) @ Wᵀ + b, W held packed by a subclass.
+
+    Subclasses set ``format_kind`` (the key backends are registered under), ``container_type``
+    (the weight container they pack, with ``dequantize``, ``storage_bits``, ``to``) and
+    ``spec_fields`` (the JSON type of each field of :meth:`spec`, for checking checkpoints),
+    and implement :meth:`from_quantized`, :attr:`quantized_weight`, :meth:`spec`,
+    :meth:`from_spec` and :meth:`weight_format`. They call :meth:`_init_linear` from
+    ``__init__``.
+    """
+
+    format_kind: ClassVar[str] = ""
+    container_type: ClassVar[type] = object
+    spec_fields: ClassVar[dict[str, tuple[type, ...]]] = {}
+
+    def _init_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        weight_dtype: torch.dtype,
+        bias: bool,
+        input_transform: nn.Module | None,
+        act_quantizer: nn.Module | None,
+        backend: str,
+        device: torch.device | str | None,
+    ) -> None:
+        if backend not in backend_names():
+            raise LowbitError(f"unknown backend {backend!r}; choose one of {backend_names()}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_dtype = weight_dtype
+        self.backend = backend
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=weight_dtype, device=device), False)
+            if bias
+            else None
+        )
+        self.input_transform = input_transform
+        self.act_quantizer = act_quantizer
+
+    # -- what a format provides -------------------------------------------------------------------
+    @classmethod
+    def from_quantized(
+        cls,
+        weight: Any,
+        bias: Tensor | None = None,
+        *,
+        input_transform: nn.Module | None = None,
+        act_quantizer: nn.Module | None = None,
+        weight_dtype: torch.dtype | None = None,
+        backend: str = "reference",
+    ) -> PackedLinearBase:
+        """The packed layer of a weight container (its tensors copied into buffers)."""
+        raise NotImplementedError
+
+    @property
+    def quantized_weight(self) -> Any:
+        """The weight as its container (views of the buffers)."""
+        raise NotImplementedError
+
+    def spec(self) -> dict[str, Any]:
+        """JSON settings from which :meth:`from_spec` builds this module empty (buffers of the
+        right shapes and dtypes, filled by a checkpoint); without ``class`` and ``backend``."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> PackedLinearBase:
+        """An empty module from :meth:`spec`'s output (``backend`` optional)."""
+        raise NotImplementedError
+
+    def weight_format(self) -> str:
+        """Short description of the weight format, for repr and reports."""
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------------
+    def dequantize_weight(self, dtype: torch.dtype | None = None) -> Tensor:
+        """[out, in] weight in ``dtype`` (default: ``weight_dtype``), decoded in fp32."""
+        return self.quantized_weight.dequantize(dtype or self.weight_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        if self.act_quantizer is not None:
+            x = self.act_quantizer(x)
+        return packed_matmul(self, x)  # [..., out]
+
+    @property
+    def weight_numel(self) -> int:
+        return self.in_features * self.out_features
+
+    def storage_bits(self) -> int:
+        """Exact bits of the weight with its statistics (as the container counts), plus bias."""
+        bias_bits = 0 if self.bias is None else self.bias.numel() * self.bias.element_size() * 8
+        return self.quantized_weight.storage_bits() + bias_bits
+
+    def memory_bytes(self) -> int:
+        """Bytes this layer's packed buffers and bias occupy in memory (measured)."""
+        tensors = [*self.buffers(recurse=False), self.bias]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def storage_key(self) -> tuple[int, ...]:
+        """Addresses of the packed buffers: a backend's prepared layout is valid while they
+        stay (loading a checkpoint copies into them; moving the module replaces them)."""
+        return tuple(b.data_ptr() for b in self.buffers(recurse=False))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, weight={self.weight_format()} "
+            f"packed, backend={self.backend}"
+        )
+
+
+#: packed formats by class name (the ``class`` of a checkpoint's module spec)
+_FORMATS: dict[str, type[PackedLinearBase]] = {}
+
+
+def register_packed_format(cls: type[PackedLinearBase]) -> type[PackedLinearBase]:
+    """Class decorator: let pack/unpack, checkpoints and resume directories handle ``cls``."""
+    if not cls.format_kind or cls.container_type is object or not cls.spec_fields:
+        raise TypeError(f"{cls.__name__} must set format_kind, container_type and spec_fields")
+    _FORMATS[cls.__name__] = cls
+    return cls
+
+
+def packed_formats() -> dict[str, type[PackedLinearBase]]:
+    """Every registered packed format, by class name."""
+    return dict(_FORMATS)
+
+
+def packed_format_for(weight: Any) -> type[PackedLinearBase]:
+    """The packed module class of a weight container."""
+    for cls in _FORMATS.values():
+        if isinstance(weight, cls.container_type):
+            return cls
+    raise LowbitError(f"lowbit has no packed linear for a {type(weight).__name__} weight")
+
+
+@register_packed_format
+class PackedLinear(PackedLinearBase):
     """y = act_quantizer(input_transform(x)) @ dequantize(qdata, scale, zero)ᵀ + b.
 
     Args:
@@ -53,6 +228,14 @@ class PackedLinear(nn.Module):
 
     Buffers are allocated empty (zeros); :meth:`from_quantized` or ``load_state_dict`` fill them.
     """
+
+    format_kind = "int"
+    container_type = IntQuantized
+    spec_fields = {
+        "in_features": (int,), "out_features": (int,), "bits": (int,),
+        "group_size": (int, type(None)), "symmetric": (bool,), "scale_dtype": (str,),
+        "weight_dtype": (str,), "bias": (bool,),
+    }  # fmt: skip
 
     def __init__(
         self,
@@ -79,12 +262,13 @@ class PackedLinear(nn.Module):
             )
         if scale_dtype not in _SCALE_DTYPES:
             raise LowbitError(f"scales are stored as fp16, bf16 or fp32, not {scale_dtype}")
-        if backend not in backend_names():
-            raise LowbitError(f"unknown backend {backend!r}; choose one of {backend_names()}")
-        self.in_features, self.out_features = in_features, out_features
+        self._init_linear(
+            in_features, out_features, weight_dtype=weight_dtype, bias=bias,
+            input_transform=input_transform, act_quantizer=act_quantizer, backend=backend,
+            device=device,
+        )  # fmt: skip
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
-        self.scale_dtype, self.weight_dtype = scale_dtype, weight_dtype
-        self.backend = backend
+        self.scale_dtype = scale_dtype
         groups = 1 if group_size is None else in_features // group_size
         n_bytes = packed_words_per_row(in_features * out_features, bits)
         self.register_buffer("qdata", torch.zeros(n_bytes, dtype=torch.uint8, device=device))
@@ -93,13 +277,6 @@ class PackedLinear(nn.Module):
         )
         zero = None if symmetric else torch.zeros(out_features, groups, dtype=torch.uint8)
         self.register_buffer("zero", None if zero is None else zero.to(device))
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, dtype=weight_dtype, device=device), False)
-            if bias
-            else None
-        )
-        self.input_transform = input_transform
-        self.act_quantizer = act_quantizer
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -158,46 +335,40 @@ class PackedLinear(nn.Module):
             scale_dtype=self.scale_dtype,
         )
 
-    # -- compute --------------------------------------------------------------------------------
-    def dequantize_weight(self, dtype: torch.dtype | None = None) -> Tensor:
-        """[out, in] weight in ``dtype`` (default: ``weight_dtype``), decoded in fp32."""
-        return self.quantized_weight.dequantize(dtype or self.weight_dtype)
+    def spec(self) -> dict[str, Any]:
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "scale_dtype": dtype_name(self.scale_dtype),
+            "weight_dtype": dtype_name(self.weight_dtype),
+            "bias": self.bias is not None,
+        }
 
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.input_transform is not None:
-            x = self.input_transform(x)
-        if self.act_quantizer is not None:
-            x = self.act_quantizer(x)
-        return packed_matmul(self, x)  # [..., out]
-
-    # -- accounting -----------------------------------------------------------------------------
-    @property
-    def weight_numel(self) -> int:
-        return self.in_features * self.out_features
-
-    def storage_bits(self) -> int:
-        """Exact bits of the weight with its statistics (as the container counts), plus bias."""
-        bias_bits = 0 if self.bias is None else self.bias.numel() * self.bias.element_size() * 8
-        return self.quantized_weight.storage_bits() + bias_bits
-
-    def memory_bytes(self) -> int:
-        """Bytes this layer's weight, statistics and bias occupy in memory (measured)."""
-        tensors = [self.qdata, self.scale, self.zero, self.bias]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> PackedLinear:
+        return cls(
+            spec["in_features"],
+            spec["out_features"],
+            bits=spec["bits"],
+            group_size=spec["group_size"],
+            symmetric=spec["symmetric"],
+            scale_dtype=dtype_from_name(spec["scale_dtype"]),
+            weight_dtype=dtype_from_name(spec["weight_dtype"]),
+            bias=spec["bias"],
+            backend=spec.get("backend", "reference"),
+        )
 
     def weight_format(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "per-channel"
         return f"int{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
 
-    def extra_repr(self) -> str:
-        return (
-            f"in={self.in_features}, out={self.out_features}, weight={self.weight_format()} "
-            f"packed, backend={self.backend}"
-        )
-
 
 def pack_model(model: nn.Module) -> int:
-    """Swap every ``FakeQuantLinear`` holding a quantized weight for a ``PackedLinear``, in place.
+    """Swap every ``FakeQuantLinear`` holding a quantized weight for the packed module of its
+    format (``PackedLinear`` for integer weights), in place.
 
     The float weights are released; outputs are unchanged bit for bit. Returns the number of
     layers packed.
@@ -208,7 +379,7 @@ def pack_model(model: nn.Module) -> int:
         if isinstance(module, FakeQuantLinear) and module.quantized_weight is not None
     ]
     for name, module in targets:
-        packed = PackedLinear.from_quantized(
+        packed = packed_format_for(module.quantized_weight).from_quantized(
             module.quantized_weight,
             module.bias,
             input_transform=module.input_transform,
@@ -220,9 +391,9 @@ def pack_model(model: nn.Module) -> int:
 
 
 def unpack_model(model: nn.Module) -> int:
-    """Swap every ``PackedLinear`` for the ``FakeQuantLinear`` of the same weight (the simulated
+    """Swap every packed linear for the ``FakeQuantLinear`` of the same weight (the simulated
     face: float weights in memory, faster on CPU). Returns the number of layers swapped."""
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinearBase)]
     for name, module in targets:
         weight = module.quantized_weight
         simulated = FakeQuantLinear(
@@ -238,12 +409,12 @@ def unpack_model(model: nn.Module) -> int:
 
 
 def set_backend(model: nn.Module, backend: str) -> int:
-    """Set the backend of every ``PackedLinear`` in ``model``; returns how many there are."""
+    """Set the backend of every packed linear in ``model``; returns how many there are."""
     if backend not in backend_names():
         raise LowbitError(
             f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}"
         )
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    layers = [m for m in model.modules() if isinstance(m, PackedLinearBase)]
     for layer in layers:
         layer.backend = backend
     return len(layers)

@@ -3,17 +3,17 @@
 A ``FakeQuantLinear`` replaces an ``nn.Linear``: its weight holds the dequantized values of a
 quantized weight (so it multiplies exactly like the packed weight would), it keeps the packed
 container itself (codes and statistics: for accounting, saving, and turning it into the packed
-face, :class:`lowbit.nn.packed_linear.PackedLinear`), and it can transform and quantize its
+face, :mod:`lowbit.nn.packed_linear`), and it can transform and quantize its
 input (online Hadamard, per-token activation quantization) before the product.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from lowbit.formats.intq import IntQuantized
 
 
 class FakeQuantLinear(nn.Module):
@@ -22,8 +22,9 @@ class FakeQuantLinear(nn.Module):
     Args:
         weight: [out, in] dequantized weight (float): ``quantized_weight.dequantize()``.
         bias: [out] or None.
-        quantized_weight: the packed weight ``weight`` was dequantized from (None: the weight
-            is unquantized and stored in its dtype).
+        quantized_weight: the weight container ``weight`` was dequantized from, in any format
+            with a packed module (:class:`~lowbit.formats.intq.IntQuantized` for integers; None:
+            the weight is unquantized and stored in its dtype).
         input_transform: module applied to the input first (e.g. an online Hadamard), or None.
         act_quantizer: module that fake-quantizes the input, or None.
         weight_format: short description of the weight format, for repr and reports.
@@ -34,7 +35,7 @@ class FakeQuantLinear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         *,
-        quantized_weight: IntQuantized | None = None,
+        quantized_weight: Any = None,
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_format: str = "float",

@@ -52,7 +52,7 @@ def _load_builtin_methods() -> None:
     import lowbit.recipes as package
 
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in ("base", "registry"):
+        if info.name not in ("base", "registry", "compose"):
             importlib.import_module(f"lowbit.recipes.{info.name}")
 
 
@@ -62,7 +62,17 @@ def list_recipes() -> dict[str, type[Recipe]]:
 
 
 def get_recipe(name: str, **settings: Any) -> Recipe:
-    """A recipe by method or preset name, with settings applied (strings are parsed)."""
+    """A recipe by method or preset name, with settings applied (strings are parsed).
+
+    Names joined by ``+`` (``"rotate+gptq+kvquant"``) build a
+    :class:`~lowbit.recipes.compose.ComposedRecipe` that applies them in order.
+    """
+    from lowbit.recipes.compose import SEPARATOR, ComposedRecipe
+
+    if SEPARATOR in name:
+        recipe = ComposedRecipe([get_recipe(part) for part in name.split(SEPARATOR)])
+        recipe.validate()
+        return recipe.with_settings(**settings) if settings else recipe
     methods = list_recipes()
     if name in methods:
         recipe = methods[name]()
@@ -79,6 +89,10 @@ def get_recipe(name: str, **settings: Any) -> Recipe:
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     """Rebuild a recipe saved with ``Recipe.to_dict()``."""
+    from lowbit.recipes.compose import ComposedRecipe
+
+    if data.get("method") == "compose":
+        return ComposedRecipe.from_dict(data)
     methods = list_recipes()
     method = data.get("method")
     if method not in methods:
