@@ -126,6 +126,9 @@ def test_spec_checks_and_describes():
     result = mixed_quantize(w, None, MixedWeightSpec(is4=fixed))
     assert torch.equal(result.is4, fixed)
     assert spec.guard_candidate(w) is None
-    container, damp = spec.gptq(w, torch.eye(32), None)
+    container, weight, damp = spec.gptq(w, torch.eye(32), None)
     assert damp == 0.01 and container.shape == w.shape
+    assert torch.equal(weight, container.dequantize()) and spec.matches(container)
+    assert not MixedWeightSpec(g2=8).matches(container)
+    assert not MixedWeightSpec(frac_4bit=1.0).matches(container)
     assert math.isclose(spec.rtn(w).dequantize().abs().max(), w.abs().max(), rel_tol=0.5)

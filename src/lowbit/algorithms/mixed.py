@@ -207,7 +207,10 @@ class MixedWeightSpec:
     def rtn(self, weight: Tensor) -> MixedQuantized:
         return mixed_quantize(weight, None, self).quantized
 
-    def gptq(self, weight: Tensor, hessian: Tensor, options) -> tuple[MixedQuantized, float]:
+    def gptq(
+        self, weight: Tensor, hessian: Tensor, options
+    ) -> tuple[MixedQuantized, Tensor, float]:
+        """GPTQ under the mixed format: ``(container, its dequantized weight, damp)``."""
         result = mixed_quantize(
             weight,
             hessian,
@@ -216,12 +219,19 @@ class MixedWeightSpec:
             act_order=getattr(options, "act_order", True),
             damp=getattr(options, "damp", 0.01),
         )
-        return result.quantized, result.damp
+        return result.quantized, result.weight, result.damp
 
     def guard_candidate(self, weight: Tensor) -> MixedQuantized | None:
-        """No RTN guard: RTN has no Hessian to choose the same groups with (measured: GPTQ
-        beats RTN under this format on every layer, docs/results/mixed.md)."""
+        """None: no RTN guard. RTN has no Hessian, so it would choose other 4-bit groups and
+        outliers; GPTQ's held-out output error is the lower one on every layer measured
+        (docs/results/mixed.md)."""
         return None
+
+    def matches(self, weight) -> bool:
+        """Whether a stored container is in this format (resumed blocks are checked)."""
+        if not isinstance(weight, MixedQuantized) or weight.g2 != self.g2:
+            return False
+        return weight.n4 == round(self.frac_4bit * weight.groups) or self.is4 is not None
 
 
 def mixed_quantize(

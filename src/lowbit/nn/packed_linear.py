@@ -187,6 +187,17 @@ class PackedLinearBase(nn.Module):
 #: packed formats by class name (the ``class`` of a checkpoint's module spec)
 _FORMATS: dict[str, type[PackedLinearBase]] = {}
 
+#: lowbit's own packed formats beyond the integer one, registered when first looked up (a
+#: checkpoint's modules are rebuilt before its recipe, whose import would register them)
+_BUILTIN_FORMAT_MODULES = ("lowbit.nn.mixed_linear",)
+
+
+def _load_builtin_formats() -> None:
+    import importlib
+
+    for module in _BUILTIN_FORMAT_MODULES:
+        importlib.import_module(module)
+
 
 def register_packed_format(cls: type[PackedLinearBase]) -> type[PackedLinearBase]:
     """Class decorator: let pack/unpack, checkpoints and resume directories handle ``cls``."""
@@ -198,11 +209,13 @@ def register_packed_format(cls: type[PackedLinearBase]) -> type[PackedLinearBase
 
 def packed_formats() -> dict[str, type[PackedLinearBase]]:
     """Every registered packed format, by class name."""
+    _load_builtin_formats()
     return dict(_FORMATS)
 
 
 def packed_format_for(weight: Any) -> type[PackedLinearBase]:
     """The packed module class of a weight container."""
+    _load_builtin_formats()
     for cls in _FORMATS.values():
         if isinstance(weight, cls.container_type):
             return cls
