@@ -223,8 +223,8 @@ class MixedWeightSpec:
 
     def guard_candidate(self, weight: Tensor) -> MixedQuantized | None:
         """None: no RTN guard. RTN has no Hessian, so it would choose other 4-bit groups and
-        outliers; GPTQ's held-out output error is the lower one on every layer measured
-        (docs/results/mixed.md)."""
+        outliers than GPTQ; the whole-model comparison is the RTN row of
+        docs/results/mixed.md."""
         return None
 
     def matches(self, weight) -> bool:
