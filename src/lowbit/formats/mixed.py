@@ -638,13 +638,46 @@ class MixedQuantized:
 
     # -- the container protocol -------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
-        """``[N, K]`` weight in ``dtype`` (default: ``self.dtype``), decoded in fp32."""
-        codes, stats, sparse = self.unpack()
+        """``[N, K]`` weight in ``dtype`` (default: ``self.dtype``), decoded in fp32 straight
+        from the stored tensors: ``(q - z) * s`` per slot, placed at its column group, plus
+        the outliers (the same values as decoding :meth:`unpack`'s codes and statistics)."""
         n, k = self.shape
-        q = codes.view(n, -1, GROUP).float()  # [N, G, 16]
-        dense = (q - stats.zero.unsqueeze(-1)) * stats.scale.unsqueeze(-1)
-        dense = dense.view(n, -1)[:, :k]
-        return (dense + sparse).to(self.dtype if dtype is None else dtype)
+        seg, g = self.segments, self.groups
+        ua, ub, uc = seg.ua, seg.ub, seg.uc
+        words = self.primary.view(n, seg.words, 4)  # int32
+        lanes2 = torch.cat(
+            [words[:, :ua, :3].reshape(n, 3 * ua), words[:, ua : ua + ub].reshape(n, 4 * ub)], 1
+        )[:, : seg.n2]  # [N, n2]
+        halves = words[:, ua + ub :].reshape(n, 2 * uc, 2)
+        lo4 = torch.cat([words[:, :ua, 3], halves[..., 0]], 1)[:, : seg.n4]  # [N, n4]
+        hi4 = torch.cat([self.secondary, halves[..., 1]], 1)[:, : seg.n4]
+        # arithmetic shifts of int32 keep the low bits right: the mask takes only those
+        shifts2 = torch.arange(16, device=words.device, dtype=torch.int32) * 2
+        shifts4 = torch.arange(8, device=words.device, dtype=torch.int32) * 4
+        codes2 = (lanes2.unsqueeze(-1) >> shifts2) & 3  # [N, n2, 16]
+        codes4 = torch.cat(
+            [(lo4.unsqueeze(-1) >> shifts4) & 15, (hi4.unsqueeze(-1) >> shifts4) & 15], -1
+        )  # [N, n4, 16]
+        word = self.stats2.to(torch.int32) & 0xFFFF  # [N, T3]
+        zero2 = torch.stack([(word >> (2 * i)) & 3 for i in range(3)], -1).view(n, -1)
+        code2 = torch.stack(
+            [(word >> 6) & 15, _clip_level((word >> 10) & 7), _clip_level((word >> 13) & 7)], -1
+        ).view(n, -1)
+        byte = self.stats4.to(torch.int32)[:, : seg.n4]
+        scale2 = decode_scales(
+            code2[:, : seg.n2], self.second2[:, : seg.n2, 0], self.second2[:, : seg.n2, 1],
+            self.g2,
+        )  # fmt: skip
+        scale4 = decode_scales(
+            byte >> 4, self.second4[:, : seg.n4, 0], self.second4[:, : seg.n4, 1], self.g2
+        )
+        dense = torch.zeros(n, g, GROUP, device=words.device)  # [N, G, 16]
+        order = self.order.to(torch.int64)
+        order2, order4 = order[: seg.n2], order[seg.slots2 : seg.slots2 + seg.n4]
+        dense[:, order2] = (codes2.float() - zero2[:, : seg.n2, None].float()) * scale2[..., None]
+        dense[:, order4] = (codes4.float() - (byte & 15)[..., None].float()) * scale4[..., None]
+        out = dense.view(n, -1)[:, :k] + self.outliers.to_dense()
+        return out.to(self.dtype if dtype is None else dtype)
 
     def stored_tensors(self) -> dict[str, Tensor]:
         """Every stored tensor by name (the packed module's buffers)."""
