@@ -4,6 +4,7 @@ WikiText-2.
     python benchmarks/bench_mixed.py --calib wiki --rows gptq-w3-g64 mixed --json mixed.json
     python benchmarks/bench_mixed.py --table mixed.json     # the markdown table of a JSON
     python benchmarks/bench_mixed.py --clip-study           # scale clipping's 3-bit levels
+    python benchmarks/bench_mixed.py --layer-study          # per-layer output errors
 
 Protocol of ``bench_gptq.py``: the embedded model, WikiText-2 test, first ``--windows`` windows
 of ``--seqlen`` tokens; calibration ``--calib-samples`` x ``--seqlen`` tokens from WikiText-2
@@ -156,6 +157,69 @@ def clip_study(threads: int) -> None:
     print(markdown_table(["clipped scale codes", "mean relative squared error"], rows))
 
 
+def layer_study(args) -> None:
+    """Relative output error ``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` of six linears of the embedded model
+    (q_proj, o_proj, down_proj of blocks 3 and 20; Hessians of the float model on 8 x 1024
+    WikiText-2 tokens from windows >= 16) under the mixed format's variants and GPTQ's
+    integer formats."""
+    from lowbit.algorithms.gptq import gptq_quantize
+    from lowbit.algorithms.mixed import MixedWeightSpec, choose_4bit_groups, mixed_quantize
+    from lowbit.algorithms.rtn import IntWeightSpec
+    from lowbit.calibrate.hessian import HessianCollector
+    from lowbit.data import calibration_samples, load_corpus, tokenize
+    from lowbit.models.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    fp = load_model(None)
+    tokens = tokenize(fp.tokenizer, load_corpus(args.dataset).text)
+    calibration = calibration_samples(tokens, 8, 1024, seed=0, skip_windows=16)
+    names = [f"model.layers.{i}.{n}" for i in (3, 20)
+             for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]  # fmt: skip
+    linears = {n: fp.model.get_submodule(n) for n in names}
+    with HessianCollector(linears) as collector, torch.no_grad():
+        for sample in calibration:
+            collector.new_sample()
+            fp.model(sample[None])
+    spec = MixedWeightSpec()
+    variants = {
+        "mixed (GPTQ, static statistics, act-order)": lambda w, h: mixed_quantize(w, h, spec),
+        "mixed, dynamic statistics, group act-order": lambda w, h: mixed_quantize(
+            w, h, spec, dynamic=True),
+        "mixed, no outliers": lambda w, h: mixed_quantize(
+            w, h, MixedWeightSpec(outlier_fraction=0.0)),
+        "mixed, no range search": lambda w, h: mixed_quantize(
+            w, h, MixedWeightSpec(mse_clip=False)),
+        "mixed, random 4-bit groups": lambda w, h: mixed_quantize(w, h, MixedWeightSpec(
+            is4=choose_4bit_groups(torch.rand(-(-w.shape[1] // 16),
+                                   generator=torch.Generator().manual_seed(0)), 0.25))),
+        "mixed, RTN": lambda w, h: mixed_quantize(w, None, spec),
+        "mixed, 2-bit only (no 4-bit groups, no outliers)": lambda w, h: mixed_quantize(
+            w, h, MixedWeightSpec(frac_4bit=0.0, outlier_fraction=0.0)),
+        "GPTQ W3 g64 sym": lambda w, h: gptq_quantize(w, h, IntWeightSpec(3, 64, True, False,
+                                                                          "absmax_half")),
+        "GPTQ W3 g64 asym": lambda w, h: gptq_quantize(w, h, IntWeightSpec(3, 64, False)),
+        "GPTQ W2 g64 sym": lambda w, h: gptq_quantize(w, h, IntWeightSpec(2, 64, True, False,
+                                                                          "absmax_half")),
+    }  # fmt: skip
+    rows = []
+    for label, run in variants.items():
+        errors, bits = [], []
+        for name in names:
+            w = linears[name].weight.detach().float()
+            h = collector.accumulators[name].hessian("train")
+            result = run(w, h)
+            container = getattr(result, "quantized", None)
+            delta = result.weight - w
+            errors.append(float(((delta @ h) * delta).sum() / ((w @ h) * w).sum()))
+            bits.append(container.storage_bits() / w.numel())
+        rows.append([label, *(f"{e:.4f}" for e in errors), f"{sum(bits) / len(bits):.3f}"])
+    print(stamp(command_line()))
+    print("Hessians of the float model on 8 x 1024 WikiText-2 tokens (windows >= 16); relative "
+          "output error per linear, mean bits per weight (every stored bit).\n")  # fmt: skip
+    short = [n.replace("model.layers.", "").replace("self_attn.", "") for n in names]
+    print(markdown_table(["format", *short, "bits"], rows))
+
+
 def print_table(rows: list[dict], header_note: str = "") -> None:
     header = ["calibration", "method", "ppl", "KL", "top-1", "bits/weight", "4-bit share",
               "quantize s", "CPU s"]  # fmt: skip
@@ -182,12 +246,16 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="add each row to this file")
     parser.add_argument("--table", default=None, help="print the table of a JSON file and exit")
     parser.add_argument("--clip-study", action="store_true", help="the scale-clipping levels")
+    parser.add_argument("--layer-study", action="store_true", help="per-layer output errors")
     args = parser.parse_args()
     if args.table:
         print_table(json.loads(Path(args.table).read_text()))
         return
     if args.clip_study:
         clip_study(args.threads)
+        return
+    if args.layer_study:
+        layer_study(args)
         return
     torch.set_num_threads(args.threads)
 
