@@ -87,6 +87,20 @@ def test_words_c_and_a_partial_group(m, dtype):
         assert _rel_err(got, mixed_reference(x, q.to(DEVICE))) <= TOL[dtype]
 
 
+# words A per split: 2 a step at M = 1 (K = 512: 8 words), a 16-word tile above (K = 2048: 32)
+@pytest.mark.parametrize(
+    "m, k, config", [(1, 512, (1, 16, 2, 2, 1)), (3, 2048, (16, 16, 16, 2, 4))]
+)
+def test_split_k(m, k, config):
+    q = _weight(21, k, 0.25, 0.01, seed=5)
+    ops = prepare_mixed(q.to(DEVICE))
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    bias = torch.randn(21, generator=gen).half().to(DEVICE)
+    got = mixed_gemv(x, ops, bias, config=config)  # fp32 partials summed, then the bias
+    assert _rel_err(got, mixed_reference(x, q.to(DEVICE), bias)) <= TOL[torch.float16]
+
+
 def test_refusals(layer):
     _, ops = layer
     with pytest.raises(LowbitError, match="rows"):
