@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["gptq-w3-g64", "mixed"], choices=ROWS)
     parser.add_argument("--qat-steps", type=int, default=64)
     parser.add_argument("--qat-seqlen", type=int, default=512)
-    parser.add_argument("--qat-lr", type=float, default=1e-5)
+    parser.add_argument("--qat-lr", type=float, default=1e-4)
     parser.add_argument("--json", default=None, help="add each row to this file")
     parser.add_argument("--table", default=None, help="print the table of a JSON file and exit")
     parser.add_argument("--clip-study", action="store_true", help="the scale-clipping levels")

@@ -144,7 +144,7 @@ def mixed_qat(
     spec_for: Callable[[str], MixedWeightSpec | None],
     *,
     steps: int,
-    lr: float = 1e-5,
+    lr: float = 1e-4,
     seqlen: int = 512,
     damp: float = 0.01,
     includes: Callable[[str, nn.Module], bool] | None = None,
