@@ -53,8 +53,8 @@ class MixedRecipe(Recipe):
         sequential: calibrate each block on the quantized previous blocks' outputs.
         qat_steps: fine-tuning steps with the format fake-quantized (0 = no QAT).
         qat_lr: Adam learning rate of the fine-tuning (Adam moves a weight by about this much a
-            step: 1e-4 over 64 steps is about a quarter of a typical 2-bit step on the embedded
-            model, enough to cross rounding boundaries).
+            step, so ``qat_steps * qat_lr`` bounds how far a weight can cross its rounding
+            boundaries).
         qat_seqlen: tokens per fine-tuning sample (cut from the calibration samples).
     """
 
