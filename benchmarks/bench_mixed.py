@@ -5,6 +5,7 @@ WikiText-2.
     python benchmarks/bench_mixed.py --table mixed.json     # the markdown table of a JSON
     python benchmarks/bench_mixed.py --clip-study           # scale clipping's 3-bit levels
     python benchmarks/bench_mixed.py --layer-study          # per-layer output errors
+    python benchmarks/bench_mixed.py --bits                 # stored bits beside eq. 10
 
 Protocol of ``bench_gptq.py``: the embedded model, WikiText-2 test, first ``--windows`` windows
 of ``--seqlen`` tokens; calibration ``--calib-samples`` x ``--seqlen`` tokens from WikiText-2
@@ -220,6 +221,31 @@ def layer_study(args) -> None:
     print(markdown_table(["format", *short, "bits"], rows))
 
 
+def bits_table(threads: int) -> None:
+    """Stored bits per weight by part (RTN on a random weight) beside eq. 10 and its CSR term,
+    at the seed's settings (25 % 4-bit groups, 0.2 % outliers, g1 = g2 = 16) for 4096 x 4096
+    and the embedded model's three shapes."""
+    from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize
+    from lowbit.formats.accounting import mixed_2_4_bits
+
+    torch.set_num_threads(threads)
+    parts = ["codes2", "codes4", "stats2", "second2", "outliers", "stats4", "second4", "order"]
+    rows = []
+    for n, k in ((4096, 4096), (576, 576), (1536, 576), (576, 1536)):
+        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+        q = mixed_quantize(weight, None, MixedWeightSpec()).quantized
+        got = {p: v / (n * k) for p, v in q.bits_breakdown().items()}
+        eq10_parts = sum(got[p] for p in parts[:5])
+        formula = mixed_2_4_bits(rows=n, cols=k)
+        rows.append([f"{n}x{k}", *(f"{got[p]:.4f}" for p in parts), f"{eq10_parts:.4f}",
+                     f"{formula:.4f}", f"{eq10_parts - formula:+.4f}",
+                     f"{q.bits_per_element():.4f}"])  # fmt: skip
+    print(stamp(command_line()))
+    print("RTN on a random weight; bits per weight of each stored part.\n")
+    header = ["N x K", *parts, "eq. 10's parts", "eq. 10 + CSR", "alignment", "all stored"]
+    print(markdown_table(header, rows))
+
+
 def print_table(rows: list[dict], header_note: str = "") -> None:
     header = ["calibration", "method", "ppl", "KL", "top-1", "bits/weight", "4-bit share",
               "quantize s", "CPU s"]  # fmt: skip
@@ -247,6 +273,7 @@ def main() -> None:
     parser.add_argument("--table", default=None, help="print the table of a JSON file and exit")
     parser.add_argument("--clip-study", action="store_true", help="the scale-clipping levels")
     parser.add_argument("--layer-study", action="store_true", help="per-layer output errors")
+    parser.add_argument("--bits", action="store_true", help="stored bits beside eq. 10")
     args = parser.parse_args()
     if args.table:
         print_table(json.loads(Path(args.table).read_text()))
@@ -256,6 +283,9 @@ def main() -> None:
         return
     if args.layer_study:
         layer_study(args)
+        return
+    if args.bits:
+        bits_table(args.threads)
         return
     torch.set_num_threads(args.threads)
 
