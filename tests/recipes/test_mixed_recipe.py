@@ -121,3 +121,24 @@ def test_generate_from_the_cli(capsys, tiny_model_dir):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.out.strip() and "6 new tokens" in captured.err
+
+
+def test_resume_restores_mixed_blocks_bit_for_bit(tmp_path, monkeypatch):
+    from lowbit.algorithms.mixed import MixedWeightSpec
+
+    ids = _ids(4, 16)
+    first = tiny_model("llama")
+    lowbit.quantize(first, "mixed-2-4-16", calibration=ids, progress=False,
+                    resume_dir=tmp_path / "run")  # fmt: skip
+    again = tiny_model("llama")  # every block is restored from the directory, none quantized
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished block was quantized again")
+
+    monkeypatch.setattr(MixedWeightSpec, "gptq", refuse)
+    lowbit.quantize(again, "mixed-2-4-16", calibration=ids, progress=False,
+                    resume_dir=tmp_path / "run")  # fmt: skip
+    for (name, a), (_, b) in zip(first.named_modules(), again.named_modules(), strict=True):
+        if isinstance(a, FakeQuantLinear):
+            assert torch.equal(a.weight, b.weight), name
+            assert a.storage_bits() == b.storage_bits()
