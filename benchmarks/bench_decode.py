@@ -17,10 +17,20 @@ from source in its own virtual environment (``--llama-cpp-venv``, created when m
 minutes; a benchmark dependency only).
 
 GPU rows (``--device cuda``): a 7B-shaped random-weight Llama (hidden 4096, intermediate 11008,
-32 layers, 32 heads, vocab 32000) in fp16 against lowbit W8/W4/W3/W2 with ``auto`` backends and
-SpQR (w3, 16/16, 1% and 0% outliers, random input permutations, fused ``triton`` kernels).
-SpQR rows quantize without calibration (:func:`quantize_spqr`); on the CPU SpQR runs on the bf16
-SmolLM2 with ``torch-cpu`` (its weight decoded once) and ``reference``.
+32 layers, 32 heads, vocab 32000) in fp16 against lowbit W8/W4/W3/W2 with ``auto`` backends,
+W4 g128 (the format GPTQ 4-bit stores: its speed does not depend on how the codes were chosen,
+so RTN codes stand in), SpQR (w3, 16/16, 1% and 0% outliers, random input permutations, fused
+``triton`` kernels) and the seed's 2/4/16 format (``mixed-2-4-16`` with RTN: 25 % 4-bit
+groups, 0.2 % fp16 outliers; its ``triton`` backend, asynchronous dequantization, outliers
+fused). SpQR rows quantize without calibration (:func:`quantize_spqr`); on the CPU SpQR runs on
+the bf16 SmolLM2 with ``torch-cpu`` (its weight decoded once) and ``reference``.
+
+Cost (``--cost``, the seed's Table 3): while decoding, the GPU's energy counter (NVML,
+``nvidia-ml-py``; its power readings, averaged, where the counter is missing) gives the mean
+power and the energy per token; the cost per million tokens is ``seconds per token x
+--gpu-hour-usd / 3600 + joules per token / 3.6e6 x --kwh-usd``, times 1e6. Defaults follow the
+seed's method: a GPU's price over 5 years of service (an H100 at $30,000: $0.685 per hour) and
+$0.09 per kWh.
 
 Commands::
 
@@ -28,6 +38,8 @@ Commands::
     python benchmarks/bench_decode.py --device cuda --compile                      # GPU, 7B-shaped
     python benchmarks/bench_decode.py --device cuda --compile --rows fp16 "SpQR w3 1%" "SpQR w3 0%"
     python benchmarks/bench_decode.py --rows "transformers fp32" "SpQR w3 1%, torch-cpu" --no-llama-cpp
+    python benchmarks/bench_decode.py --device cuda --compile --cost --new-tokens 256 \
+        --rows fp16 "W4 g128 (GPTQ 4-bit format)" "2/4/16 mixed" --out docs/results/mixed_decode_gpu.md
 """
 
 from __future__ import annotations
@@ -63,6 +75,8 @@ CPU_ROWS = {
 }
 GPU_ROWS = {
     "fp16": ("float16", None, None),
+    "W4 g128 (GPTQ 4-bit format)": ("float16", (4, 128), "auto"),
+    "2/4/16 mixed": ("float16", ("mixed", None), "auto"),
     "W8 per-channel": ("float16", (8, None), "auto"),
     "W4 g64": ("float16", (4, 64), "auto"),
     "W3 g64": ("float16", (3, 64), "auto"),
@@ -105,7 +119,12 @@ def build_model(device: str, dtype_name: str, quant, backend):
         set_backend(model, backend)
     elif quant is not None:
         bits, group = quant
-        recipe = RTNRecipe(w_bits=bits, w_group=group)
+        if bits == "mixed":
+            from lowbit.recipes.registry import get_recipe
+
+            recipe = get_recipe("mixed-2-4-16", w_algo="rtn")
+        else:
+            recipe = RTNRecipe(w_bits=bits, w_group=group)
         lowbit.quantize(model, recipe, progress=False, packed=True)
         set_backend(model, backend)
     return model, tokenizer
@@ -176,6 +195,60 @@ def decode(model, ids, new_tokens: int, step) -> tuple[float, list[int]]:
     return time.perf_counter() - start, tokens
 
 
+class EnergyMeter:
+    """Joules the GPU used while the block ran: NVML's energy counter (Volta and later), or its
+    power readings sampled every 10 ms times the time. ``available`` is False without
+    ``nvidia-ml-py`` (then ``joules`` stays None)."""
+
+    def __init__(self, index: int = 0):
+        try:
+            import pynvml
+        except ImportError:
+            self.available = False
+            return
+        self.available = True
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.joules = self.watts = None
+
+    def _counter(self):
+        try:
+            return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1e3  # mJ -> J
+        except self.nvml.NVMLError:
+            return None
+
+    def __enter__(self):
+        import threading
+
+        if not self.available:
+            return self
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.01):
+                self.samples.append(self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3)  # W
+
+        self._start_j, self._start_t = self._counter(), time.perf_counter()
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.available:
+            return
+        self._stop.set()
+        self._thread.join()
+        seconds = time.perf_counter() - self._start_t
+        end_j = self._counter()
+        if self._start_j is not None and end_j is not None:
+            self.joules = end_j - self._start_j
+        elif self.samples:
+            self.joules = sum(self.samples) / len(self.samples) * seconds
+        self.watts = None if self.joules is None else self.joules / seconds
+
+
 def sync(device) -> None:
     import torch
 
@@ -208,8 +281,15 @@ def run_row(args) -> dict:
             decode(model, ids, 3, step)  # warm-up (and compile)
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            meter = None
+            if args.cost and args.device == "cuda":
+                meter = EnergyMeter(torch.cuda.current_device())
             with PeakRSS() as peak:
-                seconds, tokens = decode(model, ids, new_tokens, step)
+                if meter is not None:
+                    with meter:
+                        seconds, tokens = decode(model, ids, new_tokens, step)
+                else:
+                    seconds, tokens = decode(model, ids, new_tokens, step)
             memory = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else peak.mb
             result["batches"][batch] = {
                 "tokens_per_s": batch * new_tokens / seconds,
@@ -217,6 +297,11 @@ def run_row(args) -> dict:
                 "peak_mb": memory,
                 "first_tokens": tokens[:8],
             }
+            if meter is not None and meter.joules is not None:
+                result["batches"][batch]["watts"] = meter.watts
+                result["batches"][batch]["joules_per_token"] = meter.joules / (batch * new_tokens)
+            elif meter is not None:
+                result["batches"][batch]["cost_note"] = "nvidia-ml-py is not installed"
     except Exception as err:  # a compile failure is a result, not a crash
         if not args.compiled:
             raise
@@ -287,6 +372,8 @@ def child(args, row: str, compiled: bool) -> dict:
             "--batches", *map(str, args.batches)]  # fmt: skip
     if compiled:
         argv.append("--compiled")
+    if args.cost:
+        argv.append("--cost")
     out = subprocess.run(argv, capture_output=True, text=True)
     if out.returncode:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
@@ -294,14 +381,25 @@ def child(args, row: str, compiled: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def table(results: list[dict], batches: list[int]) -> str:
+def usd_per_million(got: dict, gpu_hour_usd: float, kwh_usd: float) -> float | None:
+    """The seed's eq. 11 per token: GPU time at ``gpu_hour_usd`` plus energy at ``kwh_usd``."""
+    if "joules_per_token" not in got:
+        return None
+    seconds = 1.0 / got["tokens_per_s"]
+    return 1e6 * (seconds * gpu_hour_usd / 3600 + got["joules_per_token"] / 3.6e6 * kwh_usd)
+
+
+def table(results: list[dict], batches: list[int], cost: tuple[float, float] | None = None) -> str:
     """Speeds against the dense row (transformers fp32 on the CPU, fp16 on the GPU) of the
-    same compile setting (eager when that one is missing)."""
+    same compile setting (eager when that one is missing); with ``cost`` (``$/GPU-hour``,
+    ``$/kWh``) the power, energy and cost columns."""
     dense = [r for r in results if r["row"] in ("transformers fp32", "fp16")]
     dense_name = dense[0]["row"].removeprefix("transformers ") if dense else "dense"
     header = ["row", "compile"]
     for b in batches:
         header += [f"tok/s B={b}", f"x {dense_name} B={b}", f"peak MB B={b}"]
+        if cost is not None:
+            header += [f"W B={b}", f"J/token B={b}", f"$/Mtok B={b}"]
     lines = []
     for r in results:
         base = next((d for d in dense if d["compile"] == r["compile"] and d["batches"]), None)
@@ -311,11 +409,18 @@ def table(results: list[dict], batches: list[int]) -> str:
             got = r["batches"].get(b) or r["batches"].get(str(b))
             ref = base and (base["batches"].get(b) or base["batches"].get(str(b)))
             if got is None:
-                cells += ["—", "—", "—"]
+                cells += ["—"] * (6 if cost is not None else 3)
                 continue
             ratio = got["tokens_per_s"] / ref["tokens_per_s"] if ref else None
             cells += [f"{got['tokens_per_s']:.1f}", "—" if ratio is None else f"{ratio:.2f}",
                       f"{got['peak_mb']:.0f}"]  # fmt: skip
+            if cost is not None:
+                usd = usd_per_million(got, *cost)
+                cells += [
+                    f"{got['watts']:.0f}" if "watts" in got else "—",
+                    f"{got['joules_per_token']:.2f}" if "joules_per_token" in got else "—",
+                    "—" if usd is None else f"{usd:.3f}",
+                ]
         if r.get("error"):
             cells[1] += f" (failed: {r['error']})"
         lines.append(cells)
@@ -335,6 +440,18 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also run each row compiled")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--llama-cpp-venv", default=str(LLAMA_CPP_VENV), metavar="PATH")
+    parser.add_argument(
+        "--cost",
+        action="store_true",
+        help="GPU: power, energy per token and cost per million tokens (NVML)",
+    )
+    parser.add_argument(
+        "--gpu-hour-usd",
+        type=float,
+        default=30000 / (5 * 365 * 24),
+        help="GPU price per hour (default: an H100 at $30,000 over 5 years)",
+    )
+    parser.add_argument("--kwh-usd", type=float, default=0.09, help="electricity per kWh")
     parser.add_argument("--out", default=None, help="write the markdown table here")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
@@ -355,9 +472,14 @@ def main() -> None:
     if args.device == "cpu" and not args.no_llama_cpp:
         results.append(run_llama_cpp(args))
         print(json.dumps(results[-1]), flush=True)
+    cost = (args.gpu_hour_usd, args.kwh_usd) if args.cost else None
+    prices = (
+        f" Cost: ${args.gpu_hour_usd:.3f} per GPU-hour and ${args.kwh_usd:.3f} per kWh."
+        if args.cost else ""
+    )  # fmt: skip
     text = (
         f"{stamp(command_line())} Load average (1 min) {load_before:.2f} before, "
-        f"{os.getloadavg()[0]:.2f} after.\n\n{table(results, args.batches)}\n"
+        f"{os.getloadavg()[0]:.2f} after.{prices}\n\n{table(results, args.batches, cost)}\n"
     )
     print(text)
     if args.out:

@@ -26,6 +26,19 @@ reruns fast; ``LOWBIT_TRITON_TUNE=0`` skips tuning for a quick first pass)::
     python benchmarks/bench_gemv.py --device cuda --shapes 8192x8192 28672x8192 --out docs/results/kernels_gpu_3.md
     python benchmarks/bench_gemv.py --device cuda --formats spqr --rows 1 16 --out docs/results/spqr_gemv_gpu.md
 
+Mixed 2/4/16 (``--mixed``, seed 002): the ``mixed-2-4-16`` format (25 % 4-bit groups, 0.2 %
+fp16 outliers, RTN on the random weight) through :func:`lowbit.kernels.mixed_gemv.mixed_gemv`
+at M <= 16: the asynchronous kernel (outliers fused), the synchronous one, the asynchronous one
+with the outliers in a separate SpMV launch, and the asynchronous one without outliers (the
+dense part alone, its bytes without the CSR); on the CPU the ``reference`` backend. Bytes are
+every stored tensor the kernel reads. The seed's targets at M = 1 on every shape from 11008 x
+4096 up: async >= 4.5x cuBLAS fp16, >= 1.15x sync, outliers <= 15 % (async fused against
+async without outliers)::
+
+    python benchmarks/bench_gemv.py --device cuda --mixed --rows 1 16 --formats 4:128 2:64 --shapes 4096x4096 11008x4096 --out docs/results/mixed_gemv_gpu_1.md
+    python benchmarks/bench_gemv.py --device cuda --mixed --rows 1 16 --formats 4:128 2:64 --shapes 4096x11008 14336x4096 --out docs/results/mixed_gemv_gpu_2.md
+    python benchmarks/bench_gemv.py --device cuda --mixed --rows 1 16 --formats 4:128 2:64 --shapes 8192x8192 28672x8192 --out docs/results/mixed_gemv_gpu_3.md
+
 CPU (4096² and SmolLM2's layer shapes; fp32 and bf16 ``F.linear``,
 ``aten._weight_int4pack_mm_for_cpu`` at 4 bits g128 in bf16, and every lowbit backend that runs
 on the CPU, ``reference`` and ``torch-cpu`` included, with bf16 inputs, plus W8 per channel;
@@ -84,7 +97,8 @@ def spqr_rows(weight, device: str, act_dtype, rows_m) -> list:
         layer.set_sparse_format(sparse)
         ref = w_ref if label != "0% outliers" else container.dequantize(torch.float32)
         rows.append((f"lowbit spqr w3 1% {label}" if label != "0% outliers"
-                     else "lowbit spqr w3 0% (dense only)", layer, None, ref, act_dtype))  # fmt: skip
+                     else "lowbit spqr w3 0% (dense only)", layer, None, ref, act_dtype,
+                     None))  # fmt: skip
     if device == "cuda":
         try:
             import spqr_quant  # noqa: F401  (compiles its CUDA extension on first import)
@@ -113,7 +127,7 @@ def spqr_rows(weight, device: str, act_dtype, rows_m) -> list:
         same = torch.equal(seed_w.float(), q.dequantize_permuted().cpu().half().float())
         print(f"{n}x{k}: the seed decodes lowbit's words to the same weight: {same}", flush=True)
         nbytes = sum(t.numel() * t.element_size() for t in (words, row_offsets, col_vals, in_perm))
-        rows.append(("seed spqr-quant CUDA w3 1%", seed, nbytes, w_ref, torch.float16))
+        rows.append(("seed spqr-quant CUDA w3 1%", seed, nbytes, w_ref, torch.float16, None))
     return rows
 
 
@@ -136,6 +150,39 @@ def _tensors(prepared: dict) -> list:
 def _fitting_group(group: int, k: int) -> int:
     """``group``, or the largest of 64 and 32 dividing ``k`` when it does not (K = 576)."""
     return next(g for g in (group, 64, 32) if k % g == 0)
+
+
+def mixed_kernels(weight, device: str, act_dtype):
+    """``(name, fn(x), bytes read, fp32 weight, input dtype, largest M)`` of the mixed 2/4/16
+    rows (see the module doc)."""
+    import torch
+
+    from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize
+    from lowbit.nn.mixed_linear import MixedLinear
+
+    q = mixed_quantize(weight, None, MixedWeightSpec()).quantized  # 25 %, 0.2 %, RTN
+    full = q.dequantize(torch.float32)  # [N, K]
+    sparse = q.outliers.to_dense()
+    nbytes = _bytes(*q.stored_tensors().values())
+    csr = _bytes(q.outliers.row_ptr, q.outliers.col_val)
+    if device != "cuda":
+        layer = MixedLinear.from_quantized(q, backend="reference")
+        return [("lowbit mixed 2/4/16 reference", layer, nbytes, full, act_dtype, None)]
+    from lowbit.kernels.mixed_gemv import mixed_gemv
+    from lowbit.kernels.mixed_layout import prepare_mixed
+
+    ops = prepare_mixed(q)
+    dense_ops = dict(ops, max_row_nnz=0)
+    name = "lowbit mixed 2/4/16"
+    return [
+        (f"{name} async", lambda x: mixed_gemv(x, ops), nbytes, full, act_dtype, 16),
+        (f"{name} sync", lambda x: mixed_gemv(x, ops, asynchronous=False), nbytes, full,
+         act_dtype, 16),
+        (f"{name} async, SpMV apart", lambda x: mixed_gemv(x, ops, fuse_outliers=False),
+         nbytes, full, act_dtype, 16),
+        (f"{name} async, no outliers", lambda x: mixed_gemv(x, dense_ops), nbytes - csr,
+         full - sparse, act_dtype, 16),
+    ]  # fmt: skip
 
 
 def copy_bandwidth(device: str, timer) -> float:
@@ -185,6 +232,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=None, help="M values")
     parser.add_argument("--formats", nargs="+", default=None, help="bits:group (0 = channel)")
     parser.add_argument("--timer", choices=["cudagraph", "do_bench"], default="cudagraph")
+    parser.add_argument("--mixed", action="store_true", help="add the mixed 2/4/16 rows")
     parser.add_argument("--seconds", type=float, default=0.3, help="CPU: time per measurement")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
@@ -234,22 +282,23 @@ def main() -> None:
 
     for n, k in shapes:
         weight = torch.randn(n, k, device=device) * 0.02  # [N, K] fp32
-        # (name, fn(x), bytes read, fp32 weight it stands for, input dtype), built once per shape
+        # (name, fn(x), bytes read, fp32 weight it stands for, input dtype, largest M or None),
+        # built once per shape
         kernels = []
         dense = weight.to(dense_dtype)
         kernels.append((dense_name, lambda x, w=dense: F.linear(x, w), _bytes(dense), dense.float(),
-                        dense_dtype))  # fmt: skip
+                        dense_dtype, None))  # fmt: skip
         if device == "cpu":
             bf = weight.to(torch.bfloat16)
             kernels.append(("F.linear bf16", lambda x, w=bf: F.linear(x, w), _bytes(bf),
-                            bf.float(), torch.bfloat16))  # fmt: skip
+                            bf.float(), torch.bfloat16, None))  # fmt: skip
         g4 = _fitting_group(128, k)
         # scales exact in bf16, as the int4 kernel keeps them
         q4 = IntQuantized.from_float(weight, 4, group_size=g4, scale_dtype=torch.bfloat16)
         codes = (q4.codes().view(n, k).to(torch.int16) + 8).to(torch.uint8)  # [N, K]
         fn, nbytes = int4_tinygemm(codes, q4.scale, g4, device)
         kernels.append((f"torch int4 g{g4} bf16", fn, nbytes, q4.dequantize(torch.float32),
-                        torch.bfloat16))  # fmt: skip
+                        torch.bfloat16, None))  # fmt: skip
         del q4, codes
         for bits, group in formats:
             group = _fitting_group(group, k) if group else None
@@ -260,15 +309,19 @@ def main() -> None:
                 if dispatch.get_backend(backend).unsupported(layer, probe) is not None:
                     continue
                 name = f"lowbit {backend} W{bits} " + (f"g{group}" if group else "pc")
-                kernels.append((name, layer, None, q.dequantize(torch.float32), act_dtype))
+                kernels.append((name, layer, None, q.dequantize(torch.float32), act_dtype, None))
         if with_spqr:
             spqr_act = torch.float16 if device == "cuda" else act_dtype
             kernels.extend(spqr_rows(weight, device, spqr_act, rows_m))
+        if args.mixed and k % 16 == 0:
+            kernels += mixed_kernels(weight, device, act_dtype)
 
         for m in rows_m:
             x32 = torch.randn(m, k, device=device)  # [M, K]
             t_dense = None
-            for name, fn, nbytes, w_ref, dtype in kernels:
+            for name, fn, nbytes, w_ref, dtype, max_m in kernels:
+                if max_m is not None and m > max_m:
+                    continue
                 x = x32.to(dtype)
                 y_ref = x.float() @ w_ref.t()  # [M, N] fp32: same weight, same input
                 with torch.no_grad():

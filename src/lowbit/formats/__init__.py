@@ -27,6 +27,7 @@ from lowbit.formats.intq import (
     int_quantize_with,
     int_scale_zero,
 )
+from lowbit.formats.mixed import MixedQuantized, mixed_rtn, mixed_statistics
 from lowbit.formats.nuq import (
     NUQQuantized,
     fake_quant_nuq,
@@ -64,6 +65,9 @@ __all__ = [
     "mixed_2_4_bits",
     "spqr_bits",
     "two_order_bits",
+    "MixedQuantized",
+    "mixed_rtn",
+    "mixed_statistics",
     "NUQQuantized",
     "fake_quant_nuq",
     "fit_codebook",

@@ -58,6 +58,7 @@ _BACKEND_MODULES: dict[tuple[str, str], str] = {
     ("reference", ANY_KIND): __name__,
     ("torch-cpu", "int"): "lowbit.kernels.torch_cpu",
     ("triton", "int"): "lowbit.kernels.triton_int",
+    ("triton", "mixed"): "lowbit.kernels.triton_mixed",
 }
 
 #: preference of ``backend="auto"`` per device type (first supported wins)

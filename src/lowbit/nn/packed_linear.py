@@ -204,8 +204,9 @@ def register_packed_format(cls: type[PackedLinearBase]) -> type[PackedLinearBase
 
 
 #: modules of lowbit's own formats beyond the integer one, imported (registering them) on
-#: first use, so that ``import lowbit`` stays light
-_BUILTIN_FORMAT_MODULES = ("lowbit.nn.spqr_linear",)
+#: first use, so that ``import lowbit`` stays light and a checkpoint's modules can be rebuilt
+#: before anything imports their recipe
+_BUILTIN_FORMAT_MODULES = ("lowbit.nn.spqr_linear", "lowbit.nn.mixed_linear")
 
 
 def _import_builtin_formats() -> None:

@@ -1,0 +1,152 @@
+"""The ``mixed`` recipe: seed 002's 2/4/16-bit weights (2-bit groups, the most sensitive
+groups of each matrix in 4 bits, a few fp16 outliers in 2-bit groups, 2-order scales).
+
+Weights only (activations and the KV cache stay as they are; compose with ``rotate`` and any
+KV recipe: ``rotate+mixed+kvquant``). Calibrated layer by layer with GPTQ under the mixed format
+(:func:`lowbit.algorithms.mixed.mixed_quantize`), or rounded to nearest (``w_algo=rtn``, the
+4-bit groups then chosen by the weights' energy). Simulated like ``gptq``: each linear holds its
+dequantized weight and the exact storage of its packed form (:class:`~lowbit.nn.mixed_linear.
+MixedLinear`, what ``packed=True``, ``lowbit quantize`` and checkpoints hold). The per-layer
+choices are left on the model as ``model.lowbit_weight_report``.
+
+The preset ``mixed-2-4-16`` is the seed's setting: 25 % 4-bit groups, 0.2 % outliers, g1 = g2
+= 16 (2.91 bits by eq. 10; every stored bit counted, 3.07 at 4096 x 4096, see
+docs/results/mixed.md).
+
+Optional QAT (``qat_steps > 0``, seed §3.3): the 4-bit groups and outliers are chosen on the
+float model's Hessians, the block linears are fine-tuned for ``qat_steps`` steps with the
+mixed format fake-quantized in the forward pass (straight-through estimator), then GPTQ
+quantizes the fine-tuned weights with the same 4-bit groups (:mod:`lowbit.algorithms.qat`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lowbit.algorithms.mixed import MixedWeightSpec
+from lowbit.algorithms.weights import GPTQOptions, quantize_linears
+from lowbit.errors import LowbitError
+from lowbit.recipes.base import QuantizeContext, Recipe
+from lowbit.recipes.registry import register, register_preset
+
+# settings that apply to the whole run and cannot differ per layer
+_GLOBAL_SETTINGS = (
+    "w_algo", "act_order", "block_size", "damp", "sequential", "qat_steps", "qat_lr",
+    "qat_seqlen",
+)  # fmt: skip
+
+
+@register
+@dataclass
+class MixedRecipe(Recipe):
+    """2/4/16-bit intra-matrix mixed-precision weights (seed 002).
+
+    Settings:
+        frac_4bit: share of each matrix's 16-channel column groups in 4 bits, by eq. 9's
+            sensitivity (0 to 1).
+        outlier_fraction: share of each matrix's weights kept in fp16, all in 2-bit groups.
+        g2: rows per second-order scale group.
+        mse_clip: search a shrunk range per row group before the second order.
+        w_algo: gptq (layer by layer) or rtn.
+        act_order, block_size, damp: GPTQ's (see the ``gptq`` recipe).
+        sequential: calibrate each block on the quantized previous blocks' outputs.
+        qat_steps: fine-tuning steps with the format fake-quantized (0 = no QAT).
+        qat_lr: Adam learning rate of the fine-tuning (Adam moves a weight by about this much a
+            step, so ``qat_steps * qat_lr`` bounds how far a weight can cross its rounding
+            boundaries).
+        qat_seqlen: tokens per fine-tuning sample (cut from the calibration samples).
+    """
+
+    method = "mixed"
+
+    frac_4bit: float = 0.25
+    outlier_fraction: float = 0.002
+    g2: int = 16
+    mse_clip: bool = True
+    w_algo: Literal["gptq", "rtn"] = "gptq"
+    act_order: bool = True
+    block_size: int = 128
+    damp: float = 0.01
+    sequential: bool = True
+    qat_steps: int = 0
+    qat_lr: float = 1e-4
+    qat_seqlen: int = 512
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.w_algo == "gptq" or self.qat_steps > 0
+
+    @property
+    def gptq_weights(self) -> bool:
+        return self.w_algo == "gptq"
+
+    def validate(self) -> None:
+        if not 0.0 <= self.frac_4bit <= 1.0:
+            raise LowbitError(f"frac_4bit must be in [0, 1], not {self.frac_4bit}")
+        if not 0.0 <= self.outlier_fraction <= 0.05:
+            raise LowbitError(f"outlier_fraction must be in [0, 0.05], not {self.outlier_fraction}")
+        for name in ("g2", "block_size", "qat_seqlen"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LowbitError(f"{name} must be a positive integer, not {value!r}")
+        if isinstance(self.qat_steps, bool) or self.qat_steps < 0:
+            raise LowbitError(f"qat_steps must be 0 (off) or positive, not {self.qat_steps!r}")
+        if self.w_algo not in ("gptq", "rtn"):
+            raise LowbitError(f"w_algo must be gptq or rtn, not {self.w_algo!r}")
+        if not 0.0 < self.damp < 1.0:
+            raise LowbitError(f"damp must be in (0, 1), not {self.damp}")
+        if not self.qat_lr > 0:
+            raise LowbitError(f"qat_lr must be positive, not {self.qat_lr}")
+
+    def weight_spec(self) -> MixedWeightSpec:
+        return MixedWeightSpec(self.frac_4bit, self.outlier_fraction, self.g2, self.mse_clip)
+
+    def apply(self, model, context: QuantizeContext) -> None:
+        for values in context.overrides.values():
+            fixed = sorted(set(values) & set(_GLOBAL_SETTINGS))
+            if fixed:
+                raise LowbitError(
+                    f"mixed settings {', '.join(fixed)} apply to the whole model and cannot be "
+                    "overridden per layer"
+                )
+
+        def spec_for(fqn: str) -> MixedWeightSpec:
+            return context.recipe_for(self, fqn).weight_spec()
+
+        if self.qat_steps > 0:
+            from lowbit.algorithms.qat import mixed_qat
+
+            model.lowbit_qat_report = mixed_qat(
+                model, context.adapter, context.calibration, spec_for,
+                steps=self.qat_steps, lr=self.qat_lr, seqlen=self.qat_seqlen,
+                damp=self.damp, includes=context.selected, device=context.device,
+                progress=context.progress,
+            )  # fmt: skip
+            chosen = model.lowbit_qat_report.is4
+            base = spec_for
+
+            def spec_for(fqn: str) -> MixedWeightSpec:  # the groups QAT trained with
+                spec = base(fqn)
+                return MixedWeightSpec(
+                    spec.frac_4bit, spec.outlier_fraction, spec.g2, spec.mse_clip, chosen[fqn]
+                )
+
+        model.lowbit_weight_report = quantize_linears(
+            model,
+            context.adapter,
+            spec_for=spec_for,
+            algo=self.w_algo,
+            calibration=context.calibration,
+            guard=False,  # no RTN candidate: every calibration sample goes into the Hessians
+            includes=context.selected,
+            gptq=GPTQOptions(self.block_size, self.act_order, self.damp),
+            sequential=self.sequential,
+            progress=context.progress,
+            resume_dir=context.resume_dir,
+            recipe=context.resume_fingerprint(self),
+            device=context.device,
+        )
+
+
+register_preset("mixed-2-4-16", "mixed", {"frac_4bit": 0.25, "outlier_fraction": 0.002, "g2": 16})

@@ -1,0 +1,95 @@
+"""Compile the mixed 2/4-bit GEMV kernels for a GPU architecture without a GPU and count the
+SASS instructions of their main loop per decoded code (as ``tools/kernel_sass.py`` does for
+the integer kernels).
+
+The M = 1 kernel walks two 128-bit words per row per step (segment A at 25 % 4-bit: 64 codes
+per word), ``BLOCK_N / (32 * warps)`` rows per thread; the 16-row kernel a tile of ``T`` words
+for ``BLOCK_N`` rows over ``32 * warps`` threads. Pointers and strides are declared
+16-divisible, as Triton's launcher specializes them. ::
+
+    python tools/kernel_sass_mixed.py --arch 90
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_sass import loop_instructions  # noqa: E402
+
+_POINTERS = {
+    "primary_ptr": "*i32", "secondary_ptr": "*i32", "stats2_ptr": "*i16", "stats4_ptr": "*u8",
+    "second2_ptr": "*i32", "second4_ptr": "*i32", "col2_ptr": "*i32", "col4_ptr": "*i32",
+    "row_ptr_ptr": "*i32", "col_val_ptr": "*i32",
+}  # fmt: skip
+
+
+def compile_mixed(block_m, block_n, tile, warps, asynchronous, fuse, arch, dtype="fp16"):
+    """The M = 1 (``block_m`` 1) or 16-row kernel, segment A only (UA = 64 words), g2 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lowbit.kernels import mixed_gemv
+
+    pointers = {"x_ptr": f"*{dtype}", **_POINTERS, "bias_ptr": f"*{dtype}",
+                "out_ptr": f"*{dtype}"}  # fmt: skip
+    common = dict(UA=64, UB=0, UC=0, G2=16, BLOCK_N=block_n, ASYNC=asynchronous,
+                  FUSE_OUTLIERS=fuse, MAX_ROW_NNZ=16 if fuse else 0, SPLIT_K=1,
+                  HAS_BIAS=False)  # fmt: skip
+    strides = ["stride_pn", "stride_sn", "stride_t2", "stride_t4", "stride_r2", "stride_r4"]
+    if block_m == 1:
+        kernel = mixed_gemv._gemv1_kernel
+        scalars = ["N", "K", *strides, "stride_os"]
+        constants = dict(common, STEPS_A=8, STEPS_B=0, STEPS_C=0, EVEN_K=True)
+    else:
+        kernel = mixed_gemv._gemm16_kernel
+        scalars = ["M", "N", "K", "stride_xm", *strides, "stride_os", "stride_om"]
+        constants = dict(common, TILES_A=4, TILES_B=0, TILES_C=0, T=tile, BLOCK_M=block_m,
+                         INTERPRET=False)  # fmt: skip
+    names = kernel.arg_names
+    signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
+    aligned = [*pointers, "K", *(s for s in scalars if s.startswith("stride"))]
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(c),): v for c, v in constants.items()},
+        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    print("| kernel | schedule | outliers | BLOCK_N | T | warps | loop instrs | per code | "
+          "most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    runs = [(1, bn, 2, w, a, True) for bn, w in ((128, 1), (256, 2)) for a in (True, False)]
+    runs += [(1, 128, 2, 1, True, False), (16, 64, 16, 4, True, True)]
+    for block_m, block_n, tile, warps, asynchronous, fuse in runs:
+        kernel = compile_mixed(block_m, block_n, tile, warps, asynchronous, fuse, args.arch)
+        ops = loop_instructions(kernel.asm["cubin"])
+        if block_m == 1:  # a step: two 64-code words of each of the thread's rows
+            codes_per_thread = block_n / (32 * warps) * 2 * 64
+        else:  # a tile: T words of 64 codes for BLOCK_N rows
+            codes_per_thread = block_n * tile * 64 / (32 * warps)
+        top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
+        name = "gemv M=1" if block_m == 1 else "M<=16 (tl.dot)"
+        schedule = "async" if asynchronous else "sync"
+        print(
+            f"| {name} | {schedule} | {'fused' if fuse else 'none'} | {block_n} | {tile} | "
+            f"{warps} | {len(ops)} | {len(ops) / codes_per_thread:.1f} | {top} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
