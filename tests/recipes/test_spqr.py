@@ -136,7 +136,7 @@ def test_formats_the_packed_layout_cannot_hold_are_refused_when_packing():
 
 def test_triton_backend_eager_and_compiled(quantized):
     """The packed model on the fused kernels (under the interpreter here): close to the
-    reference backend; compiled, every linear is one torch.ops.lowbit.spqr_matmul and the
+    reference backend; compiled, every linear is one torch.ops.lowbit.packed_matmul and the
     logits equal the eager kernels'."""
     _, model = quantized
     pack_model(model)
@@ -156,7 +156,7 @@ def test_triton_backend_eager_and_compiled(quantized):
     compiled = torch.compile(half, backend=record)
     assert torch.equal(_logits(compiled, ids), eager)
     code = "\n".join(graphs)
-    assert code.count("lowbit.spqr_matmul") == 14  # every packed linear, none traced through
+    assert code.count("lowbit.packed_matmul") == 14  # every packed linear, none traced through
     set_backend(half, "reference")
     model.to(torch.float32)
     unpack_model(model)

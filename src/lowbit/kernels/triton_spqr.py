@@ -112,9 +112,6 @@ class TritonSpQRBackend(WeightBackend):
         perm = None if layer.perm is None else (layer.perm.to(torch.int32) & 0xFFFF)
         kind = choose_sparse_format(layer, words, perm, words.device)
         sparse = _convert(layer.outliers(), kind)
-        ptr = sparse.row_ptr if kind == "csr" else sparse.tile_ptr
-        # what the compiled forward passes to torch.ops.lowbit.spqr_matmul (SpQRLinear.forward)
-        layer.__dict__["_kernel_operands"] = (perm, ptr, sparse.col_val, kind)
         return {"words": words, "perm": perm, "sparse": sparse, "sparse_format": kind}
 
     def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
@@ -134,30 +131,6 @@ def spqr_product(x: Tensor, words, perm, sparse, bias, n: int) -> Tensor:
     weight.index_put_((rows, cols), values, accumulate=True)  # D' + S' in fp32
     xp = x if perm is None else x[:, perm.long()]  # [M, K] stored order
     return F.linear(xp, weight.to(x.dtype), bias)  # [M, N]
-
-
-@torch.library.custom_op("lowbit::spqr_matmul", mutates_args=())
-def spqr_matmul(
-    x: Tensor,
-    words: Tensor,
-    perm: Tensor | None,
-    sparse_ptr: Tensor,
-    col_vals: Tensor,
-    bias: Tensor | None,
-    out_features: int,
-    sparse_format: str,
-) -> Tensor:
-    """The triton backend's product as one opaque op, so ``torch.compile`` keeps a decode step
-    in one graph (CUDA graphs included) instead of tracing the dispatch around the kernels."""
-    shape = (out_features, x.shape[1])
-    cls = CSRMatrix if sparse_format == "csr" else PTCSRMatrix
-    sparse = cls(sparse_ptr, col_vals, shape, value_high=True)
-    return spqr_product(x, words, perm, sparse, bias, out_features)
-
-
-@spqr_matmul.register_fake
-def _(x, words, perm, sparse_ptr, col_vals, bias, out_features, sparse_format):
-    return x.new_empty(x.shape[0], out_features)
 
 
 register_backend(TritonSpQRBackend())

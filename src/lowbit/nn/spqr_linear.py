@@ -194,35 +194,9 @@ class SpQRLinear(PackedLinearBase):
         order = ", act-order" if self.perm is not None else ""
         return f"spqr w3 16x16, {fraction:.2f}% outliers {self.stored_sparse}{order}"
 
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        operands = self.__dict__.get("_kernel_operands")
-        if (
-            operands is None
-            or not torch.compiler.is_compiling()
-            or self.backend
-            not in (
-                "triton",
-                "auto",
-            )
-        ):
-            return super().forward(x)
-        # compiled, with the triton backend prepared (by an eager call): one opaque op
-        if self.input_transform is not None:
-            x = self.input_transform(x)
-        if self.act_quantizer is not None:
-            x = self.act_quantizer(x)
-        perm, ptr, col_vals, kind = operands
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        out = torch.ops.lowbit.spqr_matmul(
-            x.reshape(-1, self.in_features), self.words, perm, ptr, col_vals, bias,
-            self.out_features, kind,
-        )  # fmt: skip
-        return out.reshape(*x.shape[:-1], self.out_features)
-
     def set_sparse_format(self, choice: str) -> None:
         """Which outlier layout the triton backend multiplies with (``"auto"`` profiles)."""
         if choice not in SPARSE_CHOICES:
             raise LowbitError(f"sparse_format must be one of {SPARSE_CHOICES}, not {choice!r}")
         self.sparse_format = choice
         self.__dict__.pop("_prepared", None)
-        self.__dict__.pop("_kernel_operands", None)
