@@ -161,7 +161,7 @@ def test_a_bf16_model_runs_on_the_kernels_like_the_reference():
 
 
 def test_the_backend_says_why_it_cannot_run_a_layer(monkeypatch):
-    from lowbit.kernels import triton_int
+    from lowbit.kernels import triton_support
 
     backend = dispatch.get_backend("triton")
     fast, _ = _layers(4, 32, True, 96)
@@ -172,9 +172,9 @@ def test_the_backend_says_why_it_cannot_run_a_layer(monkeypatch):
     eights, _ = _layers(4, 8, True, 96)
     assert "multiple of 16" in backend.unsupported(eights, x.half())
     assert backend.unsupported(fast, x.half()) is None
-    monkeypatch.setattr(triton_int, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_support, "interpreting", lambda: False)
     assert "CUDA" in backend.unsupported(fast, torch.randn(2, 96).half())
-    monkeypatch.setattr(triton_int, "triton", None)
+    monkeypatch.setattr(triton_support, "triton", None)
     assert "not installed" in backend.unsupported(fast, x.half())
     with pytest.raises(LowbitError, match="cannot run this layer"):
         fast(x.half())

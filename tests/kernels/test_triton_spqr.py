@@ -23,7 +23,7 @@ def _layer(seed=0):
 def fake_gpu(monkeypatch):
     """Pretend to profile on a GPU: the timing is replaced by a recorder answering ptcsr."""
     calls = []
-    monkeypatch.setattr(triton_spqr, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_spqr, "interpreting", lambda: False)
     monkeypatch.setattr(triton_spqr, "_SPARSE_CHOICE", {})
     monkeypatch.setattr(triton_spqr, "_profile", lambda layer, *a: calls.append(layer) or "ptcsr")
     monkeypatch.delenv("LOWBIT_SPQR_SPARSE", raising=False)

@@ -16,17 +16,12 @@ product of each shape times a few launch configurations (compiles of a few secon
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from lowbit.formats.packing import unpack_bits
 from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.int_layout import KERNEL_BITS, pack_tiles, tile_words
-
-try:
-    import triton  # noqa: F401
-except ImportError:  # the backend explains itself in unsupported()
-    triton = None
+from lowbit.kernels.triton_support import input_refusal
 
 __all__ = ["TritonIntBackend", "SMALL_M"]
 
@@ -39,32 +34,17 @@ def _group(layer) -> int | None:
     return None if layer.group_size in (None, layer.in_features) else layer.group_size
 
 
-def _interpreting() -> bool:
-    return triton is not None and bool(triton.knobs.runtime.interpret)
-
-
 class TritonIntBackend(WeightBackend):
     """Triton GEMV/small-batch (M <= 16) and prefill kernels on the tiled int32 layout."""
 
     name = "triton"
 
     def unsupported(self, layer, x: Tensor) -> str | None:
-        if triton is None:
-            return "Triton is not installed (pip install 'lowbit[triton]')"
-        if x.device.type != "cuda" and not _interpreting():
-            return (
-                f"its kernels need a CUDA device (or TRITON_INTERPRET=1), and the input is "
-                f"on {x.device.type}"
-            )
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            return f"its kernels take fp16 or bf16 inputs, not {x.dtype}"
         if layer.bits not in KERNEL_BITS:
             return f"its kernels take 2, 3, 4 or 8-bit codes, not {layer.bits}"
         if tile_words(layer.in_features, layer.bits, _group(layer)) is None:
             return f"its kernels take groups that are a multiple of 16, not {layer.group_size}"
-        if layer.qdata.device != x.device:
-            return f"the weight is on {layer.qdata.device} and the input on {x.device}"
-        return None
+        return input_refusal(x, layer.qdata)
 
     def prepare(self, layer) -> dict[str, Tensor]:
         n, k = layer.out_features, layer.in_features

@@ -12,26 +12,17 @@ Runs on CUDA tensors, or on any tensors under ``TRITON_INTERPRET=1``; fp16 and b
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.mixed_layout import prepare_mixed
-
-try:
-    import triton
-except ImportError:  # the backend explains itself in unsupported()
-    triton = None
+from lowbit.kernels.triton_support import input_refusal
 
 __all__ = ["TritonMixedBackend", "SMALL_M"]
 
 #: largest M that takes the GEMV kernel
 SMALL_M = 16
-
-
-def _interpreting() -> bool:
-    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 class TritonMixedBackend(WeightBackend):
@@ -41,18 +32,7 @@ class TritonMixedBackend(WeightBackend):
     format_kind = "mixed"
 
     def unsupported(self, layer, x: Tensor) -> str | None:
-        if triton is None:
-            return "Triton is not installed (pip install 'lowbit[triton]')"
-        if x.device.type != "cuda" and not _interpreting():
-            return (
-                f"its kernels need a CUDA device (or TRITON_INTERPRET=1), and the input is "
-                f"on {x.device.type}"
-            )
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            return f"its kernels take fp16 or bf16 inputs, not {x.dtype}"
-        if layer.primary.device != x.device:
-            return f"the weight is on {layer.primary.device} and the input on {x.device}"
-        return None
+        return input_refusal(x, layer.primary)
 
     def prepare(self, layer) -> dict:
         return prepare_mixed(layer.quantized_weight)

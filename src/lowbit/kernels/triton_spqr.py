@@ -25,11 +25,7 @@ from torch import Tensor
 
 from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.kernels.dispatch import WeightBackend, register_backend
-
-try:
-    import triton
-except ImportError:  # the backend explains itself in unsupported()
-    triton = None
+from lowbit.kernels.triton_support import input_refusal, interpreting
 
 __all__ = ["TritonSpQRBackend", "SMALL_M", "choose_sparse_format"]
 
@@ -37,10 +33,6 @@ __all__ = ["TritonSpQRBackend", "SMALL_M", "choose_sparse_format"]
 SMALL_M = 16
 #: process cache of profiled outlier layouts: (device, N, K, pattern digest) -> "csr" | "ptcsr"
 _SPARSE_CHOICE: dict[tuple, str] = {}
-
-
-def _interpreting() -> bool:
-    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 def _convert(sparse, kind: str):
@@ -64,7 +56,7 @@ def choose_sparse_format(layer, words, perm, device) -> str:
     if choice in ("csr", "ptcsr"):
         return choice
     stored = layer.stored_sparse
-    if device.type != "cuda" or _interpreting() or os.environ.get("LOWBIT_TRITON_TUNE") == "0":
+    if device.type != "cuda" or interpreting() or os.environ.get("LOWBIT_TRITON_TUNE") == "0":
         return stored
     key = _pattern_key(layer, device)
     if key not in _SPARSE_CHOICE:
@@ -94,18 +86,7 @@ class TritonSpQRBackend(WeightBackend):
     format_kind = "spqr"
 
     def unsupported(self, layer, x: Tensor) -> str | None:
-        if triton is None:
-            return "Triton is not installed (pip install 'lowbit[triton]')"
-        if x.device.type != "cuda" and not _interpreting():
-            return (
-                f"its kernels need a CUDA device (or TRITON_INTERPRET=1), and the input is "
-                f"on {x.device.type}"
-            )
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            return f"its kernels take fp16 or bf16 inputs, not {x.dtype}"
-        if layer.words.device != x.device:
-            return f"the weight is on {layer.words.device} and the input on {x.device}"
-        return None
+        return input_refusal(x, layer.words)
 
     def prepare(self, layer) -> dict:
         words = layer.words
