@@ -27,8 +27,6 @@ from lowbit.nn import packed_linear
 from lowbit.nn.packed_linear import (
     PackedLinear,
     PackedLinearBase,
-    dtype_from_name,
-    dtype_name,
     pack_model,
     register_packed_format,
     unpack_model,
@@ -117,21 +115,8 @@ class ToyLinear(PackedLinearBase):
     def quantized_weight(self) -> ToyQuantized:
         return ToyQuantized(self.codes, self.scale, self.weight_dtype)
 
-    def spec(self):
-        return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "bias": self.bias is not None,
-            "weight_dtype": dtype_name(self.weight_dtype),
-        }
-
-    @classmethod
-    def from_spec(cls, spec):
-        return cls(
-            spec["in_features"], spec["out_features"], bias=spec["bias"],
-            weight_dtype=dtype_from_name(spec["weight_dtype"]),
-            backend=spec.get("backend", "reference"),
-        )  # fmt: skip
+    def format_spec(self):
+        return {}
 
     def weight_format(self) -> str:
         return "toy int8"

@@ -30,8 +30,6 @@ from lowbit.formats.sparse import CSRMatrix
 from lowbit.nn.packed_linear import (
     NonNegative,
     PackedLinearBase,
-    dtype_from_name,
-    dtype_name,
     register_packed_format,
 )
 
@@ -148,29 +146,8 @@ class MixedLinear(PackedLinearBase):
             n4=self.n4,
         )
 
-    def spec(self) -> dict[str, Any]:
-        return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "n4": self.n4,
-            "g2": self.g2,
-            "nnz": self.col_val.numel(),
-            "weight_dtype": dtype_name(self.weight_dtype),
-            "bias": self.bias is not None,
-        }
-
-    @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> MixedLinear:
-        return cls(
-            spec["in_features"],
-            spec["out_features"],
-            n4=spec["n4"],
-            g2=spec["g2"],
-            nnz=spec["nnz"],
-            weight_dtype=dtype_from_name(spec["weight_dtype"]),
-            bias=spec["bias"],
-            backend=spec.get("backend", "reference"),
-        )
+    def format_spec(self) -> dict[str, Any]:
+        return {"n4": self.n4, "g2": self.g2, "nnz": self.col_val.numel()}
 
     def weight_format(self) -> str:
         groups = math.ceil(self.in_features / GROUP)

@@ -78,9 +78,9 @@ class PackedLinearBase(nn.Module):
     Subclasses set ``format_kind`` (the key backends are registered under), ``container_type``
     (the weight container they pack, with ``dequantize``, ``storage_bits``, ``to``) and
     ``spec_fields`` (the JSON type of each field of :meth:`spec`, for checking checkpoints),
-    and implement :meth:`from_quantized`, :attr:`quantized_weight`, :meth:`spec`,
-    :meth:`from_spec` and :meth:`weight_format`. They call :meth:`_init_linear` from
-    ``__init__``.
+    and implement :meth:`from_quantized`, :attr:`quantized_weight`, :meth:`format_spec` (and
+    :meth:`format_kwargs` where a field is not a keyword as it is) and :meth:`weight_format`.
+    They call :meth:`_init_linear` from ``__init__``.
     """
 
     format_kind: ClassVar[str] = ""
@@ -137,21 +137,45 @@ class PackedLinearBase(nn.Module):
         """The weight as its container (views of the buffers)."""
         raise NotImplementedError
 
-    def spec(self) -> dict[str, Any]:
-        """JSON settings from which :meth:`from_spec` builds this module empty (buffers of the
-        right shapes and dtypes, filled by a checkpoint); without ``class`` and ``backend``."""
+    def format_spec(self) -> dict[str, Any]:
+        """The format's own JSON fields of :meth:`spec` (keyword arguments of ``__init__``)."""
         raise NotImplementedError
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> PackedLinearBase:
-        """An empty module from :meth:`spec`'s output (``backend`` optional)."""
-        raise NotImplementedError
+    def format_kwargs(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`format_spec`'s fields as ``__init__`` keywords (default: as they are)."""
+        return fields
 
     def weight_format(self) -> str:
         """Short description of the weight format, for repr and reports."""
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------------------
+    def spec(self) -> dict[str, Any]:
+        """JSON settings from which :meth:`from_spec` builds this module empty (buffers of the
+        right shapes and dtypes, filled by a checkpoint); without ``class`` and ``backend``."""
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            **self.format_spec(),
+            "weight_dtype": dtype_name(self.weight_dtype),
+            "bias": self.bias is not None,
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> PackedLinearBase:
+        """An empty module from :meth:`spec`'s output (``class`` and ``backend`` optional)."""
+        common = ("class", "in_features", "out_features", "weight_dtype", "bias", "backend")
+        fields = {key: value for key, value in spec.items() if key not in common}
+        return cls(
+            spec["in_features"],
+            spec["out_features"],
+            weight_dtype=dtype_from_name(spec["weight_dtype"]),
+            bias=spec["bias"],
+            backend=spec.get("backend", "reference"),
+            **cls.format_kwargs(fields),
+        )
+
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> Tensor:
         """[out, in] weight in ``dtype`` (default: ``weight_dtype``), decoded in fp32."""
         return self.quantized_weight.dequantize(dtype or self.weight_dtype)
@@ -357,31 +381,17 @@ class PackedLinear(PackedLinearBase):
             scale_dtype=self.scale_dtype,
         )
 
-    def spec(self) -> dict[str, Any]:
+    def format_spec(self) -> dict[str, Any]:
         return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
             "bits": self.bits,
             "group_size": self.group_size,
             "symmetric": self.symmetric,
             "scale_dtype": dtype_name(self.scale_dtype),
-            "weight_dtype": dtype_name(self.weight_dtype),
-            "bias": self.bias is not None,
         }
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> PackedLinear:
-        return cls(
-            spec["in_features"],
-            spec["out_features"],
-            bits=spec["bits"],
-            group_size=spec["group_size"],
-            symmetric=spec["symmetric"],
-            scale_dtype=dtype_from_name(spec["scale_dtype"]),
-            weight_dtype=dtype_from_name(spec["weight_dtype"]),
-            bias=spec["bias"],
-            backend=spec.get("backend", "reference"),
-        )
+    def format_kwargs(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        return {**fields, "scale_dtype": dtype_from_name(fields["scale_dtype"])}
 
     def weight_format(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "per-channel"

@@ -33,8 +33,6 @@ from lowbit.kernels.dispatch import register_backend_module
 from lowbit.nn.packed_linear import (
     NonNegative,
     PackedLinearBase,
-    dtype_from_name,
-    dtype_name,
     register_packed_format,
 )
 
@@ -165,29 +163,12 @@ class SpQRLinear(PackedLinearBase):
             self.weight_dtype,
         )
 
-    def spec(self) -> dict[str, Any]:
+    def format_spec(self) -> dict[str, Any]:
         return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
             "nnz": self.col_vals.numel(),
             "stored_sparse": self.stored_sparse,
             "permuted": self.perm is not None,
-            "weight_dtype": dtype_name(self.weight_dtype),
-            "bias": self.bias is not None,
         }
-
-    @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> SpQRLinear:
-        return cls(
-            spec["in_features"],
-            spec["out_features"],
-            nnz=spec["nnz"],
-            stored_sparse=spec["stored_sparse"],
-            permuted=spec["permuted"],
-            weight_dtype=dtype_from_name(spec["weight_dtype"]),
-            bias=spec["bias"],
-            backend=spec.get("backend", "reference"),
-        )
 
     def weight_format(self) -> str:
         fraction = 100 * int((self.col_vals != 0).sum()) / self.weight_numel
