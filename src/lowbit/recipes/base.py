@@ -53,6 +53,30 @@ def check_group(name: str, group: int | None) -> None:
         raise LowbitError(f"{name} must be a positive integer or none, not {group!r}")
 
 
+def check_gptq_settings(recipe: Any) -> None:
+    """The GPTQ loop's settings a recipe has (``block_size``, ``damp``, ``heldout_fraction``)
+    in range, one sentence each."""
+    block_size = getattr(recipe, "block_size", 1)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise LowbitError(f"block_size must be a positive integer, not {block_size!r}")
+    if not 0.0 < recipe.damp < 1.0:
+        raise LowbitError(f"damp must be in (0, 1), not {recipe.damp}")
+    heldout = getattr(recipe, "heldout_fraction", 0.5)
+    if not 0.0 < heldout < 1.0:
+        raise LowbitError(f"heldout_fraction must be in (0, 1), not {heldout}")
+
+
+def refuse_global_overrides(method: str, overrides: dict[str, dict], names: tuple[str, ...]):
+    """Refuse per-layer overrides of the settings ``names`` that apply to a whole run."""
+    for values in overrides.values():
+        fixed = sorted(set(values) & set(names))
+        if fixed:
+            raise LowbitError(
+                f"{method} settings {', '.join(fixed)} apply to the whole model and cannot be "
+                "overridden per layer"
+            )
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):

@@ -12,8 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowbit.algorithms.weights import GPTQOptions, quantize_linears
-from lowbit.errors import LowbitError
-from lowbit.recipes.base import QuantizeContext, Recipe
+from lowbit.recipes.base import (
+    QuantizeContext,
+    Recipe,
+    check_gptq_settings,
+    refuse_global_overrides,
+)
 from lowbit.recipes.linear_settings import LinearQuantSettings, check_activation_groups
 from lowbit.recipes.registry import register
 
@@ -52,21 +56,10 @@ class GPTQRecipe(LinearQuantSettings, Recipe):
 
     def validate(self) -> None:
         self.validate_linear_settings()
-        if isinstance(self.block_size, bool) or self.block_size < 1:
-            raise LowbitError(f"block_size must be a positive integer, not {self.block_size!r}")
-        if not 0.0 < self.damp < 1.0:
-            raise LowbitError(f"damp must be in (0, 1), not {self.damp}")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise LowbitError(f"heldout_fraction must be in (0, 1), not {self.heldout_fraction}")
+        check_gptq_settings(self)
 
     def apply(self, model, context: QuantizeContext) -> None:
-        for values in context.overrides.values():
-            fixed = sorted(set(values) & set(_GLOBAL_SETTINGS))
-            if fixed:
-                raise LowbitError(
-                    f"gptq settings {', '.join(fixed)} apply to the whole model and cannot be "
-                    "overridden per layer"
-                )
+        refuse_global_overrides(self.method, context.overrides, _GLOBAL_SETTINGS)
         check_activation_groups(model, context, self)  # fail before the long calibration
         model.lowbit_weight_report = quantize_linears(
             model,

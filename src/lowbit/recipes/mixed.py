@@ -27,7 +27,12 @@ from typing import Literal
 from lowbit.algorithms.mixed import MixedWeightSpec
 from lowbit.algorithms.weights import GPTQOptions, quantize_linears
 from lowbit.errors import LowbitError
-from lowbit.recipes.base import QuantizeContext, Recipe
+from lowbit.recipes.base import (
+    QuantizeContext,
+    Recipe,
+    check_gptq_settings,
+    refuse_global_overrides,
+)
 from lowbit.recipes.registry import register, register_preset
 
 # settings that apply to the whole run and cannot differ per layer
@@ -86,7 +91,8 @@ class MixedRecipe(Recipe):
             raise LowbitError(f"frac_4bit must be in [0, 1], not {self.frac_4bit}")
         if not 0.0 <= self.outlier_fraction <= 0.05:
             raise LowbitError(f"outlier_fraction must be in [0, 0.05], not {self.outlier_fraction}")
-        for name in ("g2", "block_size", "qat_seqlen"):
+        check_gptq_settings(self)
+        for name in ("g2", "qat_seqlen"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LowbitError(f"{name} must be a positive integer, not {value!r}")
@@ -94,8 +100,6 @@ class MixedRecipe(Recipe):
             raise LowbitError(f"qat_steps must be 0 (off) or positive, not {self.qat_steps!r}")
         if self.w_algo not in ("gptq", "rtn"):
             raise LowbitError(f"w_algo must be gptq or rtn, not {self.w_algo!r}")
-        if not 0.0 < self.damp < 1.0:
-            raise LowbitError(f"damp must be in (0, 1), not {self.damp}")
         if not self.qat_lr > 0:
             raise LowbitError(f"qat_lr must be positive, not {self.qat_lr}")
 
@@ -103,13 +107,7 @@ class MixedRecipe(Recipe):
         return MixedWeightSpec(self.frac_4bit, self.outlier_fraction, self.g2, self.mse_clip)
 
     def apply(self, model, context: QuantizeContext) -> None:
-        for values in context.overrides.values():
-            fixed = sorted(set(values) & set(_GLOBAL_SETTINGS))
-            if fixed:
-                raise LowbitError(
-                    f"mixed settings {', '.join(fixed)} apply to the whole model and cannot be "
-                    "overridden per layer"
-                )
+        refuse_global_overrides(self.method, context.overrides, _GLOBAL_SETTINGS)
 
         def spec_for(fqn: str) -> MixedWeightSpec:
             return context.recipe_for(self, fqn).weight_spec()

@@ -23,7 +23,13 @@ import torch
 
 from lowbit.algorithms.weights import GPTQOptions, quantize_linears
 from lowbit.errors import LowbitError
-from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
+from lowbit.recipes.base import (
+    OFF_BITS,
+    QuantizeContext,
+    Recipe,
+    check_bits,
+    check_gptq_settings,
+)
 from lowbit.recipes.kv_int import KVIntRecipe
 from lowbit.recipes.linear_settings import LinearQuantSettings, check_activation_groups
 from lowbit.recipes.registry import register
@@ -86,8 +92,7 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
             raise LowbitError(f"w_algo must be gptq or rtn, not {self.w_algo!r}")
         if self.rotation not in ("hadamard", "random", "none"):
             raise LowbitError(f"rotation must be hadamard, random or none, not {self.rotation!r}")
-        if not 0.0 < self.damp < 1.0:
-            raise LowbitError(f"damp must be in (0, 1), not {self.damp}")
+        check_gptq_settings(self)
         self.kv_recipe().validate()
 
     def kv_recipe(self) -> KVIntRecipe:

@@ -18,7 +18,12 @@ from typing import Literal
 from lowbit.algorithms.spqr import MAX_OUTLIER_FRACTION, SpQRSpec
 from lowbit.algorithms.weights import GPTQOptions, quantize_linears
 from lowbit.errors import LowbitError
-from lowbit.recipes.base import QuantizeContext, Recipe
+from lowbit.recipes.base import (
+    QuantizeContext,
+    Recipe,
+    check_gptq_settings,
+    refuse_global_overrides,
+)
 from lowbit.recipes.registry import register, register_preset
 
 # settings that apply to the whole calibration run and cannot differ per layer
@@ -71,12 +76,7 @@ class SpQRRecipe(Recipe):
 
     def validate(self) -> None:
         self.weight_spec()  # the spec checks the format's settings, one sentence each
-        if isinstance(self.block_size, bool) or self.block_size < 1:
-            raise LowbitError(f"block_size must be a positive integer, not {self.block_size!r}")
-        if not 0.0 < self.damp < 1.0:
-            raise LowbitError(f"damp must be in (0, 1), not {self.damp}")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise LowbitError(f"heldout_fraction must be in (0, 1), not {self.heldout_fraction}")
+        check_gptq_settings(self)
         if not 0.0 <= self.outlier_fraction <= MAX_OUTLIER_FRACTION:  # pragma: no cover
             raise LowbitError("outlier_fraction out of range")
 
@@ -93,13 +93,7 @@ class SpQRRecipe(Recipe):
         )
 
     def apply(self, model, context: QuantizeContext) -> None:
-        for values in context.overrides.values():
-            fixed = sorted(set(values) & set(_GLOBAL_SETTINGS))
-            if fixed:
-                raise LowbitError(
-                    f"spqr settings {', '.join(fixed)} apply to the whole model and cannot be "
-                    "overridden per layer"
-                )
+        refuse_global_overrides(self.method, context.overrides, _GLOBAL_SETTINGS)
         model.lowbit_weight_report = quantize_linears(
             model,
             context.adapter,
