@@ -171,13 +171,14 @@ def prompt_ids(tokenizer, batch: int, prompt_tokens: int, vocab: int, device: st
     return ids.expand(batch, -1).contiguous().to(device)  # [B, P]
 
 
-def decode(model, ids, new_tokens: int, step) -> tuple[float, list[int]]:
-    """Prefill ``ids`` [B, P] into a StaticCache, then time ``new_tokens`` greedy steps."""
+def decode(model, ids, new_tokens: int, step, cache) -> tuple[float, list[int]]:
+    """Prefill ``ids`` [B, P] into ``cache`` (a StaticCache, emptied first), then time
+    ``new_tokens`` greedy steps. Warm-up and timed runs share one cache object, so a compiled
+    ``step`` is not compiled again for a new one inside the timed steps."""
     import torch
-    from transformers import StaticCache
 
     batch, prompt = ids.shape
-    cache = StaticCache(config=model.config, max_cache_len=prompt + new_tokens + 1)
+    cache.reset()
     with torch.no_grad():
         out = model(input_ids=ids, past_key_values=cache, use_cache=True,
                     cache_position=torch.arange(prompt, device=ids.device))  # fmt: skip
@@ -261,6 +262,7 @@ def run_row(args) -> dict:
     import gc
 
     import torch
+    from transformers import StaticCache
 
     torch.set_num_threads(args.threads)
     dtype_name, quant, backend = (CPU_ROWS if args.device == "cpu" else GPU_ROWS)[args.row]
@@ -278,7 +280,8 @@ def run_row(args) -> dict:
     try:
         for batch in args.batches:
             ids = prompt_ids(tokenizer, batch, args.prompt_tokens, vocab, args.device)
-            decode(model, ids, 3, step)  # warm-up (and compile)
+            cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens + 1)
+            decode(model, ids, 3, step, cache)  # warm-up (and compile)
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             meter = None
@@ -287,9 +290,9 @@ def run_row(args) -> dict:
             with PeakRSS() as peak:
                 if meter is not None:
                     with meter:
-                        seconds, tokens = decode(model, ids, new_tokens, step)
+                        seconds, tokens = decode(model, ids, new_tokens, step, cache)
                 else:
-                    seconds, tokens = decode(model, ids, new_tokens, step)
+                    seconds, tokens = decode(model, ids, new_tokens, step, cache)
             memory = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else peak.mb
             result["batches"][batch] = {
                 "tokens_per_s": batch * new_tokens / seconds,
