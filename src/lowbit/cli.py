@@ -17,7 +17,8 @@ from pathlib import Path
 
 from lowbit.errors import LowbitError
 
-# Every method, at sizes that keep `lowbit demo` under 5 minutes on 2 CPU cores.
+# Every method but spqr and mixed (their calibration alone takes longer), at sizes that keep
+# `lowbit demo` under 5 minutes on 2 CPU cores.
 DEMO_RECIPES = (
     "fp",
     "w8a16",
