@@ -66,7 +66,9 @@ def check_gptq_settings(recipe: Any) -> None:
         raise LowbitError(f"heldout_fraction must be in (0, 1), not {heldout}")
 
 
-def refuse_global_overrides(method: str, overrides: dict[str, dict], names: tuple[str, ...]):
+def refuse_global_overrides(
+    method: str, overrides: dict[str, dict], names: tuple[str, ...]
+) -> None:
     """Refuse per-layer overrides of the settings ``names`` that apply to a whole run."""
     for values in overrides.values():
         fixed = sorted(set(values) & set(names))
