@@ -29,9 +29,8 @@ code counts (``tools/kernel_sass.py`` counts them in the compiled loop without a
 
 Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. A 4096-row layer at 128 rows per
 program gives 32 programs for 132 SMs, too few bytes in flight; splitting K fills the machine.
-Partial sums go to an fp32 ``[SPLIT_K, M, N]`` buffer summed by torch (deterministic; at M = 1
-it is under 2% of a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits
-there); SPLIT_K = 1 stores the output directly with the bias. Which (BLOCK_M, BLOCK_N,
+Partial sums go to an fp32 buffer (:mod:`lowbit.kernels.split_k`; at M = 1 it is under 2% of
+a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits there). Which (BLOCK_M, BLOCK_N,
 SPLIT_K) wins is measured per shape on the GPU by :func:`int_gemv` (whole call timed with
 ``triton.testing.do_bench``, cached), never under the interpreter. Accumulation is fp32
 throughout.
@@ -41,13 +40,13 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from lowbit.errors import LowbitError
 from lowbit.kernels.int_layout import check_operands
+from lowbit.kernels.split_k import output_buffer, store_output, sum_splits
 
 __all__ = ["int_gemv", "MAX_ROWS"]
 
@@ -56,15 +55,6 @@ MAX_ROWS = 16
 INTERPRET = bool(triton.knobs.runtime.interpret)
 #: measure launch configurations on a GPU's first call per shape (LOWBIT_TRITON_TUNE=0: no)
 TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
-
-
-@triton.jit
-def _round_bf16(v):
-    """fp32 -> fp32 holding the nearest bf16, ties to even (the interpreter's casts to bf16
-    truncate; on the GPU ``.to(tl.bfloat16)`` rounds correctly and this is not used)."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -144,14 +134,7 @@ def _int_gemv_kernel(
         out = acc  # [BLOCK_N, BLOCK_M]
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = mask_n[:, None] & mask_m[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
-            out = _round_bf16(out)  # then the cast below is exact
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptrs, out, mask=mask)  # fp32 partial sums
+    store_output(out_ptrs, out, mask, bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K, INTERPRET)
 
 
 def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tensor:
@@ -160,10 +143,7 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tens
     n_tiles = words.shape[1] // tile
     per_split = triton.cdiv(n_tiles, split_k)
     split_k = triton.cdiv(n_tiles, per_split)  # no empty splits
-    if split_k == 1:
-        out = torch.empty(1, m, n, dtype=x.dtype, device=x.device)  # [1, M, N]
-    else:
-        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    out = output_buffer(x, split_k, n)  # [S, M, N]
     grid = (triton.cdiv(n, block_n), split_k)
     _int_gemv_kernel[grid](
         x, words, scale, words if zero is None else zero, x if bias is None else bias, out,
@@ -175,12 +155,7 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tens
         BLOCK_M=block_m, BLOCK_N=block_n,
         INTERPRET=INTERPRET, num_warps=num_warps,
     )  # fmt: skip
-    if split_k == 1:
-        return out[0]
-    total = out.sum(0)  # [M, N] fp32
-    if bias is not None:
-        total += bias.float()
-    return total.to(x.dtype)
+    return out[0] if split_k == 1 else sum_splits(out, bias).to(x.dtype)
 
 
 def _default_config(m: int, n: int, n_tiles: int) -> tuple[int, int, int, int]:

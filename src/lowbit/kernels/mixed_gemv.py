@@ -58,6 +58,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lowbit.errors import LowbitError
+from lowbit.kernels.split_k import output_buffer, store_output, sum_splits
 
 __all__ = ["mixed_gemv", "outlier_spmv", "MAX_ROWS"]
 
@@ -193,6 +194,7 @@ def _gemv1_kernel(
     G2: tl.constexpr, BLOCK_N: tl.constexpr,
     ASYNC: tl.constexpr, FUSE_OUTLIERS: tl.constexpr, MAX_ROW_NNZ: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -315,14 +317,9 @@ def _gemv1_kernel(
         zero_m = tl.arange(0, 1)
         out = _add_outliers(out, x_ptr, row_ptr_ptr, col_val_ptr, offs_n, mask_n & first_split,
                             zero_m, zero_m < 1, 0, MAX_ROW_NNZ)  # fmt: skip
-    out = tl.sum(out, axis=1)  # [BLOCK_N]
-    out_ptrs = out_ptr + pid_k * stride_os + offs_n
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(out_ptrs, out, mask=mask_n)  # fp32 partial sums
+    out_ptrs = out_ptr + pid_k * stride_os + offs_n[:, None]  # [BLOCK_N, 1]
+    store_output(out_ptrs, out, mask_n[:, None], bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K,
+                 INTERPRET)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- 2 <= M <= 16
@@ -539,12 +536,7 @@ def _gemm16_kernel(
                             offs_m, mask_m, stride_xm, MAX_ROW_NNZ)  # fmt: skip
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = mask_n[:, None] & mask_m[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptrs, out, mask=mask)  # fp32 partial sums
+    store_output(out_ptrs, out, mask, bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- unfused outliers
@@ -601,9 +593,7 @@ def _launch(x, ops, bias, config, asynchronous, fuse_outliers) -> Tensor:
     per_split = [triton.cdiv(t, split_k) for t in steps]
     fuse = fuse_outliers and ops["max_row_nnz"] > 0
     separate = not fuse_outliers and ops["max_row_nnz"] > 0  # a second launch adds them
-    # fp32 output unless the kernel's result is final, so the output is rounded once
-    out_dtype = x.dtype if split_k == 1 and not separate else torch.float32
-    out = torch.empty(split_k, m, n, dtype=out_dtype, device=x.device)
+    out = output_buffer(x, split_k, n, final=not separate)  # [S, M, N]
     grid = (triton.cdiv(n, block_n), split_k)
     tensors = (
         ops["primary"], ops["secondary"], ops["stats2"], ops["stats4"], ops["second2"],
@@ -617,7 +607,7 @@ def _launch(x, ops, bias, config, asynchronous, fuse_outliers) -> Tensor:
     common = dict(
         UA=seg.ua, UB=seg.ub, UC=seg.uc, G2=ops["g2"], BLOCK_N=block_n, ASYNC=asynchronous,
         FUSE_OUTLIERS=fuse, MAX_ROW_NNZ=_nnz_bound(ops["max_row_nnz"]), SPLIT_K=split_k,
-        HAS_BIAS=bias is not None, num_warps=num_warps,
+        HAS_BIAS=bias is not None, INTERPRET=INTERPRET, num_warps=num_warps,
     )  # fmt: skip
     bias_arg = x if bias is None else bias
     if block_m == 1:
@@ -631,15 +621,13 @@ def _launch(x, ops, bias, config, asynchronous, fuse_outliers) -> Tensor:
             x, *tensors, bias_arg, out, m, n, k, x.stride(0), *strides,
             out.stride(0), out.stride(1),
             TILES_A=per_split[0], TILES_B=per_split[1], TILES_C=per_split[2], T=tile,
-            BLOCK_M=block_m, INTERPRET=INTERPRET, **common,
+            BLOCK_M=block_m, **common,
         )  # fmt: skip
     if split_k == 1 and not separate:
         return out[0]
-    total = out.sum(0) if split_k > 1 else out[0]  # [M, N] fp32 (bias added when split_k 1)
+    total = sum_splits(out, bias)  # [M, N] fp32
     if separate:
         total += outlier_spmv(x, ops)
-    if bias is not None and split_k > 1:
-        total += bias.float()
     return total.to(x.dtype)
 
 

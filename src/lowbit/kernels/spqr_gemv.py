@@ -28,8 +28,7 @@ default, ``BLOCK_TR`` 8, the fewest loop instructions per code in ``tools/kernel
 
 Memory traffic at M = 1: 8 bytes per 16 weights (4.0 bits per weight), 4 bytes per outlier plus
 the row offsets, the input from cache, ``M · N`` outputs. Split-K: a grid of ``cdiv(N, 16 ·
-BLOCK_TR) x SPLIT_K``; partial sums go to an fp32 ``[SPLIT_K, M, N]`` buffer summed in order by
-torch (deterministic). Outliers are split between the programs of a row by slot index.
+BLOCK_TR) x SPLIT_K`` (:mod:`lowbit.kernels.split_k`). Outliers are split between the programs of a row by slot index.
 
 :func:`spqr_reference` (pure torch) is the oracle: the dense part decoded from the words in fp16
 arithmetic, then ``x_p @ D'ᵀ`` and the outliers in fp32. :func:`spqr_dequantize_dense` is the
@@ -90,6 +89,8 @@ def spqr_reference(
 # ----------------------------------------------------------------------------- Triton
 
 if triton is not None:
+    from lowbit.kernels.split_k import output_buffer, store_output, sum_splits
+
     INTERPRET = bool(triton.knobs.runtime.interpret)
 
     @triton.jit
@@ -262,12 +263,8 @@ if triton is not None:
                                         HAS_PERM)  # fmt: skip
         out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
         mask = mask_n[:, None] & mask_m[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(out_ptrs, out, mask=mask)  # fp32 partial sums
+        store_output(out_ptrs, out, mask, bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K,
+                     INTERPRET)  # fmt: skip
 
     @triton.jit
     def _outlier_product(word, ok, x_ptr, perm_ptr, stride_xm, offs_m, mask_m, HAS_PERM):
@@ -338,10 +335,7 @@ def _launch(x, words, perm, sparse, bias, n, config) -> Tensor:
     per_split = triton.cdiv(chunks, split_k)
     split_k = triton.cdiv(chunks, per_split)  # no empty splits
     kind, sp_ptr, sp_val = sparse
-    if split_k == 1:
-        out = torch.empty(1, m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    out = output_buffer(x, split_k, n)  # [S, M, N]
     grid = (triton.cdiv(n, 16 * block_tr), split_k)
     _spqr_gemv_kernel[grid](
         x, words, words if perm is None else perm,
@@ -355,12 +349,7 @@ def _launch(x, words, perm, sparse, bias, n, config) -> Tensor:
         BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m, INTERPRET=INTERPRET,
         num_warps=num_warps,
     )  # fmt: skip
-    if split_k == 1:
-        return out[0]
-    total = out.sum(0)  # [M, N] fp32, in split order
-    if bias is not None:
-        total += bias.float()
-    return total.to(x.dtype)
+    return out[0] if split_k == 1 else sum_splits(out, bias).to(x.dtype)
 
 
 def check_operands(x: Tensor, words: Tensor, perm: Tensor | None, n: int) -> tuple[int, int]:
