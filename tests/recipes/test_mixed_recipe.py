@@ -8,6 +8,7 @@ import torch
 import lowbit
 from lowbit.errors import LowbitError
 from lowbit.formats.mixed import MixedQuantized
+from lowbit.kernels.dispatch import choose
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.mixed_linear import MixedLinear
 from lowbit.nn.packed_linear import pack_model, unpack_model
@@ -70,6 +71,23 @@ def test_save_and_load(quantized, tmp_path):
     assert loaded.lowbit_recipe.method == "mixed"
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_cpu_backend_keeps_the_reference_weight(quantized):
+    model, _ = quantized
+    layer = model.model.layers[1].mlp.down_proj
+    mixed = MixedLinear.from_quantized(layer.quantized_weight).to(torch.bfloat16)
+    x = torch.randn(3, mixed.in_features, generator=torch.Generator().manual_seed(5))
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        mixed.backend = "reference"
+        want = mixed(x)
+        mixed.backend = "auto"  # the CPU's first choice: torch-cpu, the decoded weight kept
+        assert choose(mixed, x).name == "torch-cpu"
+        assert torch.equal(mixed(x), want)
+        (prepared,) = mixed._prepared.values()
+        assert torch.equal(prepared["weight:torch.bfloat16"], mixed.dequantize_weight(x.dtype))
+        assert torch.equal(mixed(x), want)  # from the kept weight
 
 
 @pytest.mark.interpreter

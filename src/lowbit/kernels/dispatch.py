@@ -59,6 +59,7 @@ _BACKEND_MODULES: dict[tuple[str, str], str] = {
     ("torch-cpu", "int"): "lowbit.kernels.torch_cpu",
     ("triton", "int"): "lowbit.kernels.triton_int",
     ("triton", "mixed"): "lowbit.kernels.triton_mixed",
+    ("torch-cpu", "mixed"): "lowbit.kernels.torch_cpu_decoded",
 }
 
 #: preference of ``backend="auto"`` per device type (first supported wins)

@@ -12,8 +12,10 @@ aligned layout the kernels read as it is, and what a checkpoint stores):
 * ``order`` int16 ``[P2 + P4]``: each slot's column group (-1: padding);
 * ``row_ptr`` int32 ``[N + 1]``, ``col_val`` int32 ``[nnz]``: the fp16 outliers in CSR.
 
-``backend="reference"`` decodes the whole weight in fp32 and calls ``F.linear`` (the CPU path
-and the oracle); ``"triton"`` runs :mod:`lowbit.kernels.mixed_gemv` for up to 16 rows.
+``backend="reference"`` decodes the whole weight in fp32 and calls ``F.linear`` (the oracle);
+``"torch-cpu"`` keeps that decoded weight per bf16/fp16 input dtype
+(:mod:`lowbit.kernels.torch_cpu_decoded`, the CPU path); ``"triton"`` runs
+:mod:`lowbit.kernels.mixed_gemv` for up to 16 rows.
 """
 
 from __future__ import annotations

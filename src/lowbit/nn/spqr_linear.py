@@ -12,7 +12,7 @@ Buffers (what a checkpoint stores, :mod:`lowbit.formats.spqr`):
 The product runs on the module's backend (:mod:`lowbit.kernels.dispatch`, format kind
 ``"spqr"``): ``reference`` decodes the whole weight (the simulated face, bit for bit),
 ``triton`` runs the fused kernels (:mod:`lowbit.kernels.triton_spqr`), ``torch-cpu`` keeps a
-decoded weight per input dtype (:mod:`lowbit.kernels.torch_cpu_spqr`). ``sparse_format`` says
+decoded weight per input dtype (:mod:`lowbit.kernels.torch_cpu_decoded`). ``sparse_format`` says
 which outlier layout the triton backend multiplies with: ``"auto"`` (profile both once per
 layer and keep the faster, seed 004 §3.4.4), ``"csr"`` or ``"ptcsr"``; the stored layout is
 converted once when it differs.
@@ -42,7 +42,7 @@ __all__ = ["SpQRLinear", "SPARSE_CHOICES"]
 SPARSE_CHOICES = ("auto", "csr", "ptcsr")
 
 register_backend_module("triton", "spqr", "lowbit.kernels.triton_spqr")
-register_backend_module("torch-cpu", "spqr", "lowbit.kernels.torch_cpu_spqr")
+register_backend_module("torch-cpu", "spqr", "lowbit.kernels.torch_cpu_decoded")
 
 
 @register_packed_format
