@@ -31,21 +31,13 @@ import triton.language as tl
 from torch import Tensor
 
 from lowbit.kernels.int_layout import check_operands
+from lowbit.kernels.triton_support import fastest_config, round_bf16
 
 __all__ = ["int_gemm"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 #: measure launch configurations on a GPU's first call per shape (LOWBIT_TRITON_TUNE=0: no)
 TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
-
-
-@triton.jit
-def _round_bf16(v):
-    """fp32 -> fp32 holding the nearest bf16, ties to even (the interpreter's casts to bf16
-    truncate; on the GPU ``.to(tl.bfloat16)`` rounds correctly and this is not used)."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -107,7 +99,7 @@ def _int_gemm_kernel(
                 w = q * scale.to(tl.float32)[None, :]  # [TILE_WORDS, BLOCK_N] fp32
             if INTERPRET:  # its bf16 dot is wrong and its bf16 casts truncate: fp32 operands
                 if x.dtype == tl.bfloat16:
-                    w = _round_bf16(w)  # the weight the GPU path (and the reference) uses
+                    w = round_bf16(w)  # the weight the GPU path (and the reference) uses
                 else:
                     w = w.to(x.dtype).to(tl.float32)
                 acc = tl.dot(x.to(tl.float32), w, acc)
@@ -116,7 +108,7 @@ def _int_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
-        acc = _round_bf16(acc)  # then the cast below is exact
+        acc = round_bf16(acc)  # then the cast below is exact
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -181,21 +173,6 @@ def int_gemm(
         if config is None:
             config = (64, 64, 4, 3)
             if tune and TUNE and not INTERPRET:
-                config = _fastest(args, list(_candidates()))
+                config = fastest_config(lambda c: _launch(*args, c), list(_candidates()))
             _TUNED[key] = config
     return _launch(*args, config)
-
-
-def _fastest(args, configs):
-    """The configuration with the smallest ``do_bench`` time of the whole call."""
-    import triton.testing
-
-    best, best_ms = configs[0], float("inf")
-    for config in configs:
-        try:
-            ms = triton.testing.do_bench(lambda c=config: _launch(*args, c), warmup=5, rep=20)
-        except Exception:  # a configuration the compiler rejects (shared memory) is skipped
-            continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    return best

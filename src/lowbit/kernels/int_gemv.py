@@ -47,6 +47,7 @@ from torch import Tensor
 from lowbit.errors import LowbitError
 from lowbit.kernels.int_layout import check_operands
 from lowbit.kernels.split_k import output_buffer, store_output, sum_splits
+from lowbit.kernels.triton_support import fastest_config
 
 __all__ = ["int_gemv", "MAX_ROWS"]
 
@@ -222,21 +223,8 @@ def int_gemv(
         if config is None:
             config = _default_config(m, n, n_tiles)
             if tune and TUNE and not INTERPRET:
-                config = _fastest(args, list(_candidates(m, n, n_tiles)))
+                config = fastest_config(
+                    lambda c: _launch(*args, c), list(_candidates(m, n, n_tiles))
+                )
             _TUNED[key] = config
     return _launch(*args, config)
-
-
-def _fastest(args, configs):
-    """The configuration with the smallest ``do_bench`` time of the whole call."""
-    import triton.testing
-
-    best, best_ms = configs[0], float("inf")
-    for config in configs:
-        try:
-            ms = triton.testing.do_bench(lambda c=config: _launch(*args, c), warmup=5, rep=20)
-        except Exception:  # a configuration the compiler rejects (resources) is skipped
-            continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    return best

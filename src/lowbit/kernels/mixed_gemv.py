@@ -59,6 +59,7 @@ from torch import Tensor
 
 from lowbit.errors import LowbitError
 from lowbit.kernels.split_k import output_buffer, store_output, sum_splits
+from lowbit.kernels.triton_support import fastest_config
 
 __all__ = ["mixed_gemv", "outlier_spmv", "MAX_ROWS"]
 
@@ -710,24 +711,9 @@ def mixed_gemv(
         if config is None:
             config = _default_config(m, n, words)
             if tune and TUNE and not INTERPRET:
-                config = _fastest(x, ops, bias, list(_candidates(m, n, words)), asynchronous,
-                                  fuse_outliers)  # fmt: skip
+                config = fastest_config(
+                    lambda c: _launch(x, ops, bias, c, asynchronous, fuse_outliers),
+                    list(_candidates(m, n, words)),
+                )
             _TUNED[key] = config
     return _launch(x, ops, bias, config, asynchronous, fuse_outliers)
-
-
-def _fastest(x, ops, bias, configs, asynchronous, fuse_outliers):
-    import triton.testing
-
-    best, best_ms = configs[0], float("inf")
-    for config in configs:
-        try:
-            ms = triton.testing.do_bench(
-                lambda c=config: _launch(x, ops, bias, c, asynchronous, fuse_outliers),
-                warmup=5, rep=20,
-            )  # fmt: skip
-        except Exception:  # a configuration the compiler rejects (resources) is skipped
-            continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    return best

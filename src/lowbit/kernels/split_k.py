@@ -14,16 +14,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lowbit.kernels.triton_support import round_bf16
+
 __all__ = ["output_buffer", "store_output", "sum_splits"]
-
-
-@triton.jit
-def _round_bf16(v):
-    """fp32 -> fp32 holding the nearest bf16, ties to even (the interpreter's casts to bf16
-    truncate; on the GPU ``.to(tl.bfloat16)`` rounds correctly and this is not used)."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -37,7 +30,7 @@ def store_output(
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         if INTERPRET and out_ptrs.dtype.element_ty == tl.bfloat16:
-            out = _round_bf16(out)  # then the cast below is exact
+            out = round_bf16(out)  # then the cast below is exact
         tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, out, mask=mask)  # fp32 partial sums

@@ -45,6 +45,7 @@ from torch import Tensor
 from lowbit.errors import LowbitError
 from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.formats.spqr import TILE, SpQRQuantized, unpack_words
+from lowbit.kernels.triton_support import fastest_config
 
 try:
     import triton
@@ -417,7 +418,9 @@ def spqr_gemv(
         if config is None:
             config = _default_config(m, out_features, n_groups)
             if TUNE and not INTERPRET:
-                config = _fastest(args, list(_candidates(m, out_features, n_groups)))
+                config = fastest_config(
+                    lambda c: _launch(*args, c), list(_candidates(m, out_features, n_groups))
+                )
             _TUNED[key] = config
     return _launch(*args, config)
 
@@ -442,21 +445,6 @@ def _candidates(m: int, n: int, n_groups: int):
         yield MAX_ROWS, block_tr, 16, split(block_tr, 16), 4
     if m > 1:  # fewer splits: less fp32 partial traffic at 16 rows
         yield MAX_ROWS, 8, 16, max(1, split(8, 16) // 4), 4
-
-
-def _fastest(args, configs):
-    """The configuration with the smallest ``do_bench`` time of the whole call."""
-    import triton.testing
-
-    best, best_ms = configs[0], float("inf")
-    for config in configs:
-        try:
-            ms = triton.testing.do_bench(lambda c=config: _launch(*args, c), warmup=5, rep=20)
-        except Exception:  # a configuration the compiler rejects (resources) is skipped
-            continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    return best
 
 
 def spqr_dequantize_dense(words: Tensor, out_features: int, in_features: int) -> Tensor:
