@@ -22,8 +22,8 @@ W4 g128 (the format GPTQ 4-bit stores: its speed does not depend on how the code
 so RTN codes stand in), SpQR (w3, 16/16, 1% and 0% outliers, random input permutations, fused
 ``triton`` kernels) and the seed's 2/4/16 format (``mixed-2-4-16`` with RTN: 25 % 4-bit
 groups, 0.2 % fp16 outliers; its ``triton`` backend, asynchronous dequantization, outliers
-fused). SpQR rows quantize without calibration (:func:`quantize_spqr`); on the CPU SpQR runs on
-the bf16 SmolLM2 with ``torch-cpu`` (its weight decoded once) and ``reference``.
+fused). SpQR rows quantize without calibration (:func:`quantize_spqr`); on the CPU SpQR and
+2/4/16 run on the bf16 SmolLM2 with ``torch-cpu`` (the weight decoded once) and ``reference``.
 
 Cost (``--cost``, the seed's Table 3): while decoding, the GPU's energy counter (NVML,
 ``nvidia-ml-py``; its power readings, averaged, where the counter is missing) gives the mean
@@ -72,6 +72,8 @@ CPU_ROWS = {
     "W4 g64, reference": ("bfloat16", (4, 64), "reference"),
     "SpQR w3 1%, torch-cpu": ("bfloat16", ("spqr", 0.01), "torch-cpu"),
     "SpQR w3 1%, reference": ("bfloat16", ("spqr", 0.01), "reference"),
+    "2/4/16 mixed, torch-cpu": ("bfloat16", ("mixed", None), "torch-cpu"),
+    "2/4/16 mixed, reference": ("bfloat16", ("mixed", None), "reference"),
 }
 GPU_ROWS = {
     "fp16": ("float16", None, None),
