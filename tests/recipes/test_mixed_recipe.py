@@ -9,6 +9,7 @@ import lowbit
 from lowbit.errors import LowbitError
 from lowbit.formats.mixed import MixedQuantized
 from lowbit.kernels.dispatch import choose
+from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.mixed_linear import MixedLinear
 from lowbit.nn.packed_linear import pack_model, unpack_model
@@ -120,14 +121,40 @@ def test_rtn_overrides_and_refusals():
                         overrides={"*": {"damp": 0.1}}, progress=False)  # fmt: skip
 
 
-def test_composes_with_rotation_and_a_kv_recipe():
-    model, ids = tiny_model("llama"), _ids(2, 16)
-    recipe = get_recipe("rotate+mixed+kv-int", w_algo="rtn")
-    lowbit.quantize(model, recipe, calibration=ids, progress=False)
+@pytest.fixture(scope="module")
+def rotated_mixed():
+    """The tiny llama under ``rotate+mixed`` (RTN) alone, and its calibration ids."""
+    ids = _ids(4, 48)  # kvquant's Fisher pass takes >= 128 tokens
+    model = lowbit.quantize(tiny_model("llama"), get_recipe("rotate+mixed", w_algo="rtn"),
+                            calibration=ids, progress=False)  # fmt: skip
+    return model, ids
+
+
+@pytest.mark.parametrize(
+    "kv, settings",
+    [("kv-int", {}), ("kivi", {"group": 16}), ("kvquant", {}), ("ksort-bfp", {"block": 16})],
+)  # groups and blocks within the tiny model's 16-wide heads
+def test_composes_with_rotation_and_every_kv_recipe(rotated_mixed, kv, settings):
+    alone, ids = rotated_mixed
+    recipe = get_recipe(f"rotate+mixed+{kv}", w_algo="rtn", **settings)
+    model = lowbit.quantize(tiny_model("llama"), recipe, calibration=ids, progress=False)
     linears = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
     assert all(isinstance(m.quantized_weight, MixedQuantized) for m in linears)
     assert any(m.input_transform is not None for m in linears)  # the rotation's Hadamards
-    assert model.lowbit_make_cache() is not None
+    alone_linears = [m for m in alone.modules() if isinstance(m, FakeQuantLinear)]
+    for mine, theirs in zip(linears, alone_linears, strict=True):
+        assert torch.equal(mine.weight, theirs.weight)  # the KV part leaves the weights alone
+    adapter = adapter_for(model)
+    kv_alone = get_recipe(kv, **settings).kv_bytes_per_token(adapter, 64)
+    assert recipe.kv_bytes_per_token(adapter, 64) == kv_alone
+    cache = model.lowbit_make_cache()
+    assert cache is not None
+    with torch.no_grad():
+        cached = model(ids[:1, :8], past_key_values=cache, use_cache=True).logits  # [1, 8, V]
+        one_pass = model(ids[:1, :8]).logits  # the KV quantizers simulated in one pass
+        weights_only = alone(ids[:1, :8]).logits
+    assert torch.equal(cached, one_pass)  # through the packed cache, bit for bit
+    assert not torch.equal(cached, weights_only)  # and the KV part acts
 
 
 def test_generate_from_the_cli(capsys, tiny_model_dir):
