@@ -94,6 +94,35 @@ def test_quantize_packed_frees_the_float_weights():
     assert held < floats / 7
 
 
+@pytest.mark.parametrize("recipe", ["w4a16", "mixed"])
+def test_a_dtype_cast_of_the_model_keeps_the_stored_scales(recipe, tmp_path):
+    """``model.to(torch.bfloat16)`` casts the rest of the model, never the fp16 scales; a save
+    then records bf16, and the loaded tensors equal the saved ones."""
+    import lowbit
+
+    recipe = get_recipe("mixed", w_algo="rtn") if recipe == "mixed" else get_recipe(recipe)
+    model = quantize(tiny_model("llama"), recipe, progress=False, packed=True)
+    names = adapter_for(model).linear_names()
+    weights = {n: model.get_submodule(n).dequantize_weight(torch.float32) for n in names}
+    floats = {n: {b: t.dtype for b, t in model.get_submodule(n).named_buffers()
+                  if t.is_floating_point()} for n in names}  # fmt: skip
+    assert {torch.float16} == {d for f in floats.values() for d in f.values()}
+    model.to(torch.bfloat16)
+    for name in names:
+        layer = model.get_submodule(name)
+        assert {b: t.dtype for b, t in layer.named_buffers() if t.is_floating_point()} == floats[
+            name
+        ]
+        assert torch.equal(layer.dequantize_weight(torch.float32), weights[name])
+    assert model.model.norm.weight.dtype == torch.bfloat16  # the rest of the model is cast
+    lowbit.save(model, tmp_path / "bf16")
+    loaded = lowbit.load(tmp_path / "bf16")
+    assert loaded.dtype == torch.bfloat16  # the dtype saved is the model's, not its config's
+    stored = loaded.state_dict()
+    assert all(torch.equal(t, stored[k]) and t.dtype == stored[k].dtype
+               for k, t in model.state_dict().items())  # fmt: skip
+
+
 def test_bad_construction_is_a_sentence():
     with pytest.raises(LowbitError, match="2-8 bit"):
         PackedLinear(8, 8, bits=1)

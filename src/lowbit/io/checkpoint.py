@@ -261,6 +261,14 @@ def check_save_target(target: Path) -> None:
         raise LowbitError(f"cannot save to {target}: {target.parent} is not writable")
 
 
+def saved_config(model: nn.Module) -> dict[str, Any]:
+    """``model.config`` as a JSON dict as it will read back, with the dtype the model's float
+    tensors have now (``model.to(torch.bfloat16)`` does not update the config)."""
+    config = json.loads(json.dumps(model.config.to_dict()))
+    config["dtype"] = str(model.dtype).removeprefix("torch.")
+    return config
+
+
 def _set_default_permissions(directory: Path) -> None:
     """Give the directory and its files the modes the umask allows (mkdtemp makes them 0700)."""
     umask = os.umask(0)
@@ -291,7 +299,7 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> P
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        config = json.loads(json.dumps(model.config.to_dict()))  # as it will read back
+        config = saved_config(model)
         config["quantization_config"] = qconfig
         qconfig["checksums"] = {
             WEIGHTS_NAME: _sha256(tmp / WEIGHTS_NAME),

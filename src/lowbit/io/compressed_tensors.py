@@ -416,14 +416,14 @@ def export_compressed_tensors(
     """
     from safetensors.torch import save_file
 
-    from lowbit.io.checkpoint import _set_default_permissions
+    from lowbit.io.checkpoint import _set_default_permissions, saved_config
 
     target = Path(out_dir).expanduser()
     check_export_target(target)
     plan = plan_export(model)
     tensors = export_tensors(model, plan)
     _check_keys(model, plan, tensors)
-    config = json.loads(json.dumps(model.config.to_dict()))  # as it will read back
+    config = saved_config(model)
     config.pop("quantization_config", None)
     config["quantization_config"] = compressed_tensors_config(plan)
     if not config.get("architectures"):

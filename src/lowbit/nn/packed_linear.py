@@ -117,6 +117,19 @@ class PackedLinearBase(nn.Module):
         super().__setstate__(state)
         self._handle = register_layer(self)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``module.to(dtype)``, ``.half()``, ``.bfloat16()`` cast the bias and the modules in
+        front, never the packed buffers: their float parts (fp16 scales) are stored data, and
+        rounding them to the model's dtype would change the quantized weight. The buffers
+        still follow device moves."""
+        stored = {n: b for n, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        result = super()._apply(fn, recurse)
+        for name, before in stored.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)  # [same shape], stored dtype
+        return result
+
     # -- what a format provides -------------------------------------------------------------------
     @classmethod
     def from_quantized(
