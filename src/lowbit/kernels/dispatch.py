@@ -53,6 +53,9 @@ _REGISTRY: dict[tuple[str, str], WeightBackend] = {}
 #: a format kind that stands for every kind (the reference backend's)
 ANY_KIND = "*"
 
+#: what get_backend found per (name, format kind); emptied when a registration changes
+_RESOLVED: dict[tuple[str, str], WeightBackend] = {}
+
 #: where each backend lives, by (name, format kind) (imported on first use)
 _BACKEND_MODULES: dict[tuple[str, str], str] = {
     ("reference", ANY_KIND): __name__,
@@ -104,6 +107,7 @@ def register_backend(backend: WeightBackend) -> WeightBackend:
     if not backend.name or not backend.format_kind:
         raise LowbitError(f"{type(backend).__name__} has no name or format kind")
     _REGISTRY[(backend.name, backend.format_kind)] = backend
+    _RESOLVED.clear()
     return backend
 
 
@@ -113,6 +117,7 @@ register_backend(ReferenceBackend())
 def register_backend_module(name: str, format_kind: str, module: str) -> None:
     """Say where backend ``name`` for ``format_kind`` lives (imported on first use)."""
     _BACKEND_MODULES[(name, format_kind)] = module
+    _RESOLVED.clear()
 
 
 def backend_names() -> tuple[str, ...]:
@@ -122,7 +127,14 @@ def backend_names() -> tuple[str, ...]:
 
 def get_backend(name: str, format_kind: str = "int") -> WeightBackend:
     """The backend called ``name`` for layers of ``format_kind`` (importing its module on first
-    use)."""
+    use; remembered, since every packed linear asks on every call)."""
+    backend = _RESOLVED.get((name, format_kind))
+    if backend is None:
+        backend = _RESOLVED[(name, format_kind)] = _resolve(name, format_kind)
+    return backend
+
+
+def _resolve(name: str, format_kind: str) -> WeightBackend:
     if name not in backend_names() or name == "auto":
         raise LowbitError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
     key = (name, format_kind) if (name, format_kind) in _BACKEND_MODULES else (name, ANY_KIND)

@@ -219,7 +219,7 @@ class PackedLinearBase(nn.Module):
     def storage_key(self) -> tuple[int, ...]:
         """Addresses of the packed buffers: a backend's prepared layout is valid while they
         stay (loading a checkpoint copies into them; moving the module replaces them)."""
-        return tuple(b.data_ptr() for b in self.buffers(recurse=False))
+        return tuple(b.data_ptr() for b in self._buffers.values() if b is not None)
 
     def extra_repr(self) -> str:
         return (
