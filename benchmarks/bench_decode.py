@@ -464,6 +464,9 @@ def main() -> None:
     if args.row:
         print(json.dumps(run_row(args)))
         return
+    import torch
+
+    torch.set_num_threads(args.threads)  # what the stamp reports: each row's process sets it
     load_before = os.getloadavg()[0]
     rows = args.rows or list(CPU_ROWS if args.device == "cpu" else GPU_ROWS)
     results = []

@@ -152,6 +152,9 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=None, choices=list(ROWS))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)  # what the stamp reports: each row's process sets it
     shape = args.shape or ("7b" if args.device == "cuda" else None)
     float_rows = ("fp16",) if args.device == "cuda" else ("fp32", "bf16")
     packed_rows = ["W8 per-channel", "W4 g64", *(["W4 g128"] if shape == "7b" else []), "W3 g64",
