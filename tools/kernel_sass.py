@@ -43,15 +43,18 @@ def _compile(kernel, scalars, constants, dtype, arch, **options):
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def compile_decode_kernel(bits, block_m, block_n, num_warps, arch, dtype="fp16"):
-    """``_int_gemv_kernel``: symmetric, g128, 32-word tiles, 16 tiles, no split."""
+def compile_decode_kernel(
+    bits, block_m, block_n, num_warps, arch, dtype="fp16", split_k=1, has_bias=False
+):
+    """``_int_gemv_kernel``: symmetric, g128, 32-word tiles, 16 tiles (``split_k`` splits)."""
     from lowbit.kernels import int_gemv
 
     scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_os",
                "stride_om"]  # fmt: skip
     constants = dict(
-        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=True, HAS_BIAS=False, K_TILES=16,
-        SPLIT_K=1, TILES_PER_SPLIT=16, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=False,
+        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=True, HAS_BIAS=has_bias,
+        K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=16 // split_k, BLOCK_M=block_m,
+        BLOCK_N=block_n, INTERPRET=False,
     )  # fmt: skip
     return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch,
                     num_warps=num_warps)  # fmt: skip
@@ -70,9 +73,11 @@ def compile_prefill_kernel(bits, block_m, block_n, num_warps, arch, dtype="fp16"
                     num_warps=num_warps, num_stages=3)  # fmt: skip
 
 
-def compile_spqr_kernel(block_m, block_tr, block_g, num_warps, arch, dtype="fp16"):
+def compile_spqr_kernel(
+    block_m, block_tr, block_g, num_warps, arch, dtype="fp16", split_k=1, has_bias=False
+):
     """``_spqr_gemv_kernel`` (seed 004's words): 4096 columns (256 tiles), act-order
-    permutation, CSR outliers, no split, no masks (``EVEN_K``)."""
+    permutation, CSR outliers, no masks (``EVEN_K``), ``split_k`` splits."""
     from lowbit.kernels import spqr_gemv
 
     kernel = spqr_gemv._spqr_gemv_kernel
@@ -82,8 +87,8 @@ def compile_spqr_kernel(block_m, block_tr, block_g, num_warps, arch, dtype="fp16
                 "out_ptr": f"*{dtype}"}  # fmt: skip
     scalars = ["M", "N", "K", "stride_xm", "stride_wt", "stride_os", "stride_om"]
     constants = dict(
-        N_TILES_G=256, SPLIT_K=1, CHUNKS_PER_SPLIT=256 // block_g, HAS_PERM=True, SPARSE=1,
-        HAS_BIAS=False, EVEN_K=True, BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m,
+        N_TILES_G=256, SPLIT_K=split_k, CHUNKS_PER_SPLIT=256 // block_g // split_k,
+        HAS_PERM=True, SPARSE=1, HAS_BIAS=has_bias, EVEN_K=True, BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m,
         INTERPRET=False,
     )  # fmt: skip
     import triton

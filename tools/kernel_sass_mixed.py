@@ -29,7 +29,10 @@ _POINTERS = {
 }  # fmt: skip
 
 
-def compile_mixed(block_m, block_n, tile, warps, asynchronous, fuse, arch, dtype="fp16"):
+def compile_mixed(
+    block_m, block_n, tile, warps, asynchronous, fuse, arch, dtype="fp16", split_k=1,
+    has_bias=False,
+):  # fmt: skip
     """The M = 1 (``block_m`` 1) or 16-row kernel, segment A only (UA = 64 words), g2 16."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -40,8 +43,8 @@ def compile_mixed(block_m, block_n, tile, warps, asynchronous, fuse, arch, dtype
     pointers = {"x_ptr": f"*{dtype}", **_POINTERS, "bias_ptr": f"*{dtype}",
                 "out_ptr": f"*{dtype}"}  # fmt: skip
     common = dict(UA=64, UB=0, UC=0, G2=16, BLOCK_N=block_n, ASYNC=asynchronous,
-                  FUSE_OUTLIERS=fuse, MAX_ROW_NNZ=16 if fuse else 0, SPLIT_K=1,
-                  HAS_BIAS=False)  # fmt: skip
+                  FUSE_OUTLIERS=fuse, MAX_ROW_NNZ=16 if fuse else 0, SPLIT_K=split_k,
+                  HAS_BIAS=has_bias, INTERPRET=False)  # fmt: skip
     strides = ["stride_pn", "stride_sn", "stride_t2", "stride_t4", "stride_r2", "stride_r4"]
     if block_m == 1:
         kernel = mixed_gemv._gemv1_kernel
@@ -50,8 +53,7 @@ def compile_mixed(block_m, block_n, tile, warps, asynchronous, fuse, arch, dtype
     else:
         kernel = mixed_gemv._gemm16_kernel
         scalars = ["M", "N", "K", "stride_xm", *strides, "stride_os", "stride_om"]
-        constants = dict(common, TILES_A=4, TILES_B=0, TILES_C=0, T=tile, BLOCK_M=block_m,
-                         INTERPRET=False)  # fmt: skip
+        constants = dict(common, TILES_A=4, TILES_B=0, TILES_C=0, T=tile, BLOCK_M=block_m)
     names = kernel.arg_names
     signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
     aligned = [*pointers, "K", *(s for s in scalars if s.startswith("stride"))]
