@@ -17,6 +17,9 @@ Optional QAT (``qat_steps > 0``, seed §3.3): the 4-bit groups and outliers are 
 float model's Hessians, the block linears are fine-tuned for ``qat_steps`` steps with the
 mixed format fake-quantized in the forward pass (straight-through estimator), then GPTQ
 quantizes the fine-tuned weights with the same 4-bit groups (:mod:`lowbit.algorithms.qat`).
+The loss is next-token cross-entropy on the calibration text, so the model also adapts to that
+text: perplexity on text like it falls more than the distance to the float model does
+(docs/results/mixed.md measures both).
 """
 
 from __future__ import annotations
