@@ -204,6 +204,7 @@ class EnergyMeter:
     ``nvidia-ml-py`` (then ``joules`` stays None)."""
 
     def __init__(self, index: int = 0):
+        self.joules = self.watts = None
         try:
             import pynvml
         except ImportError:
@@ -213,7 +214,6 @@ class EnergyMeter:
         self.nvml = pynvml
         pynvml.nvmlInit()
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        self.joules = self.watts = None
 
     def _counter(self):
         try:
@@ -306,7 +306,11 @@ def run_row(args) -> dict:
                 result["batches"][batch]["watts"] = meter.watts
                 result["batches"][batch]["joules_per_token"] = meter.joules / (batch * new_tokens)
             elif meter is not None:
-                result["batches"][batch]["cost_note"] = "nvidia-ml-py is not installed"
+                result["batches"][batch]["cost_note"] = (
+                    "NVML gave no energy or power reading"
+                    if meter.available
+                    else "nvidia-ml-py is not installed"
+                )
     except Exception as err:  # a compile failure is a result, not a crash
         if not args.compiled:
             raise
