@@ -30,10 +30,10 @@ code counts (``tools/kernel_sass.py`` counts them in the compiled loop without a
 Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. A 4096-row layer at 128 rows per
 program gives 32 programs for 132 SMs, too few bytes in flight; splitting K fills the machine.
 Partial sums go to an fp32 buffer (:mod:`lowbit.kernels.split_k`; at M = 1 it is under 2% of
-a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits there). Which (BLOCK_M, BLOCK_N,
-SPLIT_K) wins is measured per shape on the GPU by :func:`int_gemv` (whole call timed with
-``triton.testing.do_bench``, cached), never under the interpreter. Accumulation is fp32
-throughout.
+a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits there). Which
+(BLOCK_M, BLOCK_N, SPLIT_K) wins is measured per shape on the GPU by :func:`int_gemv` (whole
+call timed with ``triton.testing.do_bench``, cached), never under the interpreter.
+Accumulation is fp32 throughout.
 """
 
 from __future__ import annotations
