@@ -28,7 +28,8 @@ default, ``BLOCK_TR`` 8, the fewest loop instructions per code in ``tools/kernel
 
 Memory traffic at M = 1: 8 bytes per 16 weights (4.0 bits per weight), 4 bytes per outlier plus
 the row offsets, the input from cache, ``M · N`` outputs. Split-K: a grid of ``cdiv(N, 16 ·
-BLOCK_TR) x SPLIT_K`` (:mod:`lowbit.kernels.split_k`). Outliers are split between the programs of a row by slot index.
+BLOCK_TR) x SPLIT_K`` (:mod:`lowbit.kernels.split_k`). Outliers are split between the programs
+of a row by slot index.
 
 :func:`spqr_reference` (pure torch) is the oracle: the dense part decoded from the words in fp16
 arithmetic, then ``x_p @ D'ᵀ`` and the outliers in fp32. :func:`spqr_dequantize_dense` is the
