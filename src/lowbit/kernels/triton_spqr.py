@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.kernels.dispatch import WeightBackend, register_backend
-from lowbit.kernels.triton_support import input_refusal, interpreting
+from lowbit.kernels.triton_support import fastest_config, input_refusal, interpreting
 
 __all__ = ["TritonSpQRBackend", "SMALL_M", "choose_sparse_format"]
 
@@ -65,18 +65,15 @@ def choose_sparse_format(layer, words, perm, device) -> str:
 
 
 def _profile(layer, words, perm, device) -> str:
-    """The faster layout for a one-row product, by ``triton.testing.do_bench``."""
-    import triton.testing
-
+    """The faster layout for a one-row product (timed like a launch configuration)."""
     from lowbit.kernels.spqr_gemv import spqr_gemv
 
     x = torch.randn(1, layer.in_features, device=device, dtype=torch.float16)
-    times = {}
-    for kind in ("csr", "ptcsr"):
-        sparse = _convert(layer.outliers(), kind)
-        fn = lambda s=sparse: spqr_gemv(x, words, perm, s, None, out_features=layer.out_features)  # noqa: E731
-        times[kind] = triton.testing.do_bench(fn, warmup=5, rep=25)
-    return min(times, key=times.get)
+    sparse = {kind: _convert(layer.outliers(), kind) for kind in ("csr", "ptcsr")}
+    return fastest_config(
+        lambda kind: spqr_gemv(x, words, perm, sparse[kind], None, out_features=layer.out_features),
+        list(sparse),
+    )
 
 
 class TritonSpQRBackend(WeightBackend):
