@@ -103,7 +103,7 @@ def build_model(device: str, dtype_name: str, quant, backend):
 
     dtype = getattr(torch, dtype_name)
     if device == "cpu":
-        from lowbit.models.loader import load_model
+        from lowbit.api import load_model
 
         loaded = load_model(None, dtype=dtype)
         model, tokenizer = loaded.model, loaded.tokenizer

@@ -215,7 +215,7 @@ def main() -> None:
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.kv.fisher import collect_kv_fisher
     from lowbit.models.adapter import adapter_for
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     loaded = load_model(None)
     tokens = tokenize(loaded.tokenizer, load_corpus(args.dataset).text)

@@ -64,7 +64,7 @@ def main() -> None:
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
     from lowbit.models.adapter import adapter_for
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
     from lowbit.recipes.kvquant import LADDER
     from lowbit.recipes.registry import get_recipe
 

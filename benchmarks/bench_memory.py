@@ -78,7 +78,7 @@ before = torch.cuda.memory_allocated() if cuda else rss("RssAnon")
 if args["checkpoint"]:
     model = lowbit.load(args["checkpoint"], dtype=getattr(torch, args["dtype"]))
 elif args["source"] == "embedded":
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
     model = load_model(None, dtype=getattr(torch, args["dtype"])).model
 else:
     config = transformers.LlamaConfig(**args["shape"], tie_word_embeddings=False)
@@ -126,7 +126,7 @@ def save_checkpoint(recipe: str, directory: Path) -> None:
     """Quantize the embedded model (RTN, packed) and save it, in a child process."""
     code = (
         "import lowbit, sys\n"
-        "from lowbit.models.loader import load_model\n"
+        "from lowbit.api import load_model\n"
         "loaded = load_model(None)\n"
         "recipe = sys.argv[1]\n"
         "if ':' in recipe:\n"

@@ -117,7 +117,7 @@ def clip_study(threads: int) -> None:
     import math
 
     import lowbit.formats.mixed as formats
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     torch.set_num_threads(threads)
     model = load_model(None).model
@@ -168,7 +168,7 @@ def layer_study(args) -> None:
     from lowbit.algorithms.rtn import IntWeightSpec
     from lowbit.calibrate.hessian import HessianCollector
     from lowbit.data import calibration_samples, load_corpus, tokenize
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     torch.set_num_threads(args.threads)
     fp = load_model(None)
@@ -294,7 +294,7 @@ def main() -> None:
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.eval.memory import linear_weight_bits
     from lowbit.models.adapter import adapter_for
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
     from lowbit.recipes.registry import get_recipe
 
     fp = load_model(None)

@@ -27,7 +27,7 @@ import torch
 
 from lowbit.data import eval_windows, load_corpus, tokenize
 from lowbit.models.adapter import adapter_for
-from lowbit.models.loader import load_model
+from lowbit.api import load_model
 from lowbit.transforms.rotate import rotate_model
 
 

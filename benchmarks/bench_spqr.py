@@ -42,7 +42,7 @@ from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
 from lowbit.eval.memory import linear_weight_bits  # noqa: E402
 from lowbit.formats.accounting import spqr_bits, two_order_bits  # noqa: E402
 from lowbit.models.adapter import adapter_for  # noqa: E402
-from lowbit.models.loader import load_model  # noqa: E402
+from lowbit.api import load_model  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
 #: row name -> (recipe, settings, analytic bits of the dense format)

@@ -129,7 +129,7 @@ def export(row: str, out: Path) -> tuple[list[list[int]], list[str], str]:
 
     from lowbit.api import quantize
     from lowbit.io.compressed_tensors import export_compressed_tensors
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
     from lowbit.recipes.registry import get_recipe
 
     loaded = load_model(None)

@@ -9,12 +9,11 @@ registry, without ``import lowbit`` importing transformers.
 from importlib import import_module
 
 from lowbit.io.hf import register_when_transformers_loads
-
-__version__ = "0.1.0"
+from lowbit.version import __version__
 
 _LAZY = {
     "LowbitError": "lowbit.errors",
-    "load_model": "lowbit.models.loader",
+    "load_model": "lowbit.api",
     "quantize": "lowbit.api",
     "get_recipe": "lowbit.recipes.registry",
     "list_recipes": "lowbit.recipes.registry",

@@ -1,4 +1,5 @@
-"""The one entry point, ``lowbit.quantize(model, recipe, calibration=...)``.
+"""The entry points: ``lowbit.quantize(model, recipe, calibration=...)`` and
+``lowbit.load_model(spec)`` (any model spec, saved lowbit checkpoints included).
 
 It lives in ``lowbit.api``, not in a module named ``lowbit.quantize``: importing a submodule sets
 the package attribute of the same name, which would replace the function ``lowbit.quantize`` by
@@ -7,6 +8,7 @@ the module.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,9 @@ from typing import Any
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.io.checkpoint import load
+from lowbit.io.format import is_lowbit_checkpoint
+from lowbit.models import loader
 from lowbit.models.adapter import adapter_for
 from lowbit.recipes.base import QuantizeContext, Recipe
 from lowbit.recipes.registry import get_recipe
@@ -115,3 +120,25 @@ def _matches(name: str, pattern: str) -> bool:
     from fnmatch import fnmatchcase
 
     return fnmatchcase(name, pattern)
+
+
+def load_model(
+    spec: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> loader.LoadedModel:
+    """A model and its tokenizer from any spec :func:`lowbit.models.loader.load_model` takes,
+    or from a directory saved by :func:`lowbit.save` (quantized, packed, verified; ``source``
+    ``"lowbit"``; ``dtype`` is then the dtype of its float parameters)."""
+    path = None if spec is None else Path(spec).expanduser()
+    if path is None or not (path.is_dir() and is_lowbit_checkpoint(path)):
+        return loader.load_model(spec, dtype=dtype, trust_remote_code=trust_remote_code)
+    from transformers import AutoTokenizer
+
+    model = load(path, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise LowbitError(f"{path} holds a lowbit model but no usable tokenizer ({err})") from err
+    return loader.LoadedModel(model, tokenizer, str(path), "lowbit")

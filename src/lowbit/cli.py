@@ -547,7 +547,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.eval.memory import memory_report
     from lowbit.models.adapter import adapter_for
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
     recipes = [recipe for _, recipe in labelled]
@@ -662,7 +662,7 @@ def run_quantize(args) -> None:
     from lowbit.eval.memory import memory_report
     from lowbit.io.checkpoint import check_save_target, save
     from lowbit.models.adapter import adapter_for
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
     if recipe.method == "fp":
@@ -697,7 +697,7 @@ def run_export(args) -> None:
     from lowbit.api import quantize
     from lowbit.data import load_corpus
     from lowbit.io.compressed_tensors import check_export_target, export_compressed_tensors
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     recipe = None
     if args.recipe is not None:
@@ -759,7 +759,7 @@ def factor_pow2(n: int) -> str:
 
 def run_info(args) -> None:
     from lowbit.models.adapter import adapter_for
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     device = resolve_device(args.device)
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
@@ -821,7 +821,7 @@ def run_generate(args) -> None:
     from lowbit.api import quantize
     from lowbit.data import load_corpus
     from lowbit.generate import generate
-    from lowbit.models.loader import load_model
+    from lowbit.api import load_model
 
     recipe = None
     if args.recipe is not None:

@@ -191,7 +191,7 @@ def test_non_sequential_resume_propagates_float_outputs(tmp_path, count_gptq):
 CHILD = """
 import json, os, signal, sys
 import torch
-from lowbit.io.resume import BlockCheckpoints
+from lowbit.calibrate.resume import BlockCheckpoints
 from lowbit.models.tiny import tiny_model
 from lowbit.api import quantize
 from lowbit.recipes.registry import get_recipe

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import lowbit
 from lowbit.api import quantize
 from lowbit.errors import LowbitError
-from lowbit.io import checkpoint
+from lowbit.io import format as io_format
 from lowbit.io.checkpoint import load, save, verify_checkpoint
 from lowbit.kv.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_model
@@ -201,8 +201,8 @@ def _resign(directory: Path) -> None:
     path = directory / "config.json"
     config = json.loads(path.read_text())
     config["quantization_config"]["checksums"] = {
-        "model.safetensors": checkpoint._sha256(directory / "model.safetensors"),
-        "config.json": checkpoint._config_checksum(config),
+        "model.safetensors": io_format.file_sha256(directory / "model.safetensors"),
+        "config.json": io_format.config_checksum(config),
     }
     path.write_text(json.dumps(config))
 

@@ -38,10 +38,11 @@ class _Counting(dispatch.WeightBackend):
 @pytest.fixture
 def counting(monkeypatch):
     backend = _Counting()
-    monkeypatch.setitem(dispatch._BACKEND_MODULES, ("counting", "int"), __name__)
-    monkeypatch.setitem(dispatch._REGISTRY, ("counting", "int"), backend)
+    dispatch.register_backend(backend)
     monkeypatch.setitem(dispatch.AUTO_ORDER, "cpu", ("counting", "reference"))
-    return backend
+    yield backend
+    dispatch.BACKENDS.unregister(("counting", "int"))
+    dispatch._RESOLVED.clear()
 
 
 def test_auto_takes_the_first_backend_that_fits_and_prepares_once(counting):

@@ -18,8 +18,8 @@ from torch import Tensor
 
 import lowbit
 from lowbit.algorithms.weights import quantize_linears
+from lowbit.calibrate.resume import BlockCheckpoints
 from lowbit.errors import LowbitError
-from lowbit.io.resume import BlockCheckpoints
 from lowbit.kernels import dispatch
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
@@ -28,10 +28,10 @@ from lowbit.nn.packed_linear import (
     PackedLinear,
     PackedLinearBase,
     pack_model,
-    register_packed_format,
     unpack_model,
 )
 from lowbit.nn.quant_linear import FakeQuantLinear
+from lowbit.nn.spec import MODULES, register_module
 from lowbit.recipes.registry import get_recipe
 
 
@@ -83,8 +83,7 @@ class ToySpec:
 class ToyLinear(PackedLinearBase):
     format_kind = "toy"
     container_type = ToyQuantized
-    spec_fields = {"in_features": (int,), "out_features": (int,), "bias": (bool,),
-                   "weight_dtype": (str,)}  # fmt: skip
+    format_fields = {}  # no settings beyond the ones every packed linear has
 
     def __init__(self, in_features, out_features, *, weight_dtype=torch.float32, bias=False,
                  input_transform=None, act_quantizer=None, backend="reference"):  # fmt: skip
@@ -123,9 +122,10 @@ class ToyLinear(PackedLinearBase):
 
 
 @pytest.fixture
-def toy_format(monkeypatch):
-    monkeypatch.setattr(packed_linear, "_FORMATS", dict(packed_linear._FORMATS))
-    register_packed_format(ToyLinear)
+def toy_format():
+    register_module(ToyLinear)  # what ``@register_module`` on the class does
+    yield
+    MODULES.unregister("ToyLinear")
 
 
 def _toy_model(algo="rtn", calibration=None):

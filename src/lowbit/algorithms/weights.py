@@ -25,7 +25,7 @@ Choices:
   integers) output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those samples (``tr(ΔW H_heldout ΔWᵀ)``) are
   compared and the smaller one's weight is kept.
 * Resuming (GPTQ, ``resume_dir``): each finished block's packed weights and choices are written
-  to a :class:`~lowbit.io.resume.BlockCheckpoints` directory. A run started again with the same
+  to a :class:`~lowbit.calibrate.resume.BlockCheckpoints` directory. A run started again with the same
   inputs restores the finished blocks instead of calibrating them; the walk still runs them
   forward (the same code path), so later blocks see bit for bit the inputs of an
   uninterrupted run and the result is identical to it.
@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from lowbit.calibrate.capture import block_linears, calibrate_layer_by_layer
 from lowbit.calibrate.hessian import HessianCollector
 from lowbit.errors import LowbitError
-from lowbit.io.resume import BlockCheckpoints, run_fingerprint
+from lowbit.calibrate.resume import BlockCheckpoints, run_fingerprint
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
 
 __all__ = ["GPTQOptions", "WeightSpec", "LayerChoice", "WeightQuantReport", "quantize_linears"]
@@ -198,7 +198,7 @@ def quantize_linears(
         progress: show progress bars.
         device: compute device for calibration (default: where the blocks are).
         offload_device: where captured activations live during calibration.
-        resume_dir: GPTQ only: directory of block checkpoints (:mod:`lowbit.io.resume`);
+        resume_dir: GPTQ only: directory of block checkpoints (:mod:`lowbit.calibrate.resume`);
             finished blocks found there are restored instead of calibrated, the others are
             written as they finish. A directory from a different run is a LowbitError.
         recipe: the calling recipe's ``to_dict()`` (and overrides), part of the resume

@@ -1,8 +1,11 @@
 """lowbit as a transformers quantization method: ``from_pretrained`` loads lowbit checkpoints.
 
 transformers lets a library register a quantization config class and a quantizer under a
-``quant_method`` name. Ours rebuilds lowbit's modules on the empty (meta) model before the
-weights load (:func:`lowbit.io.checkpoint.restructure`) and recomputes the derived buffers after.
+``quant_method`` name. Ours verifies the checkpoint's files (:func:`lowbit.io.format
+.verify_checkpoint`: checksums, every tensor's key, shape and dtype; skipped inside
+:func:`verified`, where the caller has just done it), rebuilds lowbit's modules on the empty
+(meta) model before the weights load (:func:`lowbit.io.rebuild.restructure`) and recomputes the
+derived buffers after.
 :func:`register_with_transformers` is idempotent; ``import lowbit`` arranges for it to run as
 soon as transformers' quantizer registry is imported (see :mod:`lowbit`), so
 ``AutoModelForCausalLM.from_pretrained(dir)`` works after ``import lowbit`` without lowbit
@@ -11,15 +14,37 @@ importing transformers itself.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-__all__ = ["register_with_transformers", "register_when_transformers_loads"]
+__all__ = ["register_with_transformers", "register_when_transformers_loads", "verified"]
 
 _REGISTERED = False
 _REGISTRY_MODULE = "transformers.quantizers.auto"
+
+#: checkpoint directories whose files the current caller has verified (see :func:`verified`)
+_VERIFIED: set[Path] = set()
+
+
+@contextlib.contextmanager
+def verified(directory: str | os.PathLike) -> Iterator[None]:
+    """Inside, loading ``directory`` through transformers does not verify its files again."""
+    path = Path(directory).resolve()
+    _VERIFIED.add(path)
+    try:
+        yield
+    finally:
+        _VERIFIED.discard(path)
+
+
+def _checkpoint_directory(checkpoint_files: list[str] | None) -> Path | None:
+    return Path(checkpoint_files[0]).resolve().parent if checkpoint_files else None
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -65,26 +90,30 @@ def register_with_transformers() -> None:
     from transformers.quantizers.base import HfQuantizer
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
-    from lowbit.io import checkpoint
+    from lowbit.io.format import QUANT_METHOD, check_format, verify_checkpoint
+    from lowbit.io.rebuild import refresh_derived_buffers, restructure
 
     class LowbitConfig(QuantizationConfigMixin):
-        """lowbit's ``quantization_config`` (see :mod:`lowbit.io.checkpoint`), kept as given."""
+        """lowbit's ``quantization_config`` (see :mod:`lowbit.io.format`), kept as given."""
 
         def __init__(self, **fields: Any):
-            checkpoint.check_format(fields, "the model's quantization_config")
+            check_format(fields, "the model's quantization_config")
             self.__dict__.update(fields)
-            self.quant_method = checkpoint.QUANT_METHOD
+            self.quant_method = QUANT_METHOD
 
     class LowbitHfQuantizer(HfQuantizer):
         """Loads lowbit checkpoints (pre-quantized only: quantizing goes through lowbit)."""
 
         requires_calibration = True
 
-        def _process_model_before_weight_loading(self, model, **kwargs):
-            checkpoint.restructure(model, self.quantization_config.to_dict())
+        def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+            directory = _checkpoint_directory(checkpoint_files)
+            if directory is not None and directory not in _VERIFIED:
+                verify_checkpoint(directory)
+            restructure(model, self.quantization_config.to_dict())
 
         def _process_model_after_weight_loading(self, model, **kwargs):
-            checkpoint.refresh_derived_buffers(model)
+            refresh_derived_buffers(model)
             return model
 
         def is_serializable(self):
@@ -96,6 +125,6 @@ def register_with_transformers() -> None:
         def is_trainable(self):
             return False
 
-    AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(checkpoint.QUANT_METHOD, LowbitConfig)
-    AUTO_QUANTIZER_MAPPING.setdefault(checkpoint.QUANT_METHOD, LowbitHfQuantizer)
+    AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(QUANT_METHOD, LowbitConfig)
+    AUTO_QUANTIZER_MAPPING.setdefault(QUANT_METHOD, LowbitHfQuantizer)
     _REGISTERED = True

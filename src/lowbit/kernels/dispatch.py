@@ -11,8 +11,10 @@ tested against. A layer's ``backend`` is a backend name or ``"auto"``: the first
 :data:`AUTO_ORDER` for the input's device that exists for the layer's kind and supports the
 layer and the input.
 
-Backends register themselves with :func:`register_backend`; their modules are imported lazily
-(:data:`_BACKEND_MODULES`) so that ``import lowbit`` never imports Triton.
+Backends register themselves with :func:`register_backend` where they are defined;
+:data:`BACKENDS`' builtins table names the module of each of lowbit's own (imported on first
+use, so that ``import lowbit`` never imports Triton). Adding a backend is its module plus one
+line in that table.
 
 Under ``torch.compile`` a packed linear calls :func:`packed_matmul` through one opaque custom op,
 ``torch.ops.lowbit.packed_matmul(x, layer_handle, out_features)``: the graph keeps every packed
@@ -24,7 +26,6 @@ around it. The handle finds the layer in a registry of live packed linears
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from typing import Any, ClassVar
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowbit.errors import LowbitError
+from lowbit.registry import Registry
 
 __all__ = [
     "WeightBackend",
@@ -41,29 +43,32 @@ __all__ = [
     "backend_names",
     "choose",
     "packed_matmul",
-    "register_backend_module",
     "register_layer",
     "AUTO_ORDER",
+    "BACKENDS",
     "ANY_KIND",
 ]
-
-#: every kind's backends by (name, format kind); "reference" is registered for ANY_KIND
-_REGISTRY: dict[tuple[str, str], WeightBackend] = {}
 
 #: a format kind that stands for every kind (the reference backend's)
 ANY_KIND = "*"
 
+#: every backend by (name, format kind); "reference" is registered for ANY_KIND
+BACKENDS: Registry[tuple[str, str], WeightBackend] = Registry(
+    "backend",
+    key=lambda backend: (backend.name, backend.format_kind) if backend.name else None,
+    builtins={
+        ("reference", ANY_KIND): __name__,
+        ("torch-cpu", "int"): "lowbit.kernels.torch_cpu",
+        ("triton", "int"): "lowbit.kernels.triton_int",
+        ("torch-cpu", "spqr"): "lowbit.kernels.torch_cpu_decoded",
+        ("triton", "spqr"): "lowbit.kernels.triton_spqr",
+        ("torch-cpu", "mixed"): "lowbit.kernels.torch_cpu_decoded",
+        ("triton", "mixed"): "lowbit.kernels.triton_mixed",
+    },
+)
+
 #: what get_backend found per (name, format kind); emptied when a registration changes
 _RESOLVED: dict[tuple[str, str], WeightBackend] = {}
-
-#: where each backend lives, by (name, format kind) (imported on first use)
-_BACKEND_MODULES: dict[tuple[str, str], str] = {
-    ("reference", ANY_KIND): __name__,
-    ("torch-cpu", "int"): "lowbit.kernels.torch_cpu",
-    ("triton", "int"): "lowbit.kernels.triton_int",
-    ("triton", "mixed"): "lowbit.kernels.triton_mixed",
-    ("torch-cpu", "mixed"): "lowbit.kernels.torch_cpu_decoded",
-}
 
 #: preference of ``backend="auto"`` per device type (first supported wins)
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
@@ -104,9 +109,7 @@ class ReferenceBackend(WeightBackend):
 
 def register_backend(backend: WeightBackend) -> WeightBackend:
     """Make ``backend`` available by its name for its format kind."""
-    if not backend.name or not backend.format_kind:
-        raise LowbitError(f"{type(backend).__name__} has no name or format kind")
-    _REGISTRY[(backend.name, backend.format_kind)] = backend
+    BACKENDS.register(backend)
     _RESOLVED.clear()
     return backend
 
@@ -114,15 +117,9 @@ def register_backend(backend: WeightBackend) -> WeightBackend:
 register_backend(ReferenceBackend())
 
 
-def register_backend_module(name: str, format_kind: str, module: str) -> None:
-    """Say where backend ``name`` for ``format_kind`` lives (imported on first use)."""
-    _BACKEND_MODULES[(name, format_kind)] = module
-    _RESOLVED.clear()
-
-
 def backend_names() -> tuple[str, ...]:
     """Every backend name a layer accepts, ``"auto"`` included."""
-    return ("auto", *dict.fromkeys(name for name, _ in _BACKEND_MODULES))
+    return ("auto", *dict.fromkeys(name for name, _ in BACKENDS.names()))
 
 
 def get_backend(name: str, format_kind: str = "int") -> WeightBackend:
@@ -137,15 +134,13 @@ def get_backend(name: str, format_kind: str = "int") -> WeightBackend:
 def _resolve(name: str, format_kind: str) -> WeightBackend:
     if name not in backend_names() or name == "auto":
         raise LowbitError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
-    key = (name, format_kind) if (name, format_kind) in _BACKEND_MODULES else (name, ANY_KIND)
-    if key not in _BACKEND_MODULES:
+    key = (name, format_kind) if (name, format_kind) in BACKENDS else (name, ANY_KIND)
+    if key not in BACKENDS:
         raise LowbitError(f"backend {name!r} has no kernel for {format_kind} weights")
-    if key not in _REGISTRY:
-        try:
-            importlib.import_module(_BACKEND_MODULES[key])
-        except ImportError as err:
-            raise LowbitError(f"backend {name!r} is not available here ({err})") from err
-    return _REGISTRY[key]
+    try:
+        return BACKENDS.get(key)
+    except ImportError as err:
+        raise LowbitError(f"backend {name!r} is not available here ({err})") from err
 
 
 def choose(layer, x: Tensor) -> WeightBackend:

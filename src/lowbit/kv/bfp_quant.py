@@ -25,6 +25,7 @@ from lowbit.errors import LowbitError
 from lowbit.formats.bfp import bfp_dequantize, bfp_quantize, fake_quant_bfp
 from lowbit.formats.packing import pack_bits, packed_words_per_row, unpack_bits
 from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
+from lowbit.nn.spec import Rebuildable, register_module
 
 __all__ = ["BFPPackedKV", "BFPKVQuantizer", "BFPQueryQuantizer", "check_bfp_block"]
 
@@ -152,9 +153,12 @@ class BFPKVQuantizer(KVQuantizer):
         )
 
 
-class BFPQueryQuantizer(nn.Module):
+@register_module
+class BFPQueryQuantizer(Rebuildable, nn.Module):
     """Simulated BFP quantization of queries ``[B, H_q, S, D]`` (BFP16: 8-bit mantissas), per
     head in the channel order of the head's KV group (``order`` ``[H_kv, D]`` or None)."""
+
+    spec_fields = {"mantissa_bits": int, "block": int, "head_dim": int, "order_shape": list | None}
 
     def __init__(
         self, mantissa_bits: int, block: int, head_dim: int, order: Tensor | None = None
@@ -164,6 +168,25 @@ class BFPQueryQuantizer(nn.Module):
         check_bfp_block(block, head_dim)
         self.mantissa_bits, self.block, self.head_dim = mantissa_bits, block, head_dim
         self.register_buffer("order", order)
+
+    def spec(self) -> dict[str, Any]:
+        order = self.order
+        return {
+            "mantissa_bits": self.mantissa_bits,
+            "block": self.block,
+            "head_dim": self.head_dim,
+            "order_shape": None if order is None else list(order.shape),  # [H_kv, D]
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> BFPQueryQuantizer:
+        shape = spec["order_shape"]
+        if shape is not None and (
+            len(shape) != 2 or not all(type(n) is int and n > 0 for n in shape)
+        ):
+            raise LowbitError(f"the checkpoint's BFPQueryQuantizer has a bad order shape {shape!r}")
+        order = None if shape is None else torch.zeros(shape, dtype=torch.long)
+        return cls(spec["mantissa_bits"], spec["block"], spec["head_dim"], order)
 
     def forward(self, q: Tensor) -> Tensor:
         if self.order is None:

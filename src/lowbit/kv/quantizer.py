@@ -24,7 +24,11 @@ Decisions:
   the format; ``bits_per_element(head_dim)`` is the analytic figure with all metadata counted.
 * Quantizers are ``nn.Module``s so that calibrated tensors are buffers: they move with
   ``model.to(device)`` and save through ``state_dict()`` (safetensors, no pickle); the
-  settings round-trip through ``to_dict()`` / :func:`kv_quantizer_from_dict`.
+  settings round-trip through ``to_dict()`` / :func:`kv_quantizer_from_dict`, which finds the
+  class by its ``kind`` in :data:`KV_QUANTIZERS` (a :class:`~lowbit.registry.Registry`: each
+  class registers itself with ``@register_kv_quantizer``, and the builtins table names the module
+  of each of lowbit's own, so a checkpoint's cache is rebuilt whatever was imported before) and
+  checks the settings against the constructor's annotations first.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
+from lowbit.registry import Registry
+from lowbit.settings import check_fields, field_annotations
 
 __all__ = [
     "PackedKV",
@@ -111,15 +117,22 @@ class PackedKV:
         return dataclasses.replace(first, shape=shape, **joined)
 
 
-KV_QUANTIZERS: dict[str, type[KVQuantizer]] = {}
+#: every KV quantizer class by ``kind``
+KV_QUANTIZERS: Registry[str, type[KVQuantizer]] = Registry(
+    "KV quantizer",
+    key=lambda cls: cls.kind,
+    builtins={
+        "int-token": "lowbit.kv.int_quant",
+        "int-channel": "lowbit.kv.int_quant",
+        "kivi-key": "lowbit.kv.kivi",
+        "kivi-value": "lowbit.kv.kivi",
+        "kvquant": "lowbit.kv.kvquant",
+        "bfp": "lowbit.kv.bfp_quant",
+    },
+)
 
-
-def register_kv_quantizer(cls: type[KVQuantizer]) -> type[KVQuantizer]:
-    """Class decorator: make ``cls`` loadable by its ``kind`` in :func:`kv_quantizer_from_dict`."""
-    if not cls.kind:
-        raise LowbitError(f"{cls.__name__} must set a non-empty `kind`")
-    KV_QUANTIZERS[cls.kind] = cls
-    return cls
+#: class decorator: make a KVQuantizer subclass loadable by its ``kind``
+register_kv_quantizer = KV_QUANTIZERS.register
 
 
 class KVQuantizer(nn.Module):
@@ -165,14 +178,15 @@ class KVQuantizer(nn.Module):
 def kv_quantizer_from_dict(
     data: dict[str, Any], state: dict[str, Tensor] | None = None
 ) -> KVQuantizer:
-    """Rebuild a quantizer from ``to_dict()`` output and, if given, its ``state_dict()``."""
-    data = dict(data)
-    kind = data.pop("kind", None)
-    if kind not in KV_QUANTIZERS:
-        raise LowbitError(
-            f"unknown KV quantizer kind {kind!r}; known kinds: {', '.join(sorted(KV_QUANTIZERS))}"
-        )
-    quantizer = KV_QUANTIZERS[kind](**data)
+    """Rebuild a quantizer from ``to_dict()`` output (its settings checked against the
+    constructor's annotations) and, if given, its ``state_dict()``."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if not isinstance(kind, str):
+        raise LowbitError(f"a KV quantizer entry needs a kind: {data!r}"[:200])
+    cls = KV_QUANTIZERS.get(kind)
+    settings = {k: v for k, v in data.items() if k != "kind"}
+    check_fields(settings, field_annotations(cls.__init__), f"{kind} KV quantizer")
+    quantizer = cls(**settings)
     if state is not None:
         quantizer.load_state_dict(state)
     return quantizer

@@ -7,6 +7,9 @@ A spec is one of:
 - a local ``.gguf`` file (transformers dequantizes it to float);
 - a hub id such as ``HuggingFaceTB/SmolLM2-135M`` (online, or from the user's HF cache).
 
+A directory saved by ``lowbit.save`` is a quantized model: :func:`lowbit.api.load_model` takes
+every spec here and those too (it is ``lowbit.load_model``).
+
 GGUF files take ~20 s to dequantize, so the first load converts them once to a safetensors
 directory in the lowbit cache (``$LOWBIT_CACHE``, default ``~/.cache/lowbit``), keyed by the
 file's SHA-256 and written atomically; later loads read that directory in a second or two.
@@ -58,7 +61,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     name: str  # what the user asked for, resolved to something readable
-    source: str  # "embedded", "directory", "lowbit" (a saved lowbit checkpoint), "gguf" or "hub"
+    source: str  # "embedded", "directory", "gguf", "hub" or "lowbit" (lowbit.api.load_model)
 
 
 def cache_root() -> Path:
@@ -238,20 +241,6 @@ def _from_directory(path: Path, dtype: torch.dtype, trust_remote_code: bool):
     return model, tokenizer
 
 
-def _from_lowbit_checkpoint(path: Path, dtype: torch.dtype):
-    """A model saved by ``lowbit.save`` (already quantized, packed) and its tokenizer."""
-    from transformers import AutoTokenizer
-
-    from lowbit.io.checkpoint import load
-
-    model = load(path, dtype=dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise LowbitError(f"{path} holds a lowbit model but no usable tokenizer ({err})") from err
-    return model, tokenizer
-
-
 def _from_gguf(path: Path, dtype: torch.dtype):
     remove_stale_temporaries(cache_root())
     cached = _gguf_cache_dir(path)
@@ -334,14 +323,8 @@ def _load(spec, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
             if not (path / "config.json").is_file():
                 raise LowbitError(f"{path} is a directory but has no config.json: not a model")
             check_model_directory(path)
-            from lowbit.io.checkpoint import is_lowbit_checkpoint
-
-            if is_lowbit_checkpoint(path):
-                model, tokenizer = _from_lowbit_checkpoint(path, dtype)
-                loaded = LoadedModel(model, tokenizer, str(path), "lowbit")
-            else:
-                model, tokenizer = _from_directory(path, dtype, trust_remote_code)
-                loaded = LoadedModel(model, tokenizer, str(path), "directory")
+            model, tokenizer = _from_directory(path, dtype, trust_remote_code)
+            loaded = LoadedModel(model, tokenizer, str(path), "directory")
         elif path.is_file():
             if path.suffix.lower() != ".gguf":
                 raise LowbitError(

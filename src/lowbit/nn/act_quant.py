@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import fake_quant_int
+from lowbit.nn.spec import Rebuildable, register_module
 
 
-class ActivationQuantizer(nn.Module):
+@register_module
+class ActivationQuantizer(Rebuildable, nn.Module):
     """Per-token (or per-group along the feature axis) integer fake-quantization of inputs.
 
     Args:
@@ -18,6 +22,8 @@ class ActivationQuantizer(nn.Module):
         clip_ratio: scale the per-token range by this factor before rounding (QuaRot: 0.9).
         group_size: quantize groups of this many features per token; None = the whole row.
     """
+
+    spec_fields = {"bits": int, "symmetric": bool, "clip_ratio": float, "group_size": int | None}
 
     def __init__(
         self,
@@ -46,6 +52,13 @@ class ActivationQuantizer(nn.Module):
         self.symmetric = symmetric
         self.clip_ratio = clip_ratio
         self.group_size = group_size
+
+    def spec(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.spec_fields}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> ActivationQuantizer:
+        return cls(spec["bits"], **{k: spec[k] for k in ("symmetric", "clip_ratio", "group_size")})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., features]
         out = fake_quant_int(

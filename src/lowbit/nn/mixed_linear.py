@@ -29,16 +29,14 @@ from torch import Tensor, nn
 from lowbit.errors import LowbitError
 from lowbit.formats.mixed import GROUP, MixedQuantized, segments
 from lowbit.formats.sparse import CSRMatrix
-from lowbit.nn.packed_linear import (
-    NonNegative,
-    PackedLinearBase,
-    register_packed_format,
-)
+from lowbit.nn.packed_linear import PackedLinearBase
+from lowbit.nn.spec import register_module
+from lowbit.settings import Count
 
 __all__ = ["MixedLinear"]
 
 
-@register_packed_format
+@register_module
 class MixedLinear(PackedLinearBase):
     """y = act_quantizer(input_transform(x)) @ Wᵀ + b with ``W`` mixed 2/4-bit.
 
@@ -55,10 +53,7 @@ class MixedLinear(PackedLinearBase):
 
     format_kind = "mixed"
     container_type = MixedQuantized
-    spec_fields = {
-        "in_features": (int,), "out_features": (int,), "n4": (int, NonNegative),
-        "g2": (int,), "nnz": (int, NonNegative), "weight_dtype": (str,), "bias": (bool,),
-    }  # fmt: skip
+    format_fields = {"n4": Count, "g2": int, "nnz": Count}
 
     def __init__(
         self,

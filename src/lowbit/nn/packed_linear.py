@@ -5,9 +5,10 @@ transform and activation quantizer in front (as on a
 :class:`~lowbit.nn.quant_linear.FakeQuantLinear`), the backend that multiplies (chosen per module,
 :mod:`lowbit.kernels.dispatch`), accounting, and the JSON spec a checkpoint rebuilds it from.
 A format subclasses it with its buffers, its container (``quantized_weight``, the simulated
-face's source of truth) and a ``format_kind`` that backends are registered for, and registers
-itself with :func:`register_packed_format`; :func:`pack_model`, :func:`unpack_model`, checkpoints
-and resume directories then handle it.
+face's source of truth), a ``format_kind`` that backends are registered for and its own spec
+fields (``format_fields``), and registers itself with ``@register_module``
+(:mod:`lowbit.nn.spec`); :func:`pack_model`, :func:`unpack_model`, checkpoints and resume
+directories then handle it.
 
 ``PackedLinear`` is the integer format (2-8 bits, symmetric or with integer zeros, per output
 channel or in groups along the input). Its buffers are what a checkpoint stores:
@@ -34,58 +35,37 @@ from lowbit.formats.intq import IntQuantized
 from lowbit.formats.packing import packed_words_per_row
 from lowbit.kernels.dispatch import backend_names, packed_matmul, register_layer
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
+from lowbit.nn.spec import MODULES, Rebuildable, register_module
+from lowbit.settings import dtype_from_name, dtype_name
 
 __all__ = [
     "PackedLinearBase",
     "PackedLinear",
-    "register_packed_format",
     "packed_format_for",
     "packed_formats",
     "pack_model",
     "unpack_model",
     "set_backend",
-    "dtype_name",
-    "dtype_from_name",
-    "NonNegative",
 ]
 
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """``torch.float16`` -> ``"float16"`` (how specs store dtypes)."""
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str | None) -> torch.dtype | None:
-    """``"float16"`` -> ``torch.float16``; a name that is not a dtype is a LowbitError."""
-    if name is None:
-        return None
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise LowbitError(f"{name!r} is not a torch dtype")
-    return dtype
-
-
-class NonNegative:
-    """In a ``spec_fields`` type tuple, next to ``int``: the integer may be 0 (a count); plain
-    ``int`` fields must be positive."""
-
-
-class PackedLinearBase(nn.Module):
+class PackedLinearBase(Rebuildable, nn.Module):
     """y = act_quantizer(input_transform(x)) @ Wᵀ + b, W held packed by a subclass.
 
     Subclasses set ``format_kind`` (the key backends are registered under), ``container_type``
     (the weight container they pack, with ``dequantize``, ``storage_bits``, ``to``) and
-    ``spec_fields`` (the JSON type of each field of :meth:`spec`, for checking checkpoints),
-    and implement :meth:`from_quantized`, :attr:`quantized_weight`, :meth:`format_spec` (and
+    ``format_fields`` (the annotation of each field of :meth:`format_spec`, for checking
+    checkpoints), and implement :meth:`from_quantized`, :attr:`quantized_weight`, :meth:`format_spec` (and
     :meth:`format_kwargs` where a field is not a keyword as it is) and :meth:`weight_format`.
     They call :meth:`_init_linear` from ``__init__``.
     """
 
     format_kind: ClassVar[str] = ""
     container_type: ClassVar[type] = object
-    spec_fields: ClassVar[dict[str, tuple[type, ...]]] = {}
+    format_fields: ClassVar[dict[str, Any]] = {}
+    optional_fields = ("backend",)
 
     def _init_linear(
         self,
@@ -164,6 +144,12 @@ class PackedLinearBase(nn.Module):
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------------------
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        """The fields every packed linear has, its format's own, and the backend."""
+        common = {"in_features": int, "out_features": int, "weight_dtype": torch.dtype}
+        return {**common, **cls.format_fields, "bias": bool, "backend": str}
+
     def spec(self) -> dict[str, Any]:
         """JSON settings from which :meth:`from_spec` builds this module empty (buffers of the
         right shapes and dtypes, filled by a checkpoint); without ``class`` and ``backend``."""
@@ -228,47 +214,20 @@ class PackedLinearBase(nn.Module):
         )
 
 
-#: packed formats by class name (the ``class`` of a checkpoint's module spec)
-_FORMATS: dict[str, type[PackedLinearBase]] = {}
-
-
-def register_packed_format(cls: type[PackedLinearBase]) -> type[PackedLinearBase]:
-    """Class decorator: let pack/unpack, checkpoints and resume directories handle ``cls``."""
-    if not cls.format_kind or cls.container_type is object or not cls.spec_fields:
-        raise TypeError(f"{cls.__name__} must set format_kind, container_type and spec_fields")
-    _FORMATS[cls.__name__] = cls
-    return cls
-
-
-#: modules of lowbit's own formats beyond the integer one, imported (registering them) on
-#: first use, so that ``import lowbit`` stays light and a checkpoint's modules can be rebuilt
-#: before anything imports their recipe
-_BUILTIN_FORMAT_MODULES = ("lowbit.nn.spqr_linear", "lowbit.nn.mixed_linear")
-
-
-def _import_builtin_formats() -> None:
-    import importlib
-
-    for module in _BUILTIN_FORMAT_MODULES:
-        importlib.import_module(module)
-
-
 def packed_formats() -> dict[str, type[PackedLinearBase]]:
-    """Every registered packed format, by class name."""
-    _import_builtin_formats()
-    return dict(_FORMATS)
+    """Every registered packed format, by checkpoint name."""
+    return {n: c for n, c in MODULES.items() if issubclass(c, PackedLinearBase)}
 
 
 def packed_format_for(weight: Any) -> type[PackedLinearBase]:
     """The packed module class of a weight container."""
-    _import_builtin_formats()
-    for cls in _FORMATS.values():
+    for cls in packed_formats().values():
         if isinstance(weight, cls.container_type):
             return cls
     raise LowbitError(f"lowbit has no packed linear for a {type(weight).__name__} weight")
 
 
-@register_packed_format
+@register_module
 class PackedLinear(PackedLinearBase):
     """y = act_quantizer(input_transform(x)) @ dequantize(qdata, scale, zero)ᵀ + b.
 
@@ -290,10 +249,8 @@ class PackedLinear(PackedLinearBase):
 
     format_kind = "int"
     container_type = IntQuantized
-    spec_fields = {
-        "in_features": (int,), "out_features": (int,), "bits": (int,),
-        "group_size": (int, type(None)), "symmetric": (bool,), "scale_dtype": (str,),
-        "weight_dtype": (str,), "bias": (bool,),
+    format_fields = {
+        "bits": int, "group_size": int | None, "symmetric": bool, "scale_dtype": torch.dtype,
     }  # fmt: skip
 
     def __init__(

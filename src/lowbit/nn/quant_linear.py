@@ -15,8 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.nn.spec import Rebuildable, register_module
+from lowbit.settings import dtype_from_name, dtype_name
 
-class FakeQuantLinear(nn.Module):
+
+@register_module
+class FakeQuantLinear(Rebuildable, nn.Module):
     """y = quantize_act(transform(x)) @ W_dq^T + b.
 
     Args:
@@ -28,7 +32,13 @@ class FakeQuantLinear(nn.Module):
         input_transform: module applied to the input first (e.g. an online Hadamard), or None.
         act_quantizer: module that fake-quantizes the input, or None.
         weight_format: short description of the weight format, for repr and reports.
+
+    A checkpoint stores a quantized one as the packed module of its weight's format; an
+    unquantized one (a float linear behind an online transform) as a ``FloatLinear`` spec.
     """
+
+    spec_name = "FloatLinear"
+    spec_fields = {"in_features": int, "out_features": int, "bias": bool, "dtype": torch.dtype}
 
     def __init__(
         self,
@@ -64,6 +74,23 @@ class FakeQuantLinear(nn.Module):
             weight_bits = self.quantized_weight.storage_bits()
         bias_bits = 0 if self.bias is None else self.bias.numel() * self.bias.element_size() * 8
         return weight_bits + bias_bits
+
+    def spec(self) -> dict[str, Any]:
+        if self.quantized_weight is not None:
+            raise TypeError("a quantized FakeQuantLinear is stored as its packed module")
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": self.bias is not None,
+            "dtype": dtype_name(self.weight.dtype),
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> FakeQuantLinear:
+        dtype = dtype_from_name(spec["dtype"])
+        weight = torch.zeros(spec["out_features"], spec["in_features"], dtype=dtype)
+        bias = torch.zeros(spec["out_features"], dtype=dtype) if spec["bias"] else None
+        return cls(weight, bias, weight_format="float")
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, weight={self.weight_format}"

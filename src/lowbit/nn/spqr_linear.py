@@ -21,7 +21,7 @@ converted once when it differs.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -29,23 +29,17 @@ from torch import Tensor, nn
 from lowbit.errors import LowbitError
 from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.formats.spqr import TILE, SpQRQuantized
-from lowbit.kernels.dispatch import register_backend_module
-from lowbit.nn.packed_linear import (
-    NonNegative,
-    PackedLinearBase,
-    register_packed_format,
-)
+from lowbit.nn.packed_linear import PackedLinearBase
+from lowbit.nn.spec import register_module
+from lowbit.settings import Count
 
 __all__ = ["SpQRLinear", "SPARSE_CHOICES"]
 
 #: what ``SpQRLinear.sparse_format`` may be
 SPARSE_CHOICES = ("auto", "csr", "ptcsr")
 
-register_backend_module("triton", "spqr", "lowbit.kernels.triton_spqr")
-register_backend_module("torch-cpu", "spqr", "lowbit.kernels.torch_cpu_decoded")
 
-
-@register_packed_format
+@register_module
 class SpQRLinear(PackedLinearBase):
     """y = act_quantizer(input_transform(x)) @ (D' + S')ᵀ[:, perm⁻¹] + b, held packed.
 
@@ -59,10 +53,7 @@ class SpQRLinear(PackedLinearBase):
 
     format_kind = "spqr"
     container_type = SpQRQuantized
-    spec_fields = {
-        "in_features": (int,), "out_features": (int,), "nnz": (int, NonNegative),
-        "stored_sparse": (str,), "permuted": (bool,), "weight_dtype": (str,), "bias": (bool,),
-    }  # fmt: skip
+    format_fields = {"nnz": Count, "stored_sparse": Literal["csr", "ptcsr"], "permuted": bool}
 
     def __init__(
         self,

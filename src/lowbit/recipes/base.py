@@ -198,7 +198,7 @@ class QuantizeContext:
         overrides: per-layer settings, ``{fnmatch pattern: {setting: value}}``, applied in order.
         progress: show progress bars.
         resume_dir: directory of block checkpoints for methods that calibrate weights with
-            GPTQ (:mod:`lowbit.io.resume`), or None.
+            GPTQ (:mod:`lowbit.calibrate.resume`), or None.
         device: compute device of calibration, or None for where the model's blocks are
             (:meth:`compute_device`).
     """

@@ -61,22 +61,6 @@ class ComposedRecipe(Recipe):
             "parts": [part.to_dict() for part in self.parts],
         }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ComposedRecipe:
-        from lowbit.recipes.registry import recipe_from_dict
-
-        if data.get("version") != cls.version:
-            raise LowbitError(
-                f"composed recipe version {data.get('version')} cannot be read by this lowbit "
-                f"(it reads version {cls.version})"
-            )
-        parts = data.get("parts")
-        if not isinstance(parts, list):
-            raise LowbitError("a composed recipe's data has no list of parts")
-        recipe = cls([recipe_from_dict(part) for part in parts])
-        recipe.validate()
-        return recipe
-
     def field_types(self) -> dict[str, Any]:  # type: ignore[override]
         types: dict[str, Any] = {}
         for part in self.parts:

@@ -1,7 +1,10 @@
 """Recipe registry and named presets.
 
 ``get_recipe("rtn", w_bits="4")`` builds a method's recipe with settings; a preset name such as
-``"w4a16-g64"`` stands for a method plus settings (the papers' and the baseline table's rows).
+``"w4a16-g64"`` stands for a method plus settings (the papers' and the baseline table's rows);
+names joined by ``+`` compose. Methods are a :class:`~lowbit.registry.Registry`: each recipe
+class registers itself with ``@register``, and :data:`RECIPES`' builtins table names the module
+of each of lowbit's own, so a checkpoint's recipe is found from its name alone.
 """
 
 from __future__ import annotations
@@ -10,8 +13,30 @@ from typing import Any
 
 from lowbit.errors import LowbitError
 from lowbit.recipes.base import Recipe
+from lowbit.recipes.compose import SEPARATOR, ComposedRecipe
+from lowbit.registry import Registry
 
-_METHODS: dict[str, type[Recipe]] = {}
+#: every method's recipe class by method name
+RECIPES: Registry[str, type[Recipe]] = Registry(
+    "recipe method",
+    key=lambda cls: cls.method,
+    builtins={
+        "fp": "lowbit.recipes.fp",
+        "rtn": "lowbit.recipes.rtn",
+        "gptq": "lowbit.recipes.gptq",
+        "quarot": "lowbit.recipes.quarot",
+        "rotate": "lowbit.recipes.rotate",
+        "kv-int": "lowbit.recipes.kv_int",
+        "kivi": "lowbit.recipes.kivi",
+        "kvquant": "lowbit.recipes.kvquant",
+        "ksort-bfp": "lowbit.recipes.ksort_bfp",
+        "spqr": "lowbit.recipes.spqr",
+        "mixed": "lowbit.recipes.mixed",
+    },
+)
+
+#: class decorator: make a recipe class available by its ``method`` name
+register = RECIPES.register
 
 # preset name -> (method, settings)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -36,29 +61,9 @@ def register_preset(name: str, method: str, settings: dict[str, Any]) -> None:
     PRESETS[name] = (method, settings)
 
 
-def register(cls: type[Recipe]) -> type[Recipe]:
-    """Class decorator: make a recipe available by its ``method`` name."""
-    if not cls.method:
-        raise TypeError(f"{cls.__name__} has no method name")
-    _METHODS[cls.method] = cls
-    return cls
-
-
-def _load_builtin_methods() -> None:
-    """Import every module of ``lowbit.recipes``: importing a recipe module registers it."""
-    import importlib
-    import pkgutil
-
-    import lowbit.recipes as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in ("base", "registry", "compose"):
-            importlib.import_module(f"lowbit.recipes.{info.name}")
-
-
 def list_recipes() -> dict[str, type[Recipe]]:
-    _load_builtin_methods()
-    return dict(sorted(_METHODS.items()))
+    """Every method's recipe class, by name."""
+    return dict(sorted(RECIPES.items()))
 
 
 def get_recipe(name: str, **settings: Any) -> Recipe:
@@ -67,34 +72,40 @@ def get_recipe(name: str, **settings: Any) -> Recipe:
     Names joined by ``+`` (``"rotate+gptq+kvquant"``) build a
     :class:`~lowbit.recipes.compose.ComposedRecipe` that applies them in order.
     """
-    from lowbit.recipes.compose import SEPARATOR, ComposedRecipe
-
     if SEPARATOR in name:
         recipe = ComposedRecipe([get_recipe(part) for part in name.split(SEPARATOR)])
         recipe.validate()
         return recipe.with_settings(**settings) if settings else recipe
-    methods = list_recipes()
-    if name in methods:
-        recipe = methods[name]()
+    if name in RECIPES:
+        recipe = RECIPES.get(name)()
     elif name in PRESETS:
         method, preset = PRESETS[name]
-        recipe = methods[method]().with_settings(**preset)
+        recipe = RECIPES.get(method)().with_settings(**preset)
     else:
+        methods = ", ".join(sorted(RECIPES.names()))
         raise LowbitError(
-            f"unknown recipe {name!r}; methods: {', '.join(methods)}; presets: {', '.join(PRESETS)}"
+            f"unknown recipe {name!r}; methods: {methods}; presets: {', '.join(PRESETS)}"
         )
     recipe.validate()
     return recipe.with_settings(**settings) if settings else recipe
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
-    """Rebuild a recipe saved with ``Recipe.to_dict()``."""
-    from lowbit.recipes.compose import ComposedRecipe
-
-    if data.get("method") == "compose":
-        return ComposedRecipe.from_dict(data)
-    methods = list_recipes()
-    method = data.get("method")
-    if method not in methods:
-        raise LowbitError(f"unknown recipe method {method!r} in saved data")
-    return methods[method].from_dict(data)
+    """Rebuild a recipe saved with ``Recipe.to_dict()`` (a composition: its parts in order)."""
+    if not isinstance(data, dict):
+        raise LowbitError(f"saved recipe data must be a JSON object, not {data!r}"[:200])
+    if data.get("method") != "compose":
+        if data.get("method") not in RECIPES:
+            raise LowbitError(f"unknown recipe method {data.get('method')!r} in saved data")
+        return RECIPES.get(data["method"]).from_dict(data)
+    if data.get("version") != ComposedRecipe.version:
+        raise LowbitError(
+            f"composed recipe version {data.get('version')} cannot be read by this lowbit "
+            f"(it reads version {ComposedRecipe.version})"
+        )
+    parts = data.get("parts")
+    if not isinstance(parts, list):
+        raise LowbitError("a composed recipe's data has no list of parts")
+    recipe = ComposedRecipe([recipe_from_dict(part) for part in parts])
+    recipe.validate()
+    return recipe

@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lowbit.errors import LowbitError
+from lowbit.nn.spec import Rebuildable, register_module
+from lowbit.settings import dtype_from_name, dtype_name
 
 __all__ = [
     "OnlineHadamard",
@@ -482,7 +485,8 @@ def fast_hadamard_transform(
     return y.reshape(x.shape).to(x.dtype)
 
 
-class OnlineHadamard(torch.nn.Module):
+@register_module
+class OnlineHadamard(Rebuildable, torch.nn.Module):
     """Orthonormal Hadamard transform along the last axis, whole or per group.
 
     ``group_size=None``: ``y = fast_hadamard_transform(x)`` over the full last axis of size n.
@@ -496,6 +500,8 @@ class OnlineHadamard(torch.nn.Module):
         compute_dtype: arithmetic dtype (default: the input's dtype).
     """
 
+    spec_fields = {"n": int, "group_size": int | None, "compute_dtype": torch.dtype | None}
+
     def __init__(
         self, n: int, *, group_size: int | None = None, compute_dtype: torch.dtype | None = None
     ):
@@ -507,6 +513,18 @@ class OnlineHadamard(torch.nn.Module):
         k, _ = hadamard_factorization(size)
         factor = _base_matrix_tensor(k, torch.float32, None) if k > 1 else None
         self.register_buffer("K_matrix", factor, persistent=False)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "group_size": None if self.size == self.n else self.size,
+            "compute_dtype": dtype_name(self.compute_dtype),
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> OnlineHadamard:
+        dtype = dtype_from_name(spec["compute_dtype"])
+        return cls(spec["n"], group_size=spec["group_size"], compute_dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., n] -> [..., n]."""

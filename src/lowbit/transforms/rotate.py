@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +54,8 @@ from torch import nn
 from lowbit.errors import LowbitError
 from lowbit.models.adapter import DecoderAdapter, adapter_for
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
+from lowbit.nn.spec import Rebuildable, register_module
+from lowbit.settings import dtype_from_name, dtype_name
 from lowbit.transforms.fuse import fuse_norms, norms_are_fused, untie_embeddings
 from lowbit.transforms.hadamard import (
     OnlineHadamard,
@@ -82,7 +85,8 @@ DENSE_ROTATION_MAX = 2048
 O_PROJ_PATHS = ("auto", "full", "per_head", "factorized")
 
 
-class CrossHeadHadamard(nn.Module):
+@register_module
+class CrossHeadHadamard(Rebuildable, nn.Module):
     """Orthonormal Hadamard across heads, ``A ⊗ I_head_dim`` on a [..., heads · head_dim] input.
 
     Channel ``h · head_dim + d`` of the output is ``Σ_g A[h, g] x[g · head_dim + d]`` with
@@ -94,10 +98,29 @@ class CrossHeadHadamard(nn.Module):
         compute_dtype: arithmetic dtype (default: the input's dtype).
     """
 
+    spec_fields = {"num_heads": int, "head_dim": int, "compute_dtype": torch.dtype | None}
+
     def __init__(self, num_heads: int, head_dim: int, *, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.compute_dtype = num_heads, head_dim, compute_dtype
         self.heads_transform = OnlineHadamard(num_heads, compute_dtype=compute_dtype)
+
+    @property
+    def n(self) -> int:
+        """Width of the input this transform takes."""
+        return self.num_heads * self.head_dim
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "compute_dtype": dtype_name(self.compute_dtype),
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> CrossHeadHadamard:
+        dtype = dtype_from_name(spec["compute_dtype"])
+        return cls(spec["num_heads"], spec["head_dim"], compute_dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., heads · head_dim] -> same shape."""

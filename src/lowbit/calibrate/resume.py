@@ -239,8 +239,8 @@ class BlockCheckpoints:
             quantized: ``{layer name: weight container}`` of the quantized layers (any format
                 with a packed module, :func:`lowbit.nn.packed_linear.packed_format_for`).
         """
-        from lowbit.io.modules import module_spec
         from lowbit.nn.packed_linear import packed_format_for
+        from lowbit.nn.spec import spec_name
 
         stem = _block_stem(index)
         tensors, formats = {}, {}
@@ -248,7 +248,7 @@ class BlockCheckpoints:
             packed = packed_format_for(weight).from_quantized(weight)
             for key, buffer in packed.named_buffers(recurse=False):
                 tensors[f"{name}.{key}"] = buffer.cpu()
-            formats[name] = {k: v for k, v in module_spec(packed).items() if k != "backend"}
+            formats[name] = {"class": spec_name(type(packed)), **packed.spec()}
         data = save_tensors(tensors)
         _write_atomic(self.directory / f"{stem}.safetensors", data)
         record = {
@@ -296,7 +296,7 @@ class BlockCheckpoints:
 def _container(name: str, spec: dict[str, Any], tensors: dict[str, Tensor]) -> Any:
     """The weight container of one saved layer: its packed module rebuilt from ``spec`` and
     filled with its tensors, each checked against the module's buffers."""
-    from lowbit.io.modules import build_module
+    from lowbit.nn.spec import build_module
 
     packed = build_module(spec)  # a bad spec is a LowbitError, a ValueError
     for key, empty in list(packed.named_buffers(recurse=False)):
