@@ -196,6 +196,23 @@ def test_a_damaged_checkpoint_is_one_sentence(saved, tmp_path, damage, message):
         load(directory)
 
 
+def test_from_pretrained_checks_the_files_as_lowbit_load_does(saved, tmp_path):
+    """4 KB of random bytes in the middle of the weights: transformers' loader used to load them
+    and give NaN logits; it now goes through the same verification as ``lowbit.load``."""
+    from transformers import AutoModelForCausalLM
+
+    directory = _copy(saved, tmp_path)
+    path = directory / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = (
+        torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes()
+    )
+    path.write_bytes(bytes(data))
+    with pytest.raises(LowbitError, match="damaged or was changed"):
+        AutoModelForCausalLM.from_pretrained(directory)
+
+
 def _resign(directory: Path) -> None:
     """Recompute the checksums, as someone who edits files by hand could."""
     path = directory / "config.json"
