@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_window_arguments, command_line, markdown_table, stamp  # noqa: E402
 
-from lowbit.algorithms.rtn import IntWeightSpec  # noqa: E402
+from lowbit.algorithms.int_spec import IntWeightSpec  # noqa: E402
 from lowbit.algorithms.weights import quantize_linears  # noqa: E402
 from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402

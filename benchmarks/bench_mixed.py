@@ -164,8 +164,8 @@ def layer_study(args) -> None:
     WikiText-2 tokens from windows >= 16) under the mixed format's variants and GPTQ's
     integer formats."""
     from lowbit.algorithms.gptq import gptq_quantize
+    from lowbit.algorithms.int_spec import IntWeightSpec
     from lowbit.algorithms.mixed import MixedWeightSpec, choose_4bit_groups, mixed_quantize
-    from lowbit.algorithms.rtn import IntWeightSpec
     from lowbit.calibrate.hessian import HessianCollector
     from lowbit.data import calibration_samples, load_corpus, tokenize
     from lowbit.api import load_model

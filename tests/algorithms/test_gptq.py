@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from lowbit.algorithms.gptq import gptq_quantize, inverse_hessian_factor
-from lowbit.algorithms.rtn import IntWeightSpec, rtn_quantize
+from lowbit.algorithms.gptq import (
+    GPTQSettings,
+    gptq_quantize,
+    inverse_hessian_factor,
+    prepare_hessian,
+)
+from lowbit.algorithms.int_spec import IntWeightSpec
+from lowbit.algorithms.rtn import rtn_quantize
 from lowbit.errors import LowbitError
 
 SPECS = [
@@ -152,3 +158,41 @@ def test_absmax_half_scale_lowers_gptq_error_per_channel():
     }
     # measured ratio 0.90 (Gaussian weights: a 1/15 finer step, clamped ends fed back)
     assert errors["absmax_half"] < 0.95 * errors["absmax"]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"block_size": 0}, "block_size must be a positive integer, not 0"),
+        ({"block_size": 2.5}, "block_size must be a positive integer, not 2.5"),
+        ({"damp": 0.0}, "damp must be in \\(0, 1\\), not 0.0"),
+        ({"heldout_fraction": 1.0}, "heldout_fraction must be in \\(0, 1\\), not 1.0"),
+    ],
+)
+def test_bad_gptq_settings_are_one_sentence(settings, message):
+    with pytest.raises(LowbitError, match=message):
+        GPTQSettings(**settings)
+
+
+def test_prologue_zeroes_dead_inputs_and_orders_by_energy():
+    x = correlated_inputs(300, 16, seed=7)
+    x[:, 4] = 0.0  # never fires
+    hessian = hessian_of(x)
+    prepared = prepare_hessian(hessian, 0.01, act_order=True)
+    assert prepared.dead.tolist() == [j == 4 for j in range(16)] and prepared.damp == 0.01
+    diagonal = hessian.diagonal().double().clone()
+    diagonal[4] = 1.0  # a dead input counts as 1
+    assert torch.equal(prepared.perm, torch.argsort(diagonal, descending=True, stable=True))
+    # Uᵀ U is the dampened inverse of the permuted Hessian
+    h = hessian.double().clone()
+    h[4, 4] = 1.0
+    h = h[prepared.perm][:, prepared.perm]
+    damped = h + 0.01 * h.diagonal().mean() * torch.eye(16, dtype=torch.float64)
+    upper = prepared.upper
+    assert torch.allclose(upper.T @ upper, torch.linalg.inv(damped), rtol=1e-8, atol=1e-10)
+    weight = torch.randn(3, 16)
+    visiting = prepared.visiting(weight)
+    assert torch.equal(visiting, weight.masked_fill(prepared.dead, 0.0)[:, prepared.perm])
+    assert torch.allclose(prepared.inverse_diagonal().double(), torch.linalg.inv(damped).diagonal())
+    natural = prepare_hessian(hessian, 0.01, act_order=False)
+    assert natural.perm is None and torch.equal(natural.visiting(weight)[:, 4], torch.zeros(3))

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lowbit.algorithms.rtn import IntWeightSpec, rtn_quantize
+from lowbit.algorithms.int_spec import IntWeightSpec
+from lowbit.algorithms.rtn import rtn_quantize
 from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.models.tiny import tiny_model

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from lowbit.algorithms.gptq import GPTQSettings
 from lowbit.algorithms.mixed import (
     MixedWeightSpec,
     choose_4bit_groups,
@@ -126,7 +127,7 @@ def test_spec_checks_and_describes():
     result = mixed_quantize(w, None, MixedWeightSpec(is4=fixed))
     assert torch.equal(result.is4, fixed)
     assert spec.guard_candidate(w) is None
-    container, weight, damp = spec.gptq(w, torch.eye(32), None)
+    container, weight, damp = spec.gptq(w, torch.eye(32), GPTQSettings())
     assert damp == 0.01 and container.shape == w.shape
     assert torch.equal(weight, container.dequantize()) and spec.matches(container)
     assert not MixedWeightSpec(g2=8).matches(container)

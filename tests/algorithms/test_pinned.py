@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lowbit.algorithms.gptq import gptq_quantize
+from lowbit.algorithms.int_spec import IntWeightSpec
 from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize
-from lowbit.algorithms.rtn import IntWeightSpec
 from lowbit.algorithms.spqr import SpQRSpec, spqr_quantize
 from lowbit.calibrate.resume import tensor_sha256
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.algorithms.rtn import IntWeightSpec
+from lowbit.algorithms.int_spec import IntWeightSpec
 from lowbit.api import quantize
 from lowbit.errors import LowbitError
 from lowbit.models.tiny import tiny_model

@@ -1,10 +1,9 @@
 import pytest
 import torch
 
-from lowbit.algorithms.gptq import gptq_quantize
-from lowbit.algorithms.rtn import IntWeightSpec
+from lowbit.algorithms.gptq import GPTQSettings, gptq_quantize
+from lowbit.algorithms.int_spec import IntWeightSpec
 from lowbit.algorithms.spqr import SpQRSpec, spqr_quantize, spqr_rtn
-from lowbit.algorithms.weights import GPTQOptions
 from lowbit.errors import LowbitError
 
 
@@ -109,7 +108,7 @@ def test_rtn_and_gptq_entry_points_and_formats():
     assert rtn.perm is None and not rtn.packable
     assert (rtn.dequantize() - weight).abs().max() < 0.05
     quantized, dequantized, damp = spec.gptq(
-        weight, hessian_of(correlated_inputs(200, 40)), GPTQOptions()
+        weight, hessian_of(correlated_inputs(200, 40)), GPTQSettings()
     )
     assert quantized.perm is not None and damp == 0.01 and quantized.bits == 4
     assert torch.equal(dequantized, quantized.dequantize()) and spec.matches(quantized)

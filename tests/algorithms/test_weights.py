@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.algorithms.rtn import IntWeightSpec, rtn_quantize
+from lowbit.algorithms.gptq import GPTQSettings
+from lowbit.algorithms.int_spec import IntWeightSpec
+from lowbit.algorithms.rtn import rtn_quantize
 from lowbit.algorithms.weights import quantize_linears
 from lowbit.errors import LowbitError
 from lowbit.models.adapter import adapter_for
@@ -71,8 +73,8 @@ def test_gptq_beats_rtn_on_a_tiny_model_and_calibrates_with_float_activations():
     )
     report = quantize_linears(
         gptq_model, adapter_for(gptq_model), spec_for=lambda f: SPEC, algo="gptq",
-        calibration=calibration(), act_quantizer_for=act_quantizer_for, guard=False,
-        progress=False,
+        calibration=calibration(), act_quantizer_for=act_quantizer_for,
+        gptq=GPTQSettings(guard=False), progress=False,
     )  # fmt: skip
     assert report.wins() == {"gptq": 14} and report.heldout_samples == 0
     assert all(q.calls == 0 for q in quantizers.values())  # attached after calibration
@@ -87,18 +89,18 @@ def test_gptq_beats_rtn_on_a_tiny_model_and_calibrates_with_float_activations():
 def test_guard_keeps_rtn_when_gptq_is_made_worse(monkeypatch, scale_rule):
     real = IntWeightSpec.gptq
 
-    def gptq_with_wrong_hessian(spec, weight, hessian, options):
+    def gptq_with_wrong_hessian(spec, weight, hessian, settings):
         # a Hessian of unrelated, strongly correlated data: GPTQ optimises for the wrong inputs
         g = torch.Generator().manual_seed(7)
         x = torch.randn(64, weight.shape[1], generator=g).cumsum(1)
-        return real(spec, weight, 2 * x.T @ x / 64, options)
+        return real(spec, weight, 2 * x.T @ x / 64, settings)
 
     monkeypatch.setattr(IntWeightSpec, "gptq", gptq_with_wrong_hessian)
     model, original = tiny_model("mistral"), tiny_model("mistral")
     spec = dataclasses.replace(SPEC, scale_rule=scale_rule)
     report = quantize_linears(
         model, adapter_for(model), spec_for=lambda f: spec, calibration=calibration(),
-        guard=True, progress=False,
+        gptq=GPTQSettings(guard=True), progress=False,
     )  # fmt: skip
     assert report.wins() == {"rtn": 14}
     assert report.wins_by_kind()["down_proj"] == {"rtn": 2}
@@ -114,7 +116,7 @@ def test_guard_with_real_gptq_mostly_keeps_gptq():
     model = tiny_model("llama")
     report = quantize_linears(
         model, adapter_for(model), spec_for=lambda f: SPEC, calibration=calibration(),
-        guard=True, progress=False,
+        gptq=GPTQSettings(guard=True), progress=False,
     )  # fmt: skip
     assert report.wins().get("gptq", 0) >= 10  # measured 12 of 14 (both down_proj keep RTN)
     assert "gptq" in report.summary()
@@ -131,8 +133,8 @@ def test_input_transform_is_kept_and_unselected_layers_stay_float():
     before = model.get_submodule(untouched).weight.clone()
     report = quantize_linears(
         model, adapter, spec_for=lambda f: None if "q_proj" in f else SPEC,
-        calibration=calibration(4), includes=lambda fqn, m: fqn != untouched, guard=False,
-        sequential=False, progress=False,
+        calibration=calibration(4), filter_fn=lambda module, fqn: fqn != untouched,
+        gptq=GPTQSettings(guard=False, sequential=False), progress=False,
     )  # fmt: skip
     assert model.get_submodule(name).input_transform is transform
     assert report.wins() == {"gptq": 11, "float": 2}

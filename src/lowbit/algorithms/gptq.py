@@ -2,8 +2,14 @@
 columns not yet quantized so that the layer's output on calibration inputs changes least.
 
 Pure tensor math: a weight ``W [out, in]``, the Hessian ``H = 2/N Σ x xᵀ [in, in]`` of the
-inputs it multiplies, and an :class:`~lowbit.algorithms.rtn.IntWeightSpec`. Nothing here knows
-a model (see :mod:`lowbit.calibrate` for where ``H`` comes from).
+inputs it multiplies, and an integer format (:class:`~lowbit.algorithms.int_spec.IntWeightSpec`,
+which calls :func:`gptq_quantize`). Nothing here knows a model (see :mod:`lowbit.calibrate` for
+where ``H`` comes from).
+
+GPTQ's prologue, :func:`prepare_hessian` (dead inputs, act-order, the dampened Cholesky factor of
+``H⁻¹``), is shared with SpQR (:mod:`lowbit.algorithms.spqr`) and the mixed 2/4/16 format
+(:mod:`lowbit.algorithms.mixed`), and :class:`GPTQSettings` is how
+:func:`~lowbit.algorithms.weights.quantize_linears` runs any of them.
 
 Conventions:
 
@@ -24,23 +30,69 @@ Conventions:
   0 and ``H[j, j]`` to 1, as in GPTQ; the output does not depend on that column.
 * Dampening: ``λ = damp · mean(diag H)`` is added to the diagonal; while the Cholesky
   factorisation fails, ``λ`` is multiplied by 10 (at most ``max_damp_tries`` times), then a
-  :class:`~lowbit.errors.LowbitError`. The factorisation runs in float64.
+  :class:`~lowbit.errors.LowbitError` (with ``damp = 0``, an exact Hessian, one try). The
+  factorisation runs in float64.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lowbit.algorithms.rtn import IntWeightSpec
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized, int_qrange, int_scale_zero
 from lowbit.formats.packing import pack_bits
 
-__all__ = ["GPTQResult", "gptq_quantize", "inverse_hessian_factor"]
+__all__ = [
+    "GPTQSettings",
+    "GPTQResult",
+    "PreparedHessian",
+    "gptq_quantize",
+    "inverse_hessian_factor",
+    "one_thread_on_cpu",
+    "prepare_hessian",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTQSettings:
+    """How :func:`~lowbit.algorithms.weights.quantize_linears` runs GPTQ (for any weight format:
+    each spec's ``gptq()`` reads the loop's settings, the driver the run's).
+
+    Attributes:
+        act_order: visit columns by decreasing ``H[j, j]`` (largest input energy first).
+        block_size: columns updated together before the lazy batch update of the rest.
+        damp: initial dampening relative to ``mean(diag H)``, grown x10 while the Cholesky
+            factorisation fails.
+        static_groups: integer formats: every group's scale up front (see the module
+            docstring); None = ``act_order``.
+        guard: per layer, keep the spec's uncalibrated ``guard_candidate`` (RTN for integers)
+            where its output error on held-out calibration samples is the smaller.
+        heldout_fraction: share of the calibration samples the guard holds out (at least one).
+        sequential: calibrate block ``i + 1`` on the outputs of the quantized block ``i`` (two
+            passes per block); False: on the float block's outputs (one pass per block).
+    """
+
+    act_order: bool = True
+    block_size: int = 128
+    damp: float = 0.01
+    static_groups: bool | None = None
+    guard: bool = True
+    heldout_fraction: float = 0.125
+    sequential: bool = True
+
+    def __post_init__(self) -> None:
+        size = self.block_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise LowbitError(f"block_size must be a positive integer, not {size!r}")
+        if not 0.0 < self.damp < 1.0:
+            raise LowbitError(f"damp must be in (0, 1), not {self.damp}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise LowbitError(f"heldout_fraction must be in (0, 1), not {self.heldout_fraction}")
 
 
 @dataclass
@@ -64,6 +116,74 @@ class GPTQResult:
         return self.quantized.storage_bits()
 
 
+@dataclass
+class PreparedHessian:
+    """GPTQ's prologue of one Hessian (:func:`prepare_hessian`).
+
+    Attributes:
+        upper: [K, K] float64 upper Cholesky factor ``U`` of the dampened inverse of the
+            Hessian in visiting order: ``Uᵀ U = (P H Pᵀ + λI)⁻¹``, dead inputs' ``H[j, j]``
+            set to 1 first.
+        perm: [K] int64 visiting order (``perm[i]`` is the column visited i-th), or None for
+            the natural order.
+        dead: [K] bool, original order: inputs with ``H[j, j] == 0`` (never nonzero).
+        damp: the relative dampening used (``damp · 10**retries``).
+    """
+
+    upper: Tensor
+    perm: Tensor | None
+    dead: Tensor
+    damp: float
+
+    def visiting(self, weight: Tensor) -> Tensor:
+        """A float32 copy of ``weight`` [out, K] with the dead inputs' columns zeroed (the
+        output does not depend on them), columns in visiting order: [out, K]."""
+        w = weight.detach().float().clone()  # [out, K]
+        w[:, self.dead] = 0.0
+        return w if self.perm is None else w[:, self.perm]
+
+    def inverse_diagonal(self) -> Tensor:
+        """``diag((H + λI)⁻¹)`` float32 [K] in visiting order: ``(Uᵀ U)_jj = Σ_i U_ij²``."""
+        return self.upper.square().sum(0).float()
+
+
+def prepare_hessian(
+    hessian: Tensor,
+    damp: float = 0.01,
+    act_order: bool = True,
+    *,
+    max_damp_tries: int = 6,
+    order_of: Callable[[Tensor], Tensor] | None = None,
+) -> PreparedHessian:
+    """GPTQ's prologue: dead inputs, visiting order, dampened Cholesky factor of ``H⁻¹``.
+
+    Args:
+        hessian: [K, K] ``2/N Σ x xᵀ`` of the inputs (not modified).
+        damp: initial dampening relative to ``mean(diag H)`` (:func:`inverse_hessian_factor`).
+        act_order: visit columns by decreasing ``H[j, j]`` (dead ones count as 1).
+        max_damp_tries: factorisations tried (``damp`` x 10 each time) before an error.
+        order_of: instead of act-order's, the visiting order [K] as a function of the
+            diagonal [K] float64 (dead entries set to 1): the mixed format's dynamic groups
+            visit whole groups at a time.
+
+    Returns:
+        :class:`PreparedHessian`.
+    """
+    h = hessian.detach().double().clone()  # [K, K]
+    dead = h.diagonal() == 0  # [K]
+    h[dead, dead] = 1.0  # as GPTQ: a dead input's weights are zeroed, H stays invertible
+    if order_of is not None:
+        perm = order_of(h.diagonal())
+    elif act_order:
+        perm = torch.argsort(h.diagonal(), descending=True, stable=True)
+    else:
+        perm = None
+    if perm is not None:
+        h = h[perm][:, perm]  # [K, K] in visiting order
+    upper, damp_used = inverse_hessian_factor(h, damp, max_damp_tries)
+    return PreparedHessian(upper, perm, dead, damp_used)
+
+
 def inverse_hessian_factor(
     hessian: Tensor, damp: float = 0.01, max_damp_tries: int = 6
 ) -> tuple[Tensor, float]:
@@ -72,6 +192,7 @@ def inverse_hessian_factor(
     Args:
         hessian: [n, n] symmetric positive semi-definite, no zero diagonal entries.
         damp: initial ``λ / mean(diag H)``; multiplied by 10 after each failed factorisation.
+            0 (an exact Hessian) is tried once.
         max_damp_tries: factorisations tried before giving up.
 
     Returns:
@@ -87,7 +208,7 @@ def inverse_hessian_factor(
     # triangular solve (torch.cholesky_inverse is ~20x slower on CPU at n = 1536).
     flipped = h.flip(0, 1)
     relative = damp
-    for _ in range(max_damp_tries):
+    for _ in range(max_damp_tries if damp > 0 else 1):
         lower, info = torch.linalg.cholesky_ex(flipped + relative * mean_diag * eye)
         if info.item() == 0:
             upper = torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
@@ -100,7 +221,7 @@ def inverse_hessian_factor(
     )
 
 
-def _stats(weight: Tensor, spec: IntWeightSpec, group_size: int | None):
+def _stats(weight: Tensor, spec, group_size: int | None):
     """fp32 scale [out, G] (for choosing codes), fp16-rounded scale, zero (or None)."""
     scale, zero = int_scale_zero(
         weight,
@@ -117,7 +238,7 @@ def _stats(weight: Tensor, spec: IntWeightSpec, group_size: int | None):
 def gptq_quantize(
     weight: Tensor,
     hessian: Tensor,
-    spec: IntWeightSpec,
+    spec,
     *,
     block_size: int = 128,
     act_order: bool = True,
@@ -130,7 +251,9 @@ def gptq_quantize(
     Args:
         weight: [out, in] float weight (not modified).
         hessian: [in, in] ``2/N Σ x xᵀ`` of the inputs the weight multiplies (not modified).
-        spec: bits, group size (along ``in``), symmetric, MSE clip search.
+        spec: the integer format, an :class:`~lowbit.algorithms.int_spec.IntWeightSpec`
+            (bits, group size along ``in``, symmetric, MSE clip search, scale rule; it calls
+            this function, so it is not imported here).
         block_size: columns updated together before the lazy batch update of the rest.
         act_order: visit columns by decreasing ``H[j, j]`` (largest input energy first).
         damp: initial dampening relative to ``mean(diag H)``.
@@ -158,7 +281,7 @@ def gptq_quantize(
             "act_order with dynamic groups needs a group index that the plain grouped format "
             "does not store; use static_groups=True"
         )
-    with _one_thread_on_cpu(weight.device):
+    with one_thread_on_cpu(weight.device):
         return _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_tries)
 
 
@@ -167,19 +290,12 @@ def _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_t
     out_features, in_features = weight.shape
     group = spec.group_size
     qmin = int_qrange(spec.bits, spec.symmetric)[0]
-    w = weight.detach().float().clone()  # [out, in]
-    scale, scale16, zero = _stats(w, spec, group)  # [out, G] each (G = 1 per channel)
-    h = hessian.detach().double().clone()  # [in, in]
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-
-    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
-    if perm is not None:
-        w = w[:, perm]
-        h = h[perm][:, perm]
-    upper, damp_used = inverse_hessian_factor(h, damp, max_damp_tries)
-    upper = upper.float()  # [in, in]
+    # [out, G] each (G = 1 per channel), from the original weight (dead columns included)
+    scale, scale16, zero = _stats(weight.detach().float(), spec, group)
+    prepared = prepare_hessian(hessian, damp, act_order, max_damp_tries=max_damp_tries)
+    perm = prepared.perm
+    w = prepared.visiting(weight)  # [out, in], visiting order
+    upper = prepared.upper.float()  # [in, in]
 
     # Work on Wᵀ [in, out]: a column of W is a contiguous row, so the per-column rank-1
     # updates touch contiguous memory. Statistics are transposed the same way: [G, out].
@@ -216,11 +332,11 @@ def _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_t
         dtype=torch.float32,
         scale_dtype=torch.float16,
     )
-    return GPTQResult(quantized, values, damp_used, int(dead.sum()))
+    return GPTQResult(quantized, values, prepared.damp, int(prepared.dead.sum()))
 
 
 @contextmanager
-def _one_thread_on_cpu(device: torch.device):
+def one_thread_on_cpu(device: torch.device):
     """Run GPTQ with one intra-op thread on CPU.
 
     Its column loop's operations are on vectors of ``out`` elements, too small to gain from

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lowbit.algorithms.gptq import _one_thread_on_cpu, inverse_hessian_factor
+from lowbit.algorithms.gptq import GPTQSettings, one_thread_on_cpu, prepare_hessian
 from lowbit.errors import LowbitError
 from lowbit.formats.mixed import (
     GROUP,
@@ -58,11 +58,8 @@ __all__ = [
 def inverse_hessian_diagonal(hessian: Tensor, damp: float = 0.01) -> tuple[Tensor, float]:
     """``diag((H + λI)⁻¹)`` fp32 ``[K]`` with GPTQ's dampening (dead inputs set to 1 first)
     and the relative dampening used."""
-    h = hessian.detach().double().clone()
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    upper, used = inverse_hessian_factor(h, damp)  # Uᵀ U = H⁻¹
-    return upper.square().sum(0).float(), used  # (Uᵀ U)_jj = Σ_i U_ij²
+    prepared = prepare_hessian(hessian, damp, act_order=False)
+    return prepared.inverse_diagonal(), prepared.damp
 
 
 def group_sensitivity(weight: Tensor, hinv_diag: Tensor | None = None) -> Tensor:
@@ -208,16 +205,16 @@ class MixedWeightSpec:
         return mixed_quantize(weight, None, self).quantized
 
     def gptq(
-        self, weight: Tensor, hessian: Tensor, options
+        self, weight: Tensor, hessian: Tensor, settings: GPTQSettings
     ) -> tuple[MixedQuantized, Tensor, float]:
         """GPTQ under the mixed format: ``(container, its dequantized weight, damp)``."""
         result = mixed_quantize(
             weight,
             hessian,
             self,
-            block_size=getattr(options, "block_size", 128),
-            act_order=getattr(options, "act_order", True),
-            damp=getattr(options, "damp", 0.01),
+            block_size=settings.block_size,
+            act_order=settings.act_order,
+            damp=settings.damp,
         )
         return result.quantized, result.weight, result.damp
 
@@ -263,9 +260,9 @@ def mixed_quantize(
             raise LowbitError(f"the Hessian has shape {tuple(hessian.shape)}; expected ({k}, {k})")
         if not bool(torch.isfinite(hessian).all()):
             raise LowbitError("the Hessian contains NaN or Inf")
-        dead = hessian.diagonal() == 0
-        w[:, dead] = 0.0
-        hinv, used = inverse_hessian_diagonal(hessian, damp)
+        natural = prepare_hessian(hessian, damp, act_order=False)
+        w[:, natural.dead] = 0.0
+        hinv, used = natural.inverse_diagonal(), natural.damp
     sensitivity = group_sensitivity(w, hinv)
     is4 = spec.is4.to(w.device) if spec.is4 is not None else None
     if is4 is None:
@@ -278,7 +275,7 @@ def mixed_quantize(
     if hessian is None:
         codes, sparse = mixed_rtn(w, stats, outliers)
     else:
-        with _one_thread_on_cpu(w.device):
+        with one_thread_on_cpu(w.device):
             codes, sparse = _gptq(
                 w, hessian, stats, outliers, block_size, act_order, used, dynamic, spec.mse_clip
             )
@@ -316,14 +313,12 @@ def _gptq(w, hessian, stats, outliers, block_size, act_order, damp, dynamic, mse
     fp32 fp16-rounded outlier values). ``stats`` is filled in place when ``dynamic`` (each
     group's statistics from its weights as updated when it is reached), else used as is."""
     n, k = w.shape
-    h = hessian.detach().double().clone()
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    order = _visiting_order(h.diagonal(), k, act_order, dynamic)
-    h = h[order][:, order]
-    upper, _ = inverse_hessian_factor(h, damp)  # from the damp the diagonal needed
-    upper = upper.float()
-    wt = w.T[order].contiguous()  # [K, N] in visiting order
+    prepared = prepare_hessian(  # from the damp the diagonal needed
+        hessian, damp, order_of=lambda diag: _visiting_order(diag, k, act_order, dynamic)
+    )
+    order = prepared.perm  # [K]
+    upper = prepared.upper.float()  # [K, K]
+    wt = w.T[order].contiguous()  # [K, N] in visiting order (dead columns already zero)
     out_t = outliers.T[order].contiguous()  # [K, N]
     col_group = (order // GROUP).tolist()
     has_outlier = out_t.any(1).tolist()

@@ -26,13 +26,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lowbit.algorithms.gptq import prepare_hessian
 from lowbit.algorithms.mixed import (
     MixedWeightSpec,
     choose_4bit_groups,
     choose_outliers,
     group_sensitivity,
-    inverse_hessian_diagonal,
 )
+from lowbit.algorithms.weights import selected_linears
 from lowbit.calibrate.capture import block_linears, calibrate_layer_by_layer
 from lowbit.errors import LowbitError
 from lowbit.formats.mixed import GROUP, mixed_rtn, mixed_statistics
@@ -56,7 +57,7 @@ def choose_on_float(
     spec_for: Callable[[str], MixedWeightSpec | None],
     *,
     damp: float = 0.01,
-    includes: Callable[[str, nn.Module], bool] | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
     device: torch.device | str | None = None,
     progress: bool = False,
 ) -> dict[str, FloatChoice]:
@@ -69,15 +70,12 @@ def choose_on_float(
         spec_for: ``spec_for(fqn)`` -> the layer's format (its ``frac_4bit`` and
             ``outlier_fraction``), or None to skip the layer.
         damp: GPTQ's relative dampening for ``H⁻¹``.
-        includes: ``includes(fqn, module)`` -> whether the linear is considered (None = all).
+        filter_fn: ``filter_fn(module, fqn)`` -> whether the linear is considered (None = all).
         device: compute device (default: where the blocks are).
     """
     if calibration is None:
         raise LowbitError("choosing 4-bit groups on the float model needs calibration data")
-    names = [
-        n for n in adapter.linear_names() if includes is None or includes(n, model.get_submodule(n))
-    ]
-    specs = {n: spec_for(n) for n in names}
+    specs = {n: spec_for(n) for n in selected_linears(model, adapter, filter_fn)}
     wanted = {n for n, s in specs.items() if s is not None}
     found: dict[str, FloatChoice] = {}
 
@@ -87,10 +85,11 @@ def choose_on_float(
     def record(index: int, collector) -> None:
         for name, module in linears_of(index).items():
             spec = specs[name]
-            weight = module.weight.detach().float()
             hessian = collector.accumulators[name].hessian("train")
-            weight = weight.masked_fill((hessian.diagonal() == 0)[None, :], 0.0)  # dead inputs
-            hinv, _ = inverse_hessian_diagonal(hessian, damp)
+            natural = prepare_hessian(hessian, damp, act_order=False)
+            weight = module.weight.detach().float()
+            weight = weight.masked_fill(natural.dead[None, :], 0.0)  # dead inputs
+            hinv = natural.inverse_diagonal()  # [K] diag(H⁻¹)
             sensitivity = group_sensitivity(weight, hinv)
             is4 = choose_4bit_groups(sensitivity, spec.frac_4bit)
             count = round(spec.outlier_fraction * weight.numel())
@@ -147,7 +146,7 @@ def mixed_qat(
     lr: float = 1e-4,
     seqlen: int = 512,
     damp: float = 0.01,
-    includes: Callable[[str, nn.Module], bool] | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
     device: torch.device | str | None = None,
     progress: bool = False,
 ) -> QATReport:
@@ -155,7 +154,7 @@ def mixed_qat(
     model's weights are updated in place and stay float.
 
     Args:
-        model, adapter, spec_for, damp, includes, device: as for :func:`choose_on_float`.
+        model, adapter, spec_for, damp, filter_fn, device: as for :func:`choose_on_float`.
         calibration: ``[N, S]`` token ids; cut into ``seqlen`` pieces, visited in order.
         steps: optimizer steps (one piece each).
         lr: Adam's learning rate.
@@ -173,7 +172,7 @@ def mixed_qat(
     report = QATReport()
     start = time.perf_counter()
     choices = choose_on_float(
-        model, adapter, calibration, spec_for, damp=damp, includes=includes, device=device,
+        model, adapter, calibration, spec_for, damp=damp, filter_fn=filter_fn, device=device,
         progress=progress,
     )  # fmt: skip
     report.choose_seconds = time.perf_counter() - start

@@ -4,8 +4,9 @@ moved to a sparse fp16 matrix (Dettmers et al. 2023, summarised in seed 004 §2)
 Pure tensor math on a weight ``W [out, in]``, the Hessian ``H = 2/N Σ x xᵀ`` of its inputs and
 an :class:`SpQRSpec`; the format is :class:`~lowbit.formats.spqr.SpQRQuantized`.
 
-The column loop is GPTQ's (:mod:`lowbit.algorithms.gptq`: upper Cholesky factor ``U`` of the
-dampened ``H⁻¹``, errors ``(w − ŵ) / U_jj`` pushed onto later columns, lazy block updates), with:
+The column loop is GPTQ's (:mod:`lowbit.algorithms.gptq`: its prologue ``prepare_hessian``
+zeroes dead inputs and gives the upper Cholesky factor ``U`` of the dampened ``H⁻¹``; errors
+``(w − ŵ) / U_jj`` are pushed onto later columns, lazy block updates), with:
 
 * **act-order**: columns are visited by decreasing ``H_jj`` and the weight is *stored* in that
   order, so groups are runs of ``beta1`` visited columns; the permutation is stored and the
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowbit.algorithms.gptq import _one_thread_on_cpu, inverse_hessian_factor
+from lowbit.algorithms.gptq import GPTQSettings, one_thread_on_cpu, prepare_hessian
 from lowbit.errors import LowbitError
 from lowbit.formats.spqr import (
     KERNEL_BITS,
@@ -152,15 +153,17 @@ class SpQRSpec:
         self.check(weight)
         return spqr_rtn(weight, self)
 
-    def gptq(self, weight: Tensor, hessian: Tensor, options) -> tuple[SpQRQuantized, Tensor, float]:
-        """With ``options`` (a GPTQOptions): ``(container, dequantized weight, damp)``."""
+    def gptq(
+        self, weight: Tensor, hessian: Tensor, settings: GPTQSettings
+    ) -> tuple[SpQRQuantized, Tensor, float]:
+        """With GPTQ's ``settings``: ``(container, dequantized weight, damp)``."""
         result = spqr_quantize(
             weight,
             hessian,
             self,
-            block_size=options.block_size,
-            act_order=options.act_order,
-            damp=options.damp,
+            block_size=settings.block_size,
+            act_order=settings.act_order,
+            damp=settings.damp,
         )
         return result.quantized, result.weight, result.damp
 
@@ -234,27 +237,17 @@ def spqr_quantize(
     if block_size < 1:
         raise LowbitError(f"block_size must be at least 1, not {block_size}")
     block = max(spec.beta1, block_size // spec.beta1 * spec.beta1)
-    with _one_thread_on_cpu(weight.device):
+    with one_thread_on_cpu(weight.device):
         return _spqr(weight, hessian, spec, block, act_order, damp, max_damp_tries)
 
 
 def _spqr(weight, hessian, spec: SpQRSpec, block, act_order, damp, max_damp_tries) -> SpQRResult:
     out_f, in_f = weight.shape
     device = weight.device
-    w = weight.detach().float().clone()  # [out, in]
-    h = hessian.detach().double().clone()  # [in, in]
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
-    if perm is not None:
-        w = w[:, perm]
-        h = h[perm][:, perm]
-    if damp > 0:
-        upper, damp_used = inverse_hessian_factor(h, damp, max_damp_tries)
-    else:  # an exact Hessian (the identity of rtn()): no dampening
-        upper, damp_used = inverse_hessian_factor(h, 0.0, 1)[0], 0.0
-    upper = upper.float()  # [in, in]
+    prepared = prepare_hessian(hessian, damp, act_order, max_damp_tries=max_damp_tries)
+    perm = prepared.perm
+    w = prepared.visiting(weight)  # [out, in], visiting order
+    upper = prepared.upper.float()  # [in, in]
     diag = upper.diagonal().clone()  # [in] U_jj
 
     budget = round(spec.outlier_fraction * out_f * in_f)
@@ -327,7 +320,11 @@ def _spqr(weight, hessian, spec: SpQRSpec, block, act_order, damp, max_damp_trie
         dtype=weight.dtype,
     )
     return SpQRResult(
-        quantized, quantized.dequantize(torch.float32), damp_used, tau, int(dead.sum())
+        quantized,
+        quantized.dequantize(torch.float32),
+        prepared.damp,
+        tau,
+        int(prepared.dead.sum()),
     )
 
 

@@ -6,8 +6,8 @@ the exact storage of its packed form. With ``algo="gptq"`` it walks the model la
 (:mod:`lowbit.calibrate.capture`).
 
 The driver knows no format: each layer's :class:`WeightSpec` (integers:
-:class:`~lowbit.algorithms.rtn.IntWeightSpec`; SpQR and 2/4/16 bring theirs) quantizes a weight
-by RTN or, given the layer's Hessian, by its GPTQ variant, and returns a weight container
+:class:`~lowbit.algorithms.int_spec.IntWeightSpec`; SpQR and 2/4/16 bring theirs) quantizes a
+weight by RTN or, given the layer's Hessian, by its GPTQ variant, and returns a weight container
 (``dequantize``, ``storage_bits``, ``to``) that :mod:`lowbit.nn.packed_linear` can pack.
 
 Choices:
@@ -16,18 +16,19 @@ Choices:
   (``act_quantizer_for``) are attached only after every block is quantized, and those already
   on selected layers are dropped while calibrating. The Hessians are of what the weight
   multiplies, after any ``input_transform``.
-* Sequential (default): block ``i + 1`` is calibrated on the outputs of the already quantized
-  block ``i`` (two passes per block); within a block all linears are calibrated on the float
-  block (one Hessian pass per block). ``sequential=False`` propagates the float block's
-  outputs from the Hessian pass instead (one pass per block).
-* Guard: the last ``heldout_fraction`` of the calibration samples (at least one) are kept out
-  of the Hessians; per layer, GPTQ's and the spec's ``guard_candidate``'s (RTN's, for
-  integers) output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those samples (``tr(ΔW H_heldout ΔWᵀ)``) are
-  compared and the smaller one's weight is kept.
+* Sequential (:class:`~lowbit.algorithms.gptq.GPTQSettings` ``sequential``, the default):
+  block ``i + 1`` is calibrated on the outputs of the already quantized block ``i`` (two
+  passes per block); within a block all linears are calibrated on the float block (one Hessian
+  pass per block). ``sequential=False`` propagates the float block's outputs from the Hessian
+  pass instead (one pass per block).
+* Guard (``GPTQSettings.guard``): the last ``heldout_fraction`` of the calibration samples (at
+  least one) are kept out of the Hessians; per layer, GPTQ's and the spec's
+  ``guard_candidate``'s (RTN's, for integers) output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those
+  samples (``tr(ΔW H_heldout ΔWᵀ)``) are compared and the smaller one's weight is kept.
 * Resuming (GPTQ, ``resume_dir``): each finished block's packed weights and choices are written
-  to a :class:`~lowbit.calibrate.resume.BlockCheckpoints` directory. A run started again with the same
-  inputs restores the finished blocks instead of calibrating them; the walk still runs them
-  forward (the same code path), so later blocks see bit for bit the inputs of an
+  to a :class:`~lowbit.calibrate.resume.BlockCheckpoints` directory. A run started again with
+  the same inputs restores the finished blocks instead of calibrating them; the walk still runs
+  them forward (the same code path), so later blocks see bit for bit the inputs of an
   uninterrupted run and the result is identical to it.
 """
 
@@ -45,13 +46,20 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from lowbit.algorithms.gptq import GPTQSettings
 from lowbit.calibrate.capture import block_linears, calibrate_layer_by_layer
 from lowbit.calibrate.hessian import HessianCollector
-from lowbit.errors import LowbitError
 from lowbit.calibrate.resume import BlockCheckpoints, run_fingerprint
+from lowbit.errors import LowbitError
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
 
-__all__ = ["GPTQOptions", "WeightSpec", "LayerChoice", "WeightQuantReport", "quantize_linears"]
+__all__ = [
+    "WeightSpec",
+    "LayerChoice",
+    "WeightQuantReport",
+    "quantize_linears",
+    "selected_linears",
+]
 
 
 class WeightSpec(Protocol):
@@ -69,9 +77,10 @@ class WeightSpec(Protocol):
         """The container of ``weight`` [out, in] fp32 without calibration."""
 
     def gptq(
-        self, weight: Tensor, hessian: Tensor, options: GPTQOptions
+        self, weight: Tensor, hessian: Tensor, settings: GPTQSettings
     ) -> tuple[Any, Tensor, float]:
-        """Calibrated on ``hessian`` [in, in]: ``(container, its dequantized fp32 weight (equal
+        """Calibrated on ``hessian`` [in, in] with the loop's ``settings`` (act-order, block
+        size, dampening): ``(container, its dequantized fp32 weight (equal
         to ``container.dequantize()`` bit for bit), relative dampening used)``."""
 
     def guard_candidate(self, weight: Tensor) -> Any | None:
@@ -79,16 +88,6 @@ class WeightSpec(Protocol):
 
     def matches(self, weight: Any) -> bool:
         """Whether a stored container is in this format (for resumed blocks)."""
-
-
-@dataclass(frozen=True)
-class GPTQOptions:
-    """GPTQ settings shared by every layer (see :func:`~lowbit.algorithms.gptq.gptq_quantize`)."""
-
-    block_size: int = 128
-    act_order: bool = True
-    damp: float = 0.01
-    static_groups: bool | None = None
 
 
 @dataclass
@@ -167,11 +166,8 @@ def quantize_linears(
     algo: Literal["rtn", "gptq"] = "gptq",
     calibration: Tensor | None = None,
     act_quantizer_for: Callable[[str], nn.Module | None] = lambda fqn: None,
-    guard: bool = True,
-    heldout_fraction: float = 0.125,
-    includes: Callable[[str, nn.Module], bool] | None = None,
-    gptq: GPTQOptions = GPTQOptions(),
-    sequential: bool = True,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    gptq: GPTQSettings | None = None,
     progress: bool = True,
     device: torch.device | str | None = None,
     offload_device: torch.device | str = "cpu",
@@ -188,13 +184,10 @@ def quantize_linears(
         calibration: [N, S] token ids (GPTQ).
         act_quantizer_for: ``act_quantizer_for(fqn)`` -> the module quantizing the layer's
             input at run time, or None; attached after calibration.
-        guard: GPTQ only: keep the spec's ``guard_candidate`` (RTN for integers) for layers
-            where it has the smaller held-out output error.
-        heldout_fraction: share of the calibration samples held out for the guard.
-        includes: ``includes(fqn, module)`` -> whether the linear is touched (None = all).
-        gptq: GPTQ settings.
-        sequential: calibrate block ``i + 1`` on the outputs of the quantized block ``i``
-            (a second pass per block); False: on the float block's outputs (half the passes).
+        filter_fn: ``filter_fn(module, fqn)`` -> whether the linear is touched (None = all),
+            as :func:`lowbit.quantize` takes it.
+        gptq: how GPTQ runs (ignored by RTN): the loop's settings, the RTN guard and its
+            held-out share, sequential calibration; None = :class:`GPTQSettings`' defaults.
         progress: show progress bars.
         device: compute device for calibration (default: where the blocks are).
         offload_device: where captured activations live during calibration.
@@ -210,9 +203,7 @@ def quantize_linears(
     if algo not in ("rtn", "gptq"):
         raise LowbitError(f"weight algorithm must be 'rtn' or 'gptq', not {algo!r}")
     start = time.perf_counter()
-    names = [
-        n for n in adapter.linear_names() if includes is None or includes(n, model.get_submodule(n))
-    ]
+    names = selected_linears(model, adapter, filter_fn)
     specs = {n: spec_for(n) for n in names}
     for name, spec in specs.items():
         if spec is not None:
@@ -223,13 +214,25 @@ def quantize_linears(
             report.layers.append(_quantize_rtn(model, name, specs[name]))
     else:
         _quantize_gptq(
-            model, adapter, names, specs, calibration, guard, heldout_fraction, gptq, report,
-            sequential, progress, device, offload_device, resume_dir, recipe,
+            model, adapter, names, specs, calibration, gptq or GPTQSettings(), report, progress,
+            device, offload_device, resume_dir, recipe,
         )  # fmt: skip
     for name in names:
         model.get_submodule(name).act_quantizer = act_quantizer_for(name)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def selected_linears(
+    model: nn.Module, adapter, filter_fn: Callable[[nn.Module, str], bool] | None
+) -> list[str]:
+    """The adapter's block linears (fully qualified names, in order) for which
+    ``filter_fn(module, fqn)`` is true; all of them when it is None."""
+    return [
+        name
+        for name in adapter.linear_names()
+        if filter_fn is None or filter_fn(model.get_submodule(name), name)
+    ]
 
 
 def _quantize_rtn(model: nn.Module, name: str, spec: WeightSpec | None) -> LayerChoice:
@@ -244,27 +247,25 @@ def _quantize_rtn(model: nn.Module, name: str, spec: WeightSpec | None) -> Layer
 
 
 def _quantize_gptq(
-    model, adapter, names, specs, calibration, guard, heldout_fraction, options, report,
-    sequential, progress, device, offload_device, resume_dir, recipe,
+    model, adapter, names, specs, calibration, settings: GPTQSettings, report, progress, device,
+    offload_device, resume_dir, recipe,
 ) -> None:  # fmt: skip
     if calibration is None:
         raise LowbitError("GPTQ needs calibration data (calibration=[n_samples, seqlen] ids)")
     n_samples = calibration.shape[0]
     heldout = 0
+    guard = settings.guard
     if guard:
         if n_samples < 2:
             raise LowbitError("the GPTQ guard needs at least 2 calibration samples (one held out)")
-        if not 0.0 < heldout_fraction < 1.0:
-            raise LowbitError(f"heldout_fraction must be in (0, 1), not {heldout_fraction}")
-        heldout = min(n_samples - 1, max(1, round(n_samples * heldout_fraction)))
+        heldout = min(n_samples - 1, max(1, round(n_samples * settings.heldout_fraction)))
     report.calibration_samples, report.heldout_samples = n_samples - heldout, heldout
     selected = set(names)
     store = None
     if resume_dir is not None:  # fingerprint the model before anything in it changes
         store = _open_checkpoints(
             resume_dir, model, adapter, calibration, specs, recipe, device,
-            {"algo": "gptq", "guard": guard, "heldout_fraction": heldout_fraction,
-             "sequential": sequential, "gptq": dataclasses.asdict(options)},
+            _resume_options(settings),
         )  # fmt: skip
     for name in names:  # calibrate with float activations
         module = model.get_submodule(name)
@@ -300,7 +301,7 @@ def _quantize_gptq(
                 continue
             accumulator = collector.accumulators[name]
             weight = module.weight.detach().float()
-            packed, dequantized, damp = spec.gptq(weight, accumulator.hessian("train"), options)
+            packed, dequantized, damp = spec.gptq(weight, accumulator.hessian("train"), settings)
             choice = LayerChoice(name, "gptq", damp=damp)
             rtn = spec.guard_candidate(weight) if guard else None
             if rtn is not None:
@@ -329,7 +330,7 @@ def _quantize_gptq(
         quantize_block,
         linears_of=calibrated_linears,
         heldout=heldout,
-        sequential=sequential,
+        sequential=settings.sequential,
         offload_device=offload_device,
         device=device,
         progress=progress,
@@ -341,6 +342,23 @@ def _quantize_gptq(
             module = model.get_submodule(name)
             replace_module(model, name, _replacement(module, module.weight, None, "float"))
             report.layers.append(LayerChoice(name, "float"))
+
+
+def _resume_options(settings: GPTQSettings) -> dict[str, Any]:
+    """The GPTQ settings as a resume directory's fingerprint records them (the layout of the
+    directories written before :class:`GPTQSettings` existed, so they still resume)."""
+    return {
+        "algo": "gptq",
+        "guard": settings.guard,
+        "heldout_fraction": settings.heldout_fraction,
+        "sequential": settings.sequential,
+        "gptq": {
+            "block_size": settings.block_size,
+            "act_order": settings.act_order,
+            "damp": settings.damp,
+            "static_groups": settings.static_groups,
+        },
+    }
 
 
 def _open_checkpoints(

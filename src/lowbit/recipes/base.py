@@ -194,7 +194,8 @@ class QuantizeContext:
     Attributes:
         adapter: the model's adapter (the only thing that knows layer names).
         calibration: [n_samples, seqlen] token ids, or None.
-        includes: ``includes(fqn, module)`` says whether a linear is quantized.
+        includes: ``includes(module, fqn)`` (``lowbit.quantize``'s ``filter_fn``) says whether
+            a linear is quantized; None = all.
         overrides: per-layer settings, ``{fnmatch pattern: {setting: value}}``, applied in order.
         progress: show progress bars.
         resume_dir: directory of block checkpoints for methods that calibrate weights with
@@ -218,7 +219,8 @@ class QuantizeContext:
             return torch.device(self.device)
         return next(self.adapter.blocks_module.parameters()).device
 
-    def selected(self, fqn: str, module: torch.nn.Module) -> bool:
+    def selected(self, module: torch.nn.Module, fqn: str) -> bool:
+        """Whether the linear ``fqn`` is quantized (arguments in ``filter_fn``'s order)."""
         return self.includes is None or bool(self.includes(module, fqn))
 
     def resume_fingerprint(self, recipe: Recipe) -> dict[str, Any]:

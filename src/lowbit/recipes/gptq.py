@@ -11,23 +11,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowbit.algorithms.weights import GPTQOptions, quantize_linears
+from lowbit.algorithms.weights import quantize_linears
 from lowbit.recipes.base import (
     QuantizeContext,
     Recipe,
     check_gptq_settings,
     refuse_global_overrides,
 )
-from lowbit.recipes.linear_settings import LinearQuantSettings, check_activation_groups
+from lowbit.recipes.linear_settings import (
+    GPTQRecipeSettings,
+    LinearQuantSettings,
+    check_activation_groups,
+)
 from lowbit.recipes.registry import register
-
-# settings that apply to the whole calibration run and cannot differ per layer
-_GLOBAL_SETTINGS = ("act_order", "block_size", "damp", "guard", "heldout_fraction", "sequential")
 
 
 @register
 @dataclass
-class GPTQRecipe(LinearQuantSettings, Recipe):
+class GPTQRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     """GPTQ weights (per output channel or per group) and per-token activations.
 
     Settings (besides the weight/activation ones of ``rtn``):
@@ -45,13 +46,6 @@ class GPTQRecipe(LinearQuantSettings, Recipe):
     method = "gptq"
     needs_calibration = True
 
-    act_order: bool = True
-    block_size: int = 128
-    damp: float = 0.01
-    guard: bool = True
-    heldout_fraction: float = 0.125
-    sequential: bool = True
-
     gptq_weights = True
 
     def validate(self) -> None:
@@ -59,7 +53,7 @@ class GPTQRecipe(LinearQuantSettings, Recipe):
         check_gptq_settings(self)
 
     def apply(self, model, context: QuantizeContext) -> None:
-        refuse_global_overrides(self.method, context.overrides, _GLOBAL_SETTINGS)
+        refuse_global_overrides(self.method, context.overrides, self.gptq_setting_names())
         check_activation_groups(model, context, self)  # fail before the long calibration
         model.lowbit_weight_report = quantize_linears(
             model,
@@ -68,11 +62,8 @@ class GPTQRecipe(LinearQuantSettings, Recipe):
             algo="gptq",
             calibration=context.calibration,
             act_quantizer_for=lambda fqn: context.recipe_for(self, fqn).act_quantizer(),
-            guard=self.guard,
-            heldout_fraction=self.heldout_fraction,
-            includes=context.selected,
-            gptq=GPTQOptions(self.block_size, self.act_order, self.damp),
-            sequential=self.sequential,
+            filter_fn=context.selected,
+            gptq=self.gptq_settings(),
             progress=context.progress,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),

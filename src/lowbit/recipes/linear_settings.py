@@ -1,10 +1,13 @@
-"""Weight and activation settings shared by the recipes that quantize block linears."""
+"""Settings shared by the recipes that quantize block linears: integer weights and
+activations (:class:`LinearQuantSettings`), and GPTQ's (:class:`GPTQRecipeSettings`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from lowbit.algorithms.rtn import IntWeightSpec
+from lowbit.algorithms.gptq import GPTQSettings
+from lowbit.algorithms.int_spec import IntWeightSpec
 from lowbit.errors import LowbitError
 from lowbit.nn.act_quant import ActivationQuantizer
 from lowbit.recipes.base import (
@@ -87,6 +90,55 @@ class LinearQuantSettings:
             clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, self.paper_a_clip),
             group_size=self.a_group,
         )
+
+
+@dataclass
+class GPTQRecipeSettings:
+    """GPTQ's settings, for a recipe whose weights are calibrated with GPTQ; :meth:`gptq_settings`
+    hands them to :func:`~lowbit.algorithms.weights.quantize_linears`.
+
+    Settings:
+        act_order: quantize columns by decreasing input energy (integer groups stay static, so
+            the format is a plain grouped one).
+        block_size: columns per lazy GPTQ update.
+        damp: dampening added to the Hessian's diagonal, relative to its mean (grown x10
+            while the Cholesky factorisation fails).
+        guard: per layer, keep RTN where it beats GPTQ on held-out calibration samples.
+        heldout_fraction: share of the calibration samples the guard holds out.
+        sequential: calibrate each block on the quantized previous blocks' outputs (two
+            passes per block); false: on the float model's (one pass per block).
+
+    A recipe that does not offer one of them fixes it as a class constant instead, e.g.
+    ``block_size: ClassVar[int] = 128``: it is then not a setting (not in ``to_dict()``, no
+    ``--set``), and :meth:`gptq_settings` reads the constant. A recipe changes a default by
+    declaring the field again (``guard: bool = False``).
+    """
+
+    act_order: bool = True
+    block_size: int = 128
+    damp: float = 0.01
+    guard: bool = True
+    heldout_fraction: float = 0.125
+    sequential: bool = True
+
+    def gptq_settings(self) -> GPTQSettings:
+        """These settings as the weight driver takes them (one LowbitError sentence when one
+        is out of range)."""
+        return GPTQSettings(
+            act_order=self.act_order,
+            block_size=self.block_size,
+            damp=self.damp,
+            guard=self.guard,
+            heldout_fraction=self.heldout_fraction,
+            sequential=self.sequential,
+        )
+
+    @classmethod
+    def gptq_setting_names(cls) -> tuple[str, ...]:
+        """The GPTQ settings this recipe offers; they apply to the whole calibration run, so
+        per-layer overrides may not set them."""
+        offered = {f.name for f in dataclasses.fields(cls)}
+        return tuple(f.name for f in dataclasses.fields(GPTQRecipeSettings) if f.name in offered)
 
 
 def check_activation_groups(model, context: QuantizeContext, recipe) -> None:

@@ -25,10 +25,10 @@ text: perplexity on text like it falls more than the distance to the float model
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from lowbit.algorithms.mixed import MixedWeightSpec
-from lowbit.algorithms.weights import GPTQOptions, quantize_linears
+from lowbit.algorithms.weights import quantize_linears
 from lowbit.errors import LowbitError
 from lowbit.recipes.base import (
     QuantizeContext,
@@ -36,18 +36,16 @@ from lowbit.recipes.base import (
     check_gptq_settings,
     refuse_global_overrides,
 )
+from lowbit.recipes.linear_settings import GPTQRecipeSettings
 from lowbit.recipes.registry import register, register_preset
 
-# settings that apply to the whole run and cannot differ per layer
-_GLOBAL_SETTINGS = (
-    "w_algo", "act_order", "block_size", "damp", "sequential", "qat_steps", "qat_lr",
-    "qat_seqlen",
-)  # fmt: skip
+# settings besides GPTQ's that apply to the whole run and cannot differ per layer
+_GLOBAL_SETTINGS = ("w_algo", "qat_steps", "qat_lr", "qat_seqlen")
 
 
 @register
 @dataclass
-class MixedRecipe(Recipe):
+class MixedRecipe(GPTQRecipeSettings, Recipe):
     """2/4/16-bit intra-matrix mixed-precision weights (seed 002).
 
     Settings:
@@ -73,10 +71,10 @@ class MixedRecipe(Recipe):
     g2: int = 16
     mse_clip: bool = True
     w_algo: Literal["gptq", "rtn"] = "gptq"
-    act_order: bool = True
-    block_size: int = 128
-    damp: float = 0.01
-    sequential: bool = True
+    # no RTN guard (every calibration sample goes into the Hessians; RTN would choose other
+    # 4-bit groups): GPTQ settings mixed does not offer (not in its saved JSON)
+    guard: ClassVar[bool] = False
+    heldout_fraction: ClassVar[float] = 0.125
     qat_steps: int = 0
     qat_lr: float = 1e-4
     qat_seqlen: int = 512
@@ -110,7 +108,8 @@ class MixedRecipe(Recipe):
         return MixedWeightSpec(self.frac_4bit, self.outlier_fraction, self.g2, self.mse_clip)
 
     def apply(self, model, context: QuantizeContext) -> None:
-        refuse_global_overrides(self.method, context.overrides, _GLOBAL_SETTINGS)
+        fixed = (*self.gptq_setting_names(), *_GLOBAL_SETTINGS)
+        refuse_global_overrides(self.method, context.overrides, fixed)
 
         def spec_for(fqn: str) -> MixedWeightSpec:
             return context.recipe_for(self, fqn).weight_spec()
@@ -121,7 +120,7 @@ class MixedRecipe(Recipe):
             model.lowbit_qat_report = mixed_qat(
                 model, context.adapter, context.calibration, spec_for,
                 steps=self.qat_steps, lr=self.qat_lr, seqlen=self.qat_seqlen,
-                damp=self.damp, includes=context.selected, device=context.device,
+                damp=self.damp, filter_fn=context.selected, device=context.device,
                 progress=context.progress,
             )  # fmt: skip
             chosen = model.lowbit_qat_report.is4
@@ -139,10 +138,8 @@ class MixedRecipe(Recipe):
             spec_for=spec_for,
             algo=self.w_algo,
             calibration=context.calibration,
-            guard=False,  # no RTN candidate: every calibration sample goes into the Hessians
-            includes=context.selected,
-            gptq=GPTQOptions(self.block_size, self.act_order, self.damp),
-            sequential=self.sequential,
+            filter_fn=context.selected,
+            gptq=self.gptq_settings(),
             progress=context.progress,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),

@@ -17,11 +17,11 @@ Steps, each done by the module that owns it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
-from lowbit.algorithms.weights import GPTQOptions, quantize_linears
+from lowbit.algorithms.weights import quantize_linears
 from lowbit.errors import LowbitError
 from lowbit.recipes.base import (
     OFF_BITS,
@@ -29,16 +29,21 @@ from lowbit.recipes.base import (
     Recipe,
     check_bits,
     check_gptq_settings,
+    refuse_global_overrides,
 )
 from lowbit.recipes.kv_int import KVIntRecipe
-from lowbit.recipes.linear_settings import LinearQuantSettings, check_activation_groups
+from lowbit.recipes.linear_settings import (
+    GPTQRecipeSettings,
+    LinearQuantSettings,
+    check_activation_groups,
+)
 from lowbit.recipes.registry import register
 from lowbit.transforms.rotate import rotate_model
 
 
 @register
 @dataclass
-class QuaRotRecipe(LinearQuantSettings, Recipe):
+class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     """QuaRot: Hadamard-rotated model with integer weights, activations and KV cache.
 
     Settings (besides the weight/activation ones of ``rtn``, with QuaRot's defaults):
@@ -72,9 +77,10 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
     rotation: Literal["hadamard", "random", "none"] = "hadamard"
     seed: int = 0
     online_fp16: bool = False
-    guard: bool = True
-    act_order: bool = True
-    damp: float = 0.01
+    # GPTQ settings quarot does not offer (not in its saved JSON): fixed at GPTQ's defaults
+    block_size: ClassVar[int] = 128
+    heldout_fraction: ClassVar[float] = 0.125
+    sequential: ClassVar[bool] = True
 
     @property
     def gptq_weights(self) -> bool:
@@ -107,6 +113,7 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
         )
 
     def apply(self, model, context: QuantizeContext) -> None:
+        refuse_global_overrides(self.method, context.overrides, self.gptq_setting_names())
         check_activation_groups(model, context, self)
         if self.rotation != "none":
             rotate_model(
@@ -122,9 +129,8 @@ class QuaRotRecipe(LinearQuantSettings, Recipe):
             algo=self.w_algo if self.w_bits != OFF_BITS else "rtn",
             calibration=context.calibration,
             act_quantizer_for=lambda fqn: context.recipe_for(self, fqn).act_quantizer(),
-            guard=self.guard,
-            includes=context.selected,
-            gptq=GPTQOptions(act_order=self.act_order, damp=self.damp),
+            filter_fn=context.selected,
+            gptq=self.gptq_settings(),
             progress=context.progress,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),

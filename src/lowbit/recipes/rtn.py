@@ -35,6 +35,6 @@ class RTNRecipe(LinearQuantSettings, Recipe):
             spec_for=lambda fqn: context.recipe_for(self, fqn).weight_spec(),
             algo="rtn",
             act_quantizer_for=lambda fqn: context.recipe_for(self, fqn).act_quantizer(),
-            includes=context.selected,
+            filter_fn=context.selected,
             progress=context.progress,
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lowbit.algorithms.spqr import MAX_OUTLIER_FRACTION, SpQRSpec
-from lowbit.algorithms.weights import GPTQOptions, quantize_linears
+from lowbit.algorithms.weights import quantize_linears
 from lowbit.errors import LowbitError
 from lowbit.recipes.base import (
     QuantizeContext,
@@ -24,10 +24,8 @@ from lowbit.recipes.base import (
     check_gptq_settings,
     refuse_global_overrides,
 )
+from lowbit.recipes.linear_settings import GPTQRecipeSettings
 from lowbit.recipes.registry import register, register_preset
-
-# settings that apply to the whole calibration run and cannot differ per layer
-_GLOBAL_SETTINGS = ("act_order", "block_size", "damp", "guard", "heldout_fraction", "sequential")
 
 # the paper's settings (Dettmers et al. 2023, seed 004): 3-bit weights and statistics, beta
 # 16/16, about 1% or 0.5% outliers
@@ -37,7 +35,7 @@ register_preset("spqr-w3-0.5pct", "spqr", {"outlier_fraction": 0.005})
 
 @register
 @dataclass
-class SpQRRecipe(Recipe):
+class SpQRRecipe(GPTQRecipeSettings, Recipe):
     """SpQR weights (block linears); activations and KV cache untouched.
 
     Settings:
@@ -65,12 +63,7 @@ class SpQRRecipe(Recipe):
     tau: float | None = None
     simplified: bool = False
     sparse_format: Literal["csr", "ptcsr"] = "csr"
-    act_order: bool = True
-    block_size: int = 128
-    damp: float = 0.01
-    guard: bool = False
-    heldout_fraction: float = 0.125
-    sequential: bool = True
+    guard: bool = False  # GPTQ's setting, off here (see above)
 
     gptq_weights = True
 
@@ -93,18 +86,15 @@ class SpQRRecipe(Recipe):
         )
 
     def apply(self, model, context: QuantizeContext) -> None:
-        refuse_global_overrides(self.method, context.overrides, _GLOBAL_SETTINGS)
+        refuse_global_overrides(self.method, context.overrides, self.gptq_setting_names())
         model.lowbit_weight_report = quantize_linears(
             model,
             context.adapter,
             spec_for=lambda fqn: context.recipe_for(self, fqn).weight_spec(),
             algo="gptq",
             calibration=context.calibration,
-            guard=self.guard,
-            heldout_fraction=self.heldout_fraction,
-            includes=context.selected,
-            gptq=GPTQOptions(self.block_size, self.act_order, self.damp),
-            sequential=self.sequential,
+            filter_fn=context.selected,
+            gptq=self.gptq_settings(),
             progress=context.progress,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),
