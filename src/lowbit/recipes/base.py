@@ -54,16 +54,9 @@ def check_group(name: str, group: int | None) -> None:
 
 
 def check_gptq_settings(recipe: Any) -> None:
-    """The GPTQ loop's settings a recipe has (``block_size``, ``damp``, ``heldout_fraction``)
-    in range, one sentence each."""
-    block_size = getattr(recipe, "block_size", 1)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise LowbitError(f"block_size must be a positive integer, not {block_size!r}")
-    if not 0.0 < recipe.damp < 1.0:
-        raise LowbitError(f"damp must be in (0, 1), not {recipe.damp}")
-    heldout = getattr(recipe, "heldout_fraction", 0.5)
-    if not 0.0 < heldout < 1.0:
-        raise LowbitError(f"heldout_fraction must be in (0, 1), not {heldout}")
+    """A GPTQ recipe's settings (``lowbit.recipes.linear_settings.GPTQRecipeSettings``) in
+    range, one sentence each: building its ``GPTQSettings`` checks them."""
+    recipe.gptq_settings()
 
 
 def refuse_global_overrides(
