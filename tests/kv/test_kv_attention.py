@@ -170,6 +170,32 @@ def test_filled_foreign_cache_raises(models):
         model(torch.randint(3, 256, (1, 1)), past_key_values=cache)
 
 
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+@pytest.mark.parametrize("attention", ["kv", "ksort"])
+def test_attention_stores_into_the_cache_under_either_name(models, attention, name):
+    # transformers 5.24 hands a decoder layer's cache to its attention as `cache`, 5.23 as
+    # `past_key_values`; lowbit's attention forwards read only the old name and ran cacheless
+    model = copy.deepcopy(models["llama"])
+    if attention == "kv":
+        install_kv_quantization(model)
+        cache = model.lowbit_make_cache()
+    else:
+        ksort_qk(model)
+        cache = DynamicCache(config=model.config)
+    adapter = adapter_for(model)
+    positions = torch.arange(5)[None]  # [1, S]
+    hidden = torch.randn(1, 5, adapter.hidden_size)  # [1, S, hidden]
+    with torch.no_grad():
+        adapter.block(0).attn(
+            hidden,
+            position_embeddings=adapter.rope_cos_sin(positions),
+            attention_mask=None,
+            position_ids=positions,
+            **{name: cache},
+        )
+    assert cache.get_seq_length(0) == 5
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("pre_rope", [False, True])
 def test_ksorted_model_keeps_its_function_under_kv_attention(models, family, pre_rope):

@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache
 from lowbit.errors import LowbitError
 from lowbit.kv.cache import KVCacheLayout, QuantizedKVLayer
 from lowbit.kv.quantizer import KVQuantizer
+from lowbit.models.compat import pop_attention_cache
 from lowbit.transforms.hadamard import fast_hadamard_transform, has_hadamard
 from lowbit.transforms.permute import RopeOrder, apply_ordered_rope
 
@@ -154,7 +155,8 @@ class KVQuantAttention(nn.Module):
         if any(layer.get_seq_length() for layer in layers):
             raise LowbitError(
                 "this model's KV cache is quantized but the cache passed in already holds "
-                "unquantized tokens; pass past_key_values=model.lowbit_make_cache()"
+                "unquantized tokens; pass model.lowbit_make_cache() as the cache "
+                "(cache= or past_key_values=)"
             )
         cache.layers = self.layout.make_layers()
         cache.layer_class_to_replicate = None
@@ -165,9 +167,14 @@ class KVQuantAttention(nn.Module):
         hidden_states: Tensor,
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         attention_mask: Tensor | None = None,
-        past_key_values: Cache | None = None,
         **kwargs,
     ) -> tuple[Tensor, Tensor | None]:
+        """Attention of ``hidden_states`` [B, S, hidden] -> ([B, S, hidden], weights or None).
+
+        The decoder layer passes the KV cache as ``cache`` (transformers >= 5.24) or
+        ``past_key_values`` (earlier): either is used (:func:`pop_attention_cache`).
+        """
+        cache = pop_attention_cache(kwargs)
         batch, steps, _ = hidden_states.shape
         shape = (batch, steps, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape)  # [B, S, H_q, D]
@@ -185,7 +192,7 @@ class KVQuantAttention(nn.Module):
         q = self._rope(q, cos, sin)
         positions = kwargs.get("position_ids")
         if positions is None:
-            past = 0 if past_key_values is None else past_key_values.get_seq_length()
+            past = 0 if cache is None else cache.get_seq_length()
             positions = torch.arange(past, past + steps, device=q.device)[None]
         cache_kwargs = {"positions": positions}  # [B or 1, S]: pre-RoPE keys, pad-aware sinks
         if not self.pre_rope:
@@ -195,12 +202,12 @@ class KVQuantAttention(nn.Module):
         if self.query_quantizer is not None:
             q = self.query_quantizer(q)
 
-        layer = self._cache_layer(past_key_values)
+        layer = self._cache_layer(cache)
         if layer is None:
             layer = self.layout.make_layer(self.layer_idx)
             keys, values = layer.update(k, v, cache_kwargs)  # [B, H_kv, T, D]
         else:
-            keys, values = past_key_values.update(k, v, self.layer_idx, cache_kwargs)
+            keys, values = cache.update(k, v, self.layer_idx, cache_kwargs)
         if self.pre_rope:
             cos_all, sin_all = self._rope_cos_sin(layer.positions(), keys.dtype)  # [B, T, D]
             keys = self._rope(keys, cos_all, sin_all)

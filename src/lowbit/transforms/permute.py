@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
 from lowbit.models.adapter import adapter_for
+from lowbit.models.compat import pop_attention_cache
 
 __all__ = [
     "RopeOrder",
@@ -193,10 +194,12 @@ def permute_v_channels(model: nn.Module, layer: int, order: Tensor) -> None:
 
 
 def _ordered_rope_attention_forward(
-    self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs
+    self, hidden_states, position_embeddings, attention_mask=None, **kwargs
 ):
     """The transformers attention of the supported families with RoPE from
-    ``self.lowbit_rope_order`` (bound per instance by :func:`ksort_qk`)."""
+    ``self.lowbit_rope_order`` (bound per instance by :func:`ksort_qk`); the KV cache comes as
+    ``cache`` or ``past_key_values`` (:func:`pop_attention_cache`)."""
+    cache = pop_attention_cache(kwargs)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     input_shape = hidden_states.shape[:-1]
@@ -211,8 +214,8 @@ def _ordered_rope_attention_forward(
     order = self.lowbit_rope_order
     query = apply_ordered_rope(query, cos, sin, order.repeat_heads(self.num_key_value_groups))
     key = apply_ordered_rope(key, cos, sin, order)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(
