@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_window_arguments, command_line, fmt, markdown_table, stamp  # noqa: E402
 
-from lowbit.cli import build_parser, run_eval  # noqa: E402
+from lowbit.eval.run import evaluate_recipes  # noqa: E402
 
 ROWS = ["fp", "w8a16", "w4a16", "w4a16-g64", "w8a8", "w8a4", "w4a4"]
 
@@ -30,11 +30,11 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="*", default=ROWS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    eval_args = build_parser().parse_args(
-        ["eval", "--dataset", args.dataset, "--windows", str(args.windows), "--seqlen",
-         str(args.seqlen), "--no-progress"] + (["--model", args.model] if args.model else [])
+    rows = evaluate_recipes(
+        args.model, args.recipes, dataset=args.dataset, windows=args.windows,
+        seqlen=args.seqlen, device="cuda" if torch.cuda.is_available() else "cpu",
+        progress=False,
     )  # fmt: skip
-    rows = run_eval(eval_args, args.recipes)
     print(stamp(command_line()))
     print(
         f"Dataset: {rows[0]['dataset']}, {rows[0]['windows']} windows x {rows[0]['seqlen']} tokens.\n"

@@ -34,8 +34,8 @@ LAYERS = [
     {"algorithms"},
     {"recipes"},
     {"io"},
-    {"eval", "generate"},
     {"api"},
+    {"eval", "generate"},  # eval.run evaluates recipes through lowbit.api
     {"cli", "__main__", "__init__"},
 ]
 

@@ -1,0 +1,215 @@
+"""Evaluate a model under several recipes: what ``lowbit eval`` and ``lowbit demo`` print.
+
+:func:`evaluate_recipes` loads the model once, evaluates each recipe on a copy of it (quantized,
+calibrated where the method needs it) against the float model on the same windows, and
+returns one row per recipe: perplexity, KL, top-1, bits per weight, bytes, times. The command
+line only parses options and prints these rows; benchmarks call this function directly.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.recipes.base import Recipe
+
+__all__ = ["evaluate_recipes", "check_backend", "use_backend"]
+
+
+def check_backend(name: str) -> None:
+    """Refuse, with one sentence, a backend name that no packed format knows."""
+    from lowbit.kernels.dispatch import backend_names
+
+    if name not in backend_names():
+        raise LowbitError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
+
+
+def use_backend(model: torch.nn.Module, name: str) -> int:
+    """Put ``model``'s packed linears on backend ``name``; returns how many there are.
+
+    ``auto`` leaves a simulated model (``FakeQuantLinear``, float weights: the fast path on CPU)
+    as it is; any other name packs it first, so the named backend is what computes.
+    """
+    from lowbit.nn.packed_linear import pack_model, set_backend
+
+    if name != "auto":
+        pack_model(model)
+    return set_backend(model, name)
+
+
+def _labelled(recipes: Sequence[Recipe | str | tuple[str, Recipe]]) -> list[tuple[str, Recipe]]:
+    """(label, recipe) pairs: a name is looked up (and is its own label), a recipe is labelled
+    by its method."""
+    from lowbit.recipes.registry import get_recipe
+
+    pairs = []
+    for item in recipes:
+        if isinstance(item, tuple):
+            pairs.append(item)
+        elif isinstance(item, str):
+            pairs.append((item, get_recipe(item)))
+        else:
+            pairs.append((item.method, item))
+    return pairs
+
+
+def evaluate_recipes(
+    model: str | os.PathLike | None,
+    recipes: Sequence[Recipe | str | tuple[str, Recipe]],
+    *,
+    dataset: str = "pydoc",
+    seqlen: int = 2048,
+    windows: int | None = None,
+    calib: str = "pydoc",
+    calib_samples: int = 16,
+    calib_seqlen: int | None = None,
+    calib_skip: int = 0,
+    seed: int = 0,
+    chunk: int | None = None,
+    kv_context: int = 2048,
+    backend: str = "auto",
+    device: torch.device | str | None = None,
+    resume_dir: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Quantize the model with each recipe and evaluate it on the same windows.
+
+    Cheap checks (recipes, backend, corpora) come before the model loads. A model saved by
+    lowbit is evaluated as it is (one row, no float reference to compare with).
+
+    Args:
+        model: any spec :func:`lowbit.load_model` takes (None: the embedded model).
+        recipes: names (methods, presets, compositions), Recipe objects, or (label, recipe)
+            pairs; one row each, in order.
+        dataset: evaluation corpus (``pydoc``, ``wikitext2`` or a text file).
+        seqlen: tokens per window.
+        windows: evaluate only the first N windows (None: all).
+        calib: calibration corpus for the recipes that calibrate.
+        calib_samples: calibration windows.
+        calib_seqlen: tokens per calibration window (None: ``seqlen``).
+        calib_skip: skip the first N windows of the calibration corpus.
+        seed: seeds calibration sampling and torch's generator.
+        chunk: feed each window in chunks of this many tokens through the KV cache (None: one
+            pass per window).
+        kv_context: context length at which KV-cache bytes per token are stated.
+        backend: how packed linears multiply (``auto``, ``reference``, ``torch-cpu``, ...).
+        device: where the model runs (None: the CPU, where it loads).
+        resume_dir: block checkpoints of a GPTQ run (one GPTQ recipe at most).
+        trust_remote_code: passed to transformers.
+        progress: show progress bars.
+
+    Returns:
+        One dict per recipe: ``model``, ``recipe`` (its ``to_dict()``), ``label``, ``dataset``,
+        ``seqlen``, ``windows``, ``tokens``, ``ppl``, ``kl``, ``top1``, ``bits_per_weight``,
+        ``model_bytes``, ``kv_bytes_per_token``, ``kv_context``, ``calibration``, ``chunk``,
+        ``backend``, ``quantize_seconds``, ``eval_seconds``, ``seconds``.
+    """
+    from lowbit.api import load_model, quantize
+    from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
+    from lowbit.eval.evaluate import FloatReference, evaluate
+    from lowbit.eval.memory import memory_report
+    from lowbit.models.adapter import adapter_for
+
+    labelled = _labelled(recipes)
+    if not labelled:
+        raise LowbitError("no recipe to evaluate")
+    resumable = [r for _, r in labelled if getattr(r, "gptq_weights", False)]
+    if resume_dir is not None and len(resumable) > 1:
+        raise LowbitError(
+            f"--resume-dir holds the blocks of one run, but {len(resumable)} recipes calibrate "
+            "with GPTQ; give it with one of them"
+        )
+    check_backend(backend)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    torch.manual_seed(seed)
+    corpus = load_corpus(dataset, part="eval")  # cheap checks before the model loads
+    calib_corpus = None
+    if any(r.needs_calibration for _, r in labelled):
+        calib_corpus = load_corpus(calib, part="calibration")
+
+    loaded = load_model(model, trust_remote_code=trust_remote_code)
+    base, tokenizer = loaded.model.to(device), loaded.tokenizer  # loaded on the CPU
+    adapter = adapter_for(base)
+    if adapter.max_context and seqlen > adapter.max_context:
+        raise LowbitError(
+            f"--seqlen {seqlen} is larger than the model's context ({adapter.max_context})"
+        )
+    ids = eval_windows(tokenize(tokenizer, corpus.text), seqlen, windows).to(device)  # [N, S]
+    calibration = None
+    if calib_corpus is not None:
+        calibration = calibration_samples(  # [calib_samples, calib_seqlen]
+            tokenize(tokenizer, calib_corpus.text),
+            calib_samples,
+            seqlen if calib_seqlen is None else calib_seqlen,
+            seed=seed,
+            skip_windows=calib_skip,
+        )
+
+    saved = getattr(base, "lowbit_recipe", None)  # a lowbit checkpoint: already quantized
+    if saved is not None:
+        if any(recipe.method != "fp" for _, recipe in labelled):
+            raise LowbitError(
+                f"{loaded.name} is already quantized ({saved.method}); evaluate it without "
+                "--recipe, or quantize the float model instead"
+            )
+        labelled = [(f"{saved.method} (saved)", saved)]
+    reference = None if saved is not None else FloatReference(base)  # no float model to compare
+    rows = []
+    for label, recipe in labelled:
+        start = time.perf_counter()
+        if recipe.method == "fp" or saved is not None:
+            candidate = base
+        else:
+            candidate = copy.deepcopy(base)
+            quantize(
+                candidate, recipe, calibration=calibration, progress=progress,
+                resume_dir=resume_dir,
+            )  # fmt: skip
+        quantize_seconds = time.perf_counter() - start
+        use_backend(candidate, backend)
+        result = evaluate(
+            candidate, ids, reference=reference, chunk=chunk, progress=progress, desc=label[:30]
+        )
+        memory = memory_report(candidate, adapter_for(candidate), kv_context=kv_context)
+        used_calibration = None
+        if calibration is not None and recipe.needs_calibration:
+            used_calibration = {
+                "corpus": calib,
+                "samples": calibration.shape[0],
+                "seqlen": calibration.shape[1],
+                "skip_windows": calib_skip,
+                "seed": seed,
+            }
+        rows.append(
+            {
+                "model": loaded.name,
+                "recipe": recipe.to_dict(),
+                "label": label,
+                "dataset": corpus.name,
+                "seqlen": seqlen,
+                "windows": result.windows,
+                "tokens": result.tokens,
+                "ppl": result.ppl,
+                "kl": result.kl,
+                "top1": result.top1,
+                "bits_per_weight": memory.bits_per_weight,
+                "model_bytes": memory.model_bytes,
+                "kv_bytes_per_token": memory.kv_bytes_per_token,
+                "kv_context": memory.kv_context,
+                "calibration": used_calibration,
+                "chunk": chunk,
+                "backend": backend,
+                "quantize_seconds": quantize_seconds,
+                "eval_seconds": result.seconds,
+                "seconds": quantize_seconds + result.seconds,
+            }
+        )
+        del candidate  # the quantized copy, before the next one is made
+    return rows
