@@ -328,7 +328,10 @@ def test_chat_answers_each_line_of_stdin(capsys, monkeypatch, chat_model_dir):
     [
         (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, not 0"),
         (["--prompt", "x", "--chat"], "has no chat template, so --chat cannot"),
-        (["--prompt", "x", "--temperature", "-1"], "--temperature must be 0 (greedy) or more"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature must be 0 (greedy) or a finite"),
+        (["--prompt", "x", "--temperature", "nan"], "--temperature must be 0 (greedy) or a finite"),
+        (["--prompt", "x", "--temperature", "inf"], "--temperature must be 0 (greedy) or a finite"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "nan"], "--top-p must be more than 0"),
         (["--prompt", "x", "--set", "w_bits=4"], "give it with --recipe"),
         (["--prompt", "  "], "--prompt is empty"),
         ([], "generate needs --prompt"),
@@ -339,3 +342,243 @@ def test_generate_bad_input(capsys, tiny_model_dir, extra, message):
     code, out, err = run(capsys, "generate", "--model", str(tiny_model_dir), *extra)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1
+
+
+# -- where quantize and export write, and what stops them -----------------------------------------
+@pytest.fixture(scope="module")
+def saved_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model quantized with rtn (group 32) and saved by `lowbit quantize`."""
+    out = tmp_path_factory.mktemp("saved") / "q"
+    argv = ["quantize", "--model", str(tiny_model_dir), "--recipe", "rtn", "--set", "w_group=32"]
+    assert main([*argv, "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    return out
+
+
+def _quantize_argv(tiny_model_dir, out):
+    return ["quantize", "--model", str(tiny_model_dir), "--recipe", "rtn", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+
+
+def _export_argv(saved_dir, out):
+    return ["export", "--model", str(saved_dir), "--format", "compressed-tensors", "--out",
+            str(out)]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["quantize", "export"])
+def test_out_may_be_a_link_to_an_empty_directory_or_a_dangling_link(
+    capsys, tiny_model_dir, saved_dir, tmp_path, command
+):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    (tmp_path / "dangling").symlink_to(tmp_path / "new")
+    for link in (tmp_path / "to-empty", tmp_path / "dangling"):
+        argv = (_quantize_argv if command == "quantize" else _export_argv)(
+            tiny_model_dir if command == "quantize" else saved_dir, link
+        )
+        code, out, err = run(capsys, *argv)
+        assert code == 0, err
+        assert link.is_symlink() and (link / "config.json").is_file()  # written through
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "empty", "new", "to-empty"]
+
+
+def _full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("command", ["quantize", "export"])
+@pytest.mark.parametrize("fault", ["full disk", "another writer"])
+def test_a_fault_while_writing_is_a_sentence_and_leaves_nothing(
+    capsys, monkeypatch, tiny_model_dir, saved_dir, tmp_path, command, fault
+):
+    out = tmp_path / "out"
+
+    from safetensors.torch import save_file
+
+    def another_writer(*args, **kwargs):  # creates the target while this one writes
+        save_file(*args, **kwargs)
+        out.mkdir()
+        (out / "theirs").write_text("kept")
+
+    monkeypatch.setattr(
+        "safetensors.torch.save_file", _full_disk if fault == "full disk" else another_writer
+    )
+    argv = (
+        _quantize_argv(tiny_model_dir, out)
+        if command == "quantize"
+        else _export_argv(saved_dir, out)
+    )
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("lowbit: error: ")
+    if fault == "full disk":
+        assert "the disk is full (No space left on device); nothing was written" in err
+        assert list(tmp_path.iterdir()) == []
+    else:
+        assert "it appeared while writing" in err
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+        assert [p.name for p in out.iterdir()] == ["theirs"]
+
+
+def test_a_full_disk_while_writing_json_keeps_the_old_file(capsys, monkeypatch, tiny_model_dir,
+                                                          corpus, tmp_path):  # fmt: skip
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    monkeypatch.setattr(json, "dump", _full_disk)
+    code, _, err = run(
+        capsys, "eval", "--model", str(tiny_model_dir), "--dataset", str(corpus), "--seqlen",
+        "64", "--windows", "1", "--no-progress", "--json", str(target),
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1
+    assert "the disk is full (No space left on device); it was left as it was" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and target.read_text() == "old"
+
+
+def test_sigterm_is_a_sentence_and_exit_143(capsys, monkeypatch):
+    import os
+    import signal
+    import time
+
+    def terminated(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs before this ends
+
+    monkeypatch.setattr("lowbit.cli.run_info", terminated)
+    previous = signal.getsignal(signal.SIGTERM)
+    code, _, err = run(capsys, "info")
+    assert code == 143 and err == "lowbit: terminated\n"
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+# -- quantize --device, info of a packed model, a resumed run ------------------------------------
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("tpu", "unknown --device 'tpu'"),
+        ("cuda:x", "unknown --device 'cuda:x'"),
+    ],
+)
+def test_quantize_device_is_checked_before_the_model_loads(capsys, tmp_path, device, message):
+    argv = _quantize_argv("/no/such/model", tmp_path / "q")
+    code, out, err = run(capsys, *argv, "--device", device)
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_quantize_device_cuda_without_cuda_is_a_sentence(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run(
+        capsys, *_quantize_argv("/no/such/model", tmp_path / "q"), "--device", "cuda"
+    )
+    assert code == 2 and "--device cuda asks for a CUDA device, but torch finds none" in err
+
+
+def test_info_counts_the_weights_a_packed_model_stands_for(capsys, tiny_model_dir, saved_dir):
+    def parameters(model_dir):
+        code, out, err = run(capsys, "info", "--model", str(model_dir))
+        assert code == 0, err
+        return next(line for line in out.splitlines() if line.startswith("parameters: "))
+
+    float_line, packed_line = parameters(tiny_model_dir), parameters(saved_dir)
+    assert packed_line.startswith(float_line + " (packed linears count the weights")
+    # 384 x 96 embeddings (tied) + 2 blocks of 70,656 linear weights and 2 norms of 96 + 96
+    assert float_line == "parameters: 178,656"
+
+
+def test_a_resumed_quantize_says_how_many_blocks_it_restored(capsys, tiny_model_dir, corpus,
+                                                             tmp_path):  # fmt: skip
+    argv = ["quantize", "--model", str(tiny_model_dir), "--recipe", "gptq", "--calib",
+            str(corpus), "--calib-samples", "2", "--seqlen", "32", "--no-progress",
+            "--resume-dir", str(tmp_path / "resume")]  # fmt: skip
+    code, _, err = run(capsys, *argv, "--out", str(tmp_path / "first"))
+    assert code == 0, err
+    assert "resuming" not in err
+    code, _, err = run(capsys, *argv, "--out", str(tmp_path / "second"))
+    assert code == 0, err
+    assert f"lowbit: resuming from {tmp_path / 'resume'}: 2 of 2 blocks were calibrated" in err
+
+
+# -- model directories, prompts and chat lines that are not what they should be ------------------
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"model_type": "florble"}, "names the model_type 'florble'"),
+        ({"model_type": None}, "names no model_type"),
+        (None, "names no model_type"),  # config.json is {}
+        ({"hidden_size": "96"}, "Field 'hidden_size' expected int, got str"),
+    ],
+)
+def test_configs_of_plain_model_directories(capsys, tiny_model_dir, tmp_path, edit, message):
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text()) if edit is not None else {}
+    for key, value in (edit or {}).items():
+        config.pop(key) if value is None else config.update({key: value})
+    (model / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "info", "--model", str(model))
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_a_prompt_that_is_not_utf8_is_a_sentence(tiny_model_dir):
+    """A real process: the bytes arrive in sys.argv as Python decodes them (surrogateescape)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowbit", "generate", "--model", str(tiny_model_dir), "--prompt",
+         b"ab\xff\xfe binary"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "lowbit: error: --prompt is not valid UTF-8 text (the byte 0xff at character 3)\n"
+    )
+
+
+def test_a_prompt_of_control_characters_generates(capsys, tiny_model_dir):
+    code, out, err = run(
+        capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "\x01\x02\x1b[31m\x7f",
+        "--max-new-tokens", "3",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "3 new tokens" in err
+
+
+@pytest.mark.parametrize(
+    "stdin, message",
+    [
+        ("first question\nab\udcff\n", "message 3 of the chat is not valid UTF-8 text (the byte"),
+        (b"first question\n\xff\n", "a line of stdin is not valid UTF-8 text (the byte 0xff)"),
+    ],
+)
+def test_a_chat_line_that_is_not_utf8_is_a_sentence(capsys, monkeypatch, chat_model_dir, stdin,
+                                                    message):  # fmt: skip
+    import io
+
+    stream = (
+        io.StringIO(stdin)
+        if isinstance(stdin, str)  # decoded with surrogateescape, as Python's own stdin may be
+        else io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")  # strict decoding
+    )
+    monkeypatch.setattr("sys.stdin", stream)
+    code, _, err = run(
+        capsys, "generate", "--model", str(chat_model_dir), "--chat", "--max-new-tokens", "2"
+    )
+    assert code == 2
+    assert err.splitlines()[-1].startswith(f"lowbit: error: {message}")
+    assert "Traceback" not in err
+
+
+def test_the_quickstarts_outputs_are_ignored_by_git():
+    """The README's quickstart writes its model directories into the working directory."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    outputs = re.findall(r"--out (\S+)", (root / "README.md").read_text())
+    assert outputs
+    for name in outputs:
+        check = subprocess.run(["git", "check-ignore", "-q", name], cwd=root)
+        assert check.returncode == 0, f"{name} is not ignored by git"

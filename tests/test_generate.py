@@ -106,7 +106,7 @@ def test_chat_messages_go_through_the_template(tiny):
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
         ({"temperature": -0.5}, "temperature must be 0"),
-        ({"temperature": 1.0, "top_p": 0.0}, "top_p must be in"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p must be more than 0"),
         ({"max_new_tokens": 10_000}, "exceed the model's context of 512"),
     ],
 )

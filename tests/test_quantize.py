@@ -90,6 +90,8 @@ def test_filter_and_overrides():
         ({"overrides": {"model.layers.9.*": {"w_bits": 8}}}, "matches no layer"),
         ({"overrides": {"model.layers.0.*": {"w_bits": 1}}}, "w_bits must be between"),
         ({"calibration": torch.zeros(2, 3)}, "token ids"),
+        ({"calibration": torch.full((2, 8), 256)}, r"token id 256, outside .* \(0 to 255\)"),
+        ({"calibration": torch.full((2, 8), -1)}, "token id -1, outside this model's vocab"),
     ],
 )
 def test_bad_arguments(kwargs, message):

@@ -77,6 +77,14 @@ def quantize(
         raise LowbitError(f"recipe {recipe.method!r} needs calibration data (calibration=...)")
     if calibration is not None and (calibration.ndim != 2 or calibration.dtype != torch.long):
         raise LowbitError("calibration must be a [n_samples, seqlen] tensor of token ids")
+    if calibration is not None and calibration.numel():
+        vocab = model.get_input_embeddings().num_embeddings
+        low, high = int(calibration.min()), int(calibration.max())
+        if low < 0 or high >= vocab:
+            raise LowbitError(
+                f"calibration holds the token id {low if low < 0 else high}, outside this "
+                f"model's vocabulary (0 to {vocab - 1}); tokenize it with the model's tokenizer"
+            )
     context = QuantizeContext(
         adapter=adapter,
         calibration=calibration,

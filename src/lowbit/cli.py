@@ -1,17 +1,21 @@
 """The ``lowbit`` command line: eval, quantize, export, info, recipes, demo, generate.
 
 Bad input ends with one sentence on stderr and exit status 2, never a traceback; files are
-written under a temporary name and renamed, so nothing half-written is left behind.
+written under a temporary name and renamed, so nothing half-written is left behind (SIGTERM
+and Ctrl-C too end with one sentence, exit status 143 and 130). This module parses options and
+prints; the work is the library's (:mod:`lowbit.eval.run` for eval and demo).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -159,14 +163,19 @@ def _add_backend_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_device_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        default="auto",
-        metavar="auto|cpu|cuda|cuda:N",
-        help="where the model runs: the model loads on the CPU and moves there; auto is CUDA "
-        "when a CUDA device is present, else the CPU (default: auto)",
-    )
+DEVICE_HELP = (
+    "where the model runs: the model loads on the CPU and moves there; auto is CUDA when a "
+    "CUDA device is present, else the CPU (default: auto)"
+)
+CALIBRATION_DEVICE_HELP = (
+    "where calibration runs (GPTQ's layer-by-layer walk, KVQuant's Fisher pass): the model "
+    "stays on the CPU and one block at a time moves there; auto is CUDA when a CUDA device is "
+    "present, else the CPU (default: auto)"
+)
+
+
+def _add_device_arg(parser: argparse.ArgumentParser, help: str = DEVICE_HELP) -> None:
+    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N", help=help)
 
 
 def resolve_device(name: str):
@@ -214,26 +223,6 @@ def check_int_args(args) -> None:
         value = getattr(args, attr, None)
         if value is not None and value < least:
             raise LowbitError(f"{option} must be at least {least}, not {value}")
-
-
-def check_backend(name: str) -> None:
-    from lowbit.kernels.dispatch import backend_names
-
-    if name not in backend_names():
-        raise LowbitError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
-
-
-def use_backend(model, name: str) -> int:
-    """Put ``model``'s packed linears on backend ``name``; returns how many there are.
-
-    ``auto`` leaves a simulated model (``FakeQuantLinear``, float weights: the fast path on CPU)
-    as it is; any other name packs it first, so the named backend is what computes.
-    """
-    from lowbit.nn.packed_linear import pack_model, set_backend
-
-    if name != "auto":
-        pack_model(model)
-    return set_backend(model, name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize_parser.add_argument(
         "--out", required=True, metavar="DIR", help="directory to write (new or empty)"
     )
+    _add_device_arg(quantize_parser, help=CALIBRATION_DEVICE_HELP)
     quantize_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     export_parser = commands.add_parser(
@@ -486,7 +476,12 @@ def check_writable(path: str) -> Path:
 
 
 def write_json_atomic(path: str, data) -> None:
-    """Write ``data`` as JSON to a temporary file beside ``path``'s target, then rename it there."""
+    """Write ``data`` as JSON to a temporary file beside ``path``'s target, then rename it there.
+
+    A write that fails (a full disk) leaves the target as it was and is one sentence.
+    """
+    from lowbit.atomic import os_error_reason
+
     target = check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -500,8 +495,12 @@ def write_json_atomic(path: str, data) -> None:
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise LowbitError(
+                f"cannot write {path}: {os_error_reason(err)}; it was left as it was"
+            ) from err
         raise
 
 
@@ -540,140 +539,51 @@ def build_calibration(args, corpus, tokenizer):
 
 # -- commands --------------------------------------------------------------------------------------
 def run_eval(args, recipe_names: list[str]) -> list[dict]:
-    import torch
-
-    from lowbit.api import quantize
-    from lowbit.data import eval_windows, load_corpus, tokenize
-    from lowbit.eval.evaluate import FloatReference, evaluate
-    from lowbit.eval.memory import memory_report
-    from lowbit.models.adapter import adapter_for
-    from lowbit.api import load_model
+    """The rows of ``lowbit eval`` / ``lowbit demo``: options checked here, the work done by
+    :func:`lowbit.eval.run.evaluate_recipes`."""
+    from lowbit.eval.run import evaluate_recipes
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
-    recipes = [recipe for _, recipe in labelled]
-    progress = not args.no_progress
-    if args.calib_samples < 1:
-        raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
-    if args.chunk is not None and args.chunk < 1:
-        raise LowbitError(f"--chunk must be at least 1, not {args.chunk}")
     if args.json:
         check_writable(args.json)
-    resume_dir = getattr(args, "resume_dir", None)
-    resumable = [r for r in recipes if getattr(r, "gptq_weights", False)]
-    if resume_dir is not None and len(resumable) > 1:
-        raise LowbitError(
-            f"--resume-dir holds the blocks of one run, but {len(resumable)} recipes calibrate "
-            "with GPTQ; give it with one of them"
-        )
-    backend = getattr(args, "backend", "auto")  # demo has no --backend
-    check_backend(backend)
-    device = resolve_device(args.device)
-    torch.manual_seed(args.seed)
-    corpus = load_corpus(args.dataset, part="eval")  # cheap checks before the model loads
-    calib_corpus = None
-    if any(r.needs_calibration for r in recipes):
-        calib_corpus = load_corpus(args.calib, part="calibration")
-
-    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    model, tokenizer = loaded.model.to(device), loaded.tokenizer  # loaded on the CPU
-    adapter = adapter_for(model)
-    if adapter.max_context and args.seqlen > adapter.max_context:
-        raise LowbitError(
-            f"--seqlen {args.seqlen} is larger than the model's context ({adapter.max_context})"
-        )
-    windows = eval_windows(tokenize(tokenizer, corpus.text), args.seqlen, args.windows)
-    windows = windows.to(device)
-
-    calibration = None if calib_corpus is None else build_calibration(args, calib_corpus, tokenizer)
-
-    saved = getattr(model, "lowbit_recipe", None)  # a lowbit checkpoint: already quantized
-    if saved is not None:
-        if any(recipe.method != "fp" for recipe in recipes):
-            raise LowbitError(
-                f"{loaded.name} is already quantized ({saved.method}); evaluate it without "
-                "--recipe, or quantize the float model instead"
-            )
-        labelled = [(f"{saved.method} (saved)", saved)]
-    reference = None if saved is not None else FloatReference(model)  # no float model to compare
-    rows = []
-    for label, recipe in labelled:
-        start = time.perf_counter()
-        if recipe.method == "fp" or saved is not None:
-            candidate = model
-        else:
-            candidate = copy.deepcopy(model)
-            quantize(
-                candidate, recipe, calibration=calibration, progress=progress,
-                resume_dir=resume_dir,
-            )  # fmt: skip
-        quantize_seconds = time.perf_counter() - start
-        use_backend(candidate, backend)
-        result = evaluate(
-            candidate,
-            windows,
-            reference=reference,
-            chunk=args.chunk,
-            progress=progress,
-            desc=label[:30],
-        )
-        memory = memory_report(candidate, adapter_for(candidate), kv_context=args.kv_context)
-        rows.append(
-            {
-                "model": loaded.name,
-                "recipe": recipe.to_dict(),
-                "label": label,
-                "dataset": corpus.name,
-                "seqlen": args.seqlen,
-                "windows": result.windows,
-                "tokens": result.tokens,
-                "ppl": result.ppl,
-                "kl": result.kl,
-                "top1": result.top1,
-                "bits_per_weight": memory.bits_per_weight,
-                "model_bytes": memory.model_bytes,
-                "kv_bytes_per_token": memory.kv_bytes_per_token,
-                "kv_context": memory.kv_context,
-                "calibration": None
-                if calibration is None or not recipe.needs_calibration
-                else {
-                    "corpus": args.calib,
-                    "samples": calibration.shape[0],
-                    "seqlen": calibration.shape[1],
-                    "skip_windows": args.calib_skip,
-                    "seed": args.seed,
-                },
-                "chunk": args.chunk,
-                "backend": backend,
-                "quantize_seconds": quantize_seconds,
-                "eval_seconds": result.seconds,
-                "seconds": quantize_seconds + result.seconds,
-            }
-        )
-        if candidate is not model:
-            del candidate
-    return rows
+    return evaluate_recipes(
+        args.model,
+        labelled,
+        dataset=args.dataset,
+        seqlen=args.seqlen,
+        windows=args.windows,
+        calib=args.calib,
+        calib_samples=args.calib_samples,
+        calib_seqlen=args.calib_seqlen,
+        calib_skip=args.calib_skip,
+        seed=args.seed,
+        chunk=args.chunk,
+        kv_context=args.kv_context,
+        backend=getattr(args, "backend", "auto"),  # demo has no --backend
+        device=resolve_device(args.device),
+        resume_dir=args.resume_dir,
+        trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress,
+    )
 
 
 def run_quantize(args) -> None:
-    from pathlib import Path
-
-    from lowbit.api import quantize
+    from lowbit.api import load_model, quantize
+    from lowbit.atomic import check_target
     from lowbit.data import load_corpus
     from lowbit.eval.memory import memory_report
-    from lowbit.io.checkpoint import check_save_target, save
+    from lowbit.io.checkpoint import save
     from lowbit.models.adapter import adapter_for
-    from lowbit.api import load_model
 
     ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
     if recipe.method == "fp":
         raise LowbitError("recipe fp quantizes nothing: there is no quantized model to save")
-    if args.calib_samples < 1:
-        raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
     out = Path(args.out).expanduser()
-    check_save_target(out)  # before the long work
+    check_target(out, "save to")  # before the long work
     resume = None if args.resume_dir is None else Path(args.resume_dir).expanduser()
     if resume is not None and resume.resolve() == out.resolve():
         raise LowbitError("--resume-dir must be another directory than --out")
+    device = resolve_device(args.device)
     calib_corpus = load_corpus(args.calib, part="calibration") if recipe.needs_calibration else None
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
     calibration = None
@@ -682,7 +592,7 @@ def run_quantize(args) -> None:
     start = time.perf_counter()
     model = quantize(
         loaded.model, recipe, calibration=calibration, progress=not args.no_progress,
-        packed=True, resume_dir=args.resume_dir,
+        packed=True, resume_dir=args.resume_dir, device=device,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     save(model, out, tokenizer=loaded.tokenizer)
@@ -694,22 +604,27 @@ def run_quantize(args) -> None:
 
 
 def run_export(args) -> None:
-    from lowbit.api import quantize
+    from lowbit.api import load_model, quantize
+    from lowbit.atomic import check_target
     from lowbit.data import load_corpus
-    from lowbit.io.compressed_tensors import check_export_target, export_compressed_tensors
-    from lowbit.api import load_model
+    from lowbit.io.compressed_tensors import (
+        check_recipe,
+        check_saved_recipe,
+        export_compressed_tensors,
+    )
 
     recipe = None
     if args.recipe is not None:
         ((_, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
         if recipe.method == "fp":
             raise LowbitError("recipe fp quantizes nothing: there is no quantized model to export")
+        check_recipe(recipe.to_dict())  # before any model loads or calibrates
     elif args.set:
         raise LowbitError("--set changes a recipe's settings; give it with --recipe")
-    if args.calib_samples < 1:
-        raise LowbitError(f"--calib-samples must be at least 1, not {args.calib_samples}")
+    elif args.model is not None:
+        check_saved_recipe(Path(args.model).expanduser())  # from its config.json alone
     out = Path(args.out).expanduser()
-    check_export_target(out)  # before the long work
+    check_target(out, "export to")  # before the long work
     needs_calib = recipe is not None and recipe.needs_calibration
     calib_corpus = load_corpus(args.calib, part="calibration") if needs_calib else None
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
@@ -758,14 +673,16 @@ def factor_pow2(n: int) -> str:
 
 
 def run_info(args) -> None:
-    from lowbit.models.adapter import adapter_for
     from lowbit.api import load_model
+    from lowbit.eval.memory import parameter_count
+    from lowbit.models.adapter import adapter_for
 
     device = resolve_device(args.device)
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
     loaded.model.to(device)
     adapter = adapter_for(loaded.model)
-    params = sum(p.numel() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
+    recipe = getattr(loaded.model, "lowbit_recipe", None)
+    params = parameter_count(loaded.model)
     dims = {
         "hidden_size": adapter.hidden_size,
         "intermediate_size": adapter.intermediate_size,
@@ -783,11 +700,11 @@ def run_info(args) -> None:
     )
     for name, value in dims.items():
         print(f"{name}: {value} = {factor_pow2(value)}")
-    print(f"parameters: {params:,}")
+    counted = " (packed linears count the weights they stand for, in x out)" if recipe else ""
+    print(f"parameters: {params:,}{counted}")
     print(f"tied embeddings: {'yes' if adapter.tied_embeddings else 'no'}")
     print(f"max context: {adapter.max_context}")
     print(f"device: {device}")
-    recipe = getattr(loaded.model, "lowbit_recipe", None)
     if recipe is not None:  # a saved lowbit model
         from lowbit.eval.memory import memory_report
 
@@ -806,7 +723,13 @@ def _stdin_turns():
     while True:
         if sys.stdin.isatty():
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as err:  # stdin decodes ahead in blocks: no line number
+            raise LowbitError(
+                f"a line of stdin is not valid UTF-8 text (the byte "
+                f"0x{err.object[err.start]:02x}), so it cannot be a turn of the chat"
+            ) from None
         if not line:
             return
         if line.strip():
@@ -818,10 +741,10 @@ def run_generate(args) -> None:
 
     import torch
 
-    from lowbit.api import quantize
+    from lowbit.api import load_model, quantize
     from lowbit.data import load_corpus
-    from lowbit.generate import generate
-    from lowbit.api import load_model
+    from lowbit.eval.run import check_backend, use_backend
+    from lowbit.generate import check_sampling, check_text, generate
 
     recipe = None
     if args.recipe is not None:
@@ -830,12 +753,14 @@ def run_generate(args) -> None:
         raise LowbitError("--set changes a recipe's settings; give it with --recipe")
     if args.prompt is None and not args.chat:
         raise LowbitError("generate needs --prompt (or --chat, which reads turns from stdin)")
-    if args.prompt is not None and not args.prompt.strip():
-        raise LowbitError("--prompt is empty")
-    if args.temperature < 0:
-        raise LowbitError(f"--temperature must be 0 (greedy) or more, not {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise LowbitError(f"--top-p must be more than 0 and at most 1, not {args.top_p}")
+    if args.prompt is not None:
+        check_text(args.prompt, "--prompt")
+        if not args.prompt.strip():
+            raise LowbitError("--prompt is empty")
+    check_sampling(
+        args.max_new_tokens, args.temperature, args.top_p,
+        names=("--max-new-tokens", "--temperature", "--top-p"),
+    )  # fmt: skip
     check_backend(args.backend)
     device = resolve_device(args.device)
     quantizes = recipe is not None and recipe.method != "fp"
@@ -920,6 +845,30 @@ def run_recipes() -> None:
     print("compose with +, applied left to right: e.g. rotate+gptq+kvquant")
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread runs so that cleanup code runs as it unwinds."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While inside, SIGTERM raises :class:`Terminated` instead of ending the process silently
+    (main thread only; a SIGTERM that is ignored stays ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -927,28 +876,36 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        check_int_args(args)
-        if args.command == "eval":
-            report(run_eval(args, args.recipe or ["fp"]), args)
-        elif args.command == "demo":
-            report(run_eval(args, list(DEMO_RECIPES)), args)
-        elif args.command == "quantize":
-            run_quantize(args)
-        elif args.command == "export":
-            run_export(args)
-        elif args.command == "info":
-            run_info(args)
-        elif args.command == "generate":
-            run_generate(args)
-        elif args.command == "recipes":
-            run_recipes()
+        with _sigterm_unwinds():
+            _run(args)
     except LowbitError as err:
         print(f"lowbit: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lowbit: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("lowbit: terminated", file=sys.stderr)
+        return 143
     return 0
+
+
+def _run(args) -> None:
+    check_int_args(args)
+    if args.command == "eval":
+        report(run_eval(args, args.recipe or ["fp"]), args)
+    elif args.command == "demo":
+        report(run_eval(args, list(DEMO_RECIPES)), args)
+    elif args.command == "quantize":
+        run_quantize(args)
+    elif args.command == "export":
+        run_export(args)
+    elif args.command == "info":
+        run_info(args)
+    elif args.command == "generate":
+        run_generate(args)
+    elif args.command == "recipes":
+        run_recipes()
 
 
 if __name__ == "__main__":

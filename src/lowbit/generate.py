@@ -9,6 +9,7 @@ quantized model's cost shows in the decode steps.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -66,6 +67,42 @@ class TimedStreamer(TextStreamer):
                 self.callback(text)
 
 
+def check_sampling(
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    *,
+    names: tuple[str, str, str] = ("max_new_tokens", "temperature", "top_p"),
+) -> None:
+    """Refuse, with one sentence, generation settings that mean nothing: fewer than one new
+    token, a temperature that is negative, infinite or NaN, a top-p outside (0, 1].
+
+    Args:
+        names: how the sentence names the three settings (the CLI passes its options').
+    """
+    if max_new_tokens < 1:
+        raise LowbitError(f"{names[0]} must be at least 1, not {max_new_tokens}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise LowbitError(
+            f"{names[1]} must be 0 (greedy) or a finite number more than 0, not {temperature}"
+        )
+    if not 0 < top_p <= 1:  # NaN fails this too
+        raise LowbitError(f"{names[2]} must be more than 0 and at most 1, not {top_p}")
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse, with one sentence naming ``what``, text that is not valid Unicode: bytes that were not UTF-8 arrive from the command
+    line or stdin as lone surrogates (Python's surrogateescape), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        byte = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise LowbitError(
+            f"{what} is not valid UTF-8 text ({byte} at character {err.start + 1})"
+        ) from None
+
+
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:
     """Token ids [1, T] of a plain prompt, or of chat messages through the chat template.
 
@@ -75,8 +112,11 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor
             template with the assistant's turn opened.
     """
     if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
         ids = tokenizer(prompt, return_tensors="pt").input_ids
     else:
+        for number, message in enumerate(prompt, 1):
+            check_text(str(message.get("content", "")), f"message {number} of the chat")
         if not getattr(tokenizer, "chat_template", None):
             raise LowbitError(
                 "this model's tokenizer has no chat template, so it cannot hold a chat; "
@@ -139,12 +179,7 @@ def generate(
         peak memory (CUDA: ``max_memory_allocated`` during the call; CPU: the process's
         peak RSS) and the cache used.
     """
-    if max_new_tokens < 1:
-        raise LowbitError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-    if temperature < 0:
-        raise LowbitError(f"temperature must be 0 (greedy) or more, not {temperature}")
-    if not 0 < top_p <= 1:
-        raise LowbitError(f"top_p must be in (0, 1], not {top_p}")
+    check_sampling(max_new_tokens, temperature, top_p)
     device = next(model.parameters()).device
     ids = encode_prompt(tokenizer, prompt).to(device)  # [1, T]
     context = getattr(model.config, "max_position_embeddings", None)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -178,3 +180,124 @@ def test_stale_conversion_temporaries_are_removed(tmp_path, monkeypatch):
         p.name for p in (alive, other_host, fresh, kept_cache, bad)
     )
     assert loader.remove_stale_temporaries(tmp_path) == []
+
+
+# -- directories whose files do not make the model their config describes -------------------------
+def _copy_of(tiny_model_dir, tmp_path, name="model"):
+    import shutil
+
+    return Path(shutil.copytree(tiny_model_dir, tmp_path / name))
+
+
+def _edit_config(directory, edit):
+    import json
+
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(model_type="florble"), "names the model_type 'florble', an archit"),
+        (lambda c: c.pop("model_type"), "names no model_type"),
+        (lambda c: c.clear(), "names no model_type"),
+        (lambda c: c.update(hidden_size="96"), "hidden_size' expected int, got str"),
+    ],
+)
+def test_configs_transformers_cannot_use_are_one_sentence(tiny_model_dir, tmp_path, edit, message):
+    directory = _copy_of(tiny_model_dir, tmp_path)
+    _edit_config(directory, edit)
+    with pytest.raises(LowbitError, match=message) as info:
+        load_model(str(directory))
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_tensor_is_refused_not_initialised_at_random(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = _copy_of(tiny_model_dir, tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LowbitError, match=r"lack 1 tensor .*first: model.layers.1.mlp.down_proj"):
+        load_model(str(directory))
+
+
+def test_a_saved_model_whose_config_lost_its_quantization_config_is_refused(tmp_path):
+    """Its packed tensors have no place in the float model: refused, naming the first, for the
+    plain loader and lowbit.load_model alike (which sees no lowbit checkpoint any more)."""
+    import lowbit
+    from lowbit.io.checkpoint import save
+    from lowbit.models.tiny import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = lowbit.quantize(tiny_model(vocab_size=len(tokenizer)), "w4a16", progress=False)
+    save(model, tmp_path / "saved", tokenizer=tokenizer)
+    _edit_config(tmp_path / "saved", lambda c: c.pop("quantization_config"))
+    for load in (load_model, lowbit.load_model):
+        with pytest.raises(LowbitError, match=r"first: model.layers.0.mlp.down_proj.qdata.*lost"):
+            load(str(tmp_path / "saved"))
+
+
+def test_an_unreadable_weight_file_is_named(tiny_model_dir, tmp_path, monkeypatch):
+    import builtins
+    import os
+
+    directory = _copy_of(tiny_model_dir, tmp_path)
+    weights = directory / "model.safetensors"
+    weights.chmod(0)
+    if os.geteuid() == 0:  # root reads any file: the refusal of open() is simulated
+
+        def refusing_open(path, *args, **kwargs):
+            if Path(path) == weights:
+                raise PermissionError(13, "Permission denied", str(path))
+            return builtins.open(path, *args, **kwargs)
+
+        monkeypatch.setattr(loader, "open", refusing_open, raising=False)
+    # transformers itself says "No such file or directory" of an unreadable file
+    with pytest.raises(LowbitError, match=f"cannot read {weights}: Permission denied"):
+        load_model(str(directory))
+
+
+@pytest.fixture
+def small_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    _write_small_gguf(path)
+    return path
+
+
+def test_a_cache_that_takes_no_files_is_refused_before_converting(small_gguf, monkeypatch):
+    import os
+
+    if os.geteuid() != 0:
+        cache = small_gguf.parent / "read-only"
+        cache.mkdir(mode=0o500)
+    elif os.path.isdir("/sys"):  # root writes anywhere but in sysfs
+        cache = Path("/sys")
+    else:
+        pytest.skip("no directory this user cannot write to")
+    monkeypatch.setenv("LOWBIT_CACHE", str(cache))
+    # the file is no model: converting it would fail otherwise, so this refusal came first
+    with pytest.raises(LowbitError, match=r"\$LOWBIT_CACHE.* does not take new files"):
+        load_model(str(small_gguf))
+
+
+def test_an_unreadable_cache_is_one_sentence(small_gguf, monkeypatch):
+    import os
+
+    cache = small_gguf.parent / "unreadable"
+    cache.mkdir(mode=0)
+    monkeypatch.setenv("LOWBIT_CACHE", str(cache))
+    if os.geteuid() == 0:  # root reads any directory: the refusal of stat() is simulated
+        is_file = Path.is_file
+
+        def refusing_is_file(path):
+            if cache in path.parents:
+                raise PermissionError(13, "Permission denied", str(path))
+            return is_file(path)
+
+        monkeypatch.setattr(Path, "is_file", refusing_is_file)
+    with pytest.raises(LowbitError, match=f"cannot use lowbit's cache {cache} .*Permission denied"):
+        load_model(str(small_gguf))

@@ -35,6 +35,7 @@ Choices:
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -373,7 +374,15 @@ def _open_checkpoints(
         recipe=recipe,
         device=device,
     )
-    return BlockCheckpoints(resume_dir, fingerprint)
+    store = BlockCheckpoints(resume_dir, fingerprint)
+    restored = sum(store.done(index) for index in range(adapter.num_layers))
+    if restored:  # say so: a resumed run is quicker and its progress bar starts part-way
+        print(
+            f"lowbit: resuming from {resume_dir}: {restored} of {adapter.num_layers} blocks "
+            "were calibrated by an earlier run and are restored",
+            file=sys.stderr,
+        )
+    return store
 
 
 def _restore_block(model, adapter, index, selected, specs, store, home) -> list[LayerChoice]:

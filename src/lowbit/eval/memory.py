@@ -76,6 +76,24 @@ def model_storage_bytes(model: torch.nn.Module) -> int:
     return bits // 8
 
 
+def parameter_count(model: torch.nn.Module) -> int:
+    """Parameters of the model as its float original has them, each shared tensor once.
+
+    A packed linear (one with ``weight_numel``) counts the weights it represents, in x out,
+    and its bias: its packed codes are not parameters, so counting ``parameters()`` would
+    leave its weights out.
+    """
+    count = 0
+    accounted: set[int] = set()
+    for module in model.modules():
+        if hasattr(module, "weight_numel"):
+            count += module.weight_numel
+            bias = getattr(module, "bias", None)
+            count += 0 if bias is None else bias.numel()
+            accounted.update(id(t) for t in module.parameters())
+    return count + sum(p.numel() for p in model.parameters() if id(p) not in accounted)
+
+
 def float_kv_bytes_per_token(adapter: DecoderAdapter, dtype: torch.dtype = torch.float16) -> int:
     """Bytes per token of an unquantized KV cache: K and V for every layer and KV head."""
     element = torch.tensor([], dtype=dtype).element_size()

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lowbit.atomic import atomic_directory, check_target
 from lowbit.errors import LowbitError
 from lowbit.io.format import (
     FORMAT_VERSION,
@@ -100,15 +99,9 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, Tensor]:
 
 # -- saving ----------------------------------------------------------------------------------------
 def check_save_target(target: Path) -> None:
-    """Refuse, with one sentence, a save target that is not a new or empty directory."""
-    if target.exists() and not target.is_dir():
-        raise LowbitError(f"cannot save to {target}: it exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()):
-        raise LowbitError(f"cannot save to {target}: the directory exists and is not empty")
-    if not target.parent.is_dir():
-        raise LowbitError(f"cannot save to {target}: the directory {target.parent} does not exist")
-    if not os.access(target.parent, os.W_OK):
-        raise LowbitError(f"cannot save to {target}: {target.parent} is not writable")
+    """Refuse, with one sentence, a save target that is not a new or empty directory (a link
+    is followed: see :func:`lowbit.atomic.check_target`)."""
+    check_target(target, "save to")
 
 
 def saved_config(model: nn.Module) -> dict[str, Any]:
@@ -117,15 +110,6 @@ def saved_config(model: nn.Module) -> dict[str, Any]:
     config = json.loads(json.dumps(model.config.to_dict()))
     config["dtype"] = str(model.dtype).removeprefix("torch.")
     return config
-
-
-def _set_default_permissions(directory: Path) -> None:
-    """Give the directory and its files the modes the umask allows (mkdtemp makes them 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
 
 
 def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> Path:
@@ -146,8 +130,7 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> P
     qconfig = describe(model)
     tensors = checkpoint_tensors(model)
     _check_rebuilds(model.config, qconfig, tensors)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with atomic_directory(target, verb="save to") as tmp:  # whole or not at all
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         config = saved_config(model)
         config["quantization_config"] = qconfig
@@ -161,12 +144,6 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> P
             generation.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _set_default_permissions(tmp)
-        if target.is_dir():
-            target.rmdir()  # empty (checked): replaced by the finished directory
-        os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

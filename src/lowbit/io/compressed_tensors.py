@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +48,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lowbit.atomic import atomic_directory, check_target
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized
 
 __all__ = [
+    "check_recipe",
+    "check_saved_recipe",
     "export_compressed_tensors",
     "plan_export",
     "compressed_tensors_config",
@@ -75,6 +76,72 @@ _KV_PARTS = {
     "kvquant": "KVQuant's non-uniform (nuq) codebooks with sparse fp16 outliers",
     "bfp": "block floating point (BFP) with K-sort channel orders",
 }
+
+
+# What each method makes that the format cannot hold: refused from the recipe alone, before a
+# model loads or calibrates. Methods not named here (rtn, gptq, fp, ...) are checked by their
+# settings, and every model is still checked layer by layer (plan_export) before it is written.
+_METHODS_NOT_HELD = {
+    "spqr": "SpQR's small groups with quantized statistics and sparse fp16 outliers",
+    "mixed": "2/4/16-bit mixed precision with sparse outliers",
+    "quarot": "QuaRot's online Hadamard transforms",
+    "rotate": "the online Hadamard transforms of a rotation",
+    "kv-int": "a KV cache quantized with scales computed at run time",
+    "kivi": "KIVI's KV cache with run-time scales",
+    "kvquant": "KVQuant's KV cache (non-uniform codebooks with sparse fp16 outliers)",
+    "ksort-bfp": "a block floating point KV cache with K-sort channel orders",
+}
+
+
+def check_recipe(recipe: dict[str, Any]) -> None:
+    """Refuse, with one sentence, a recipe whose every result the format cannot hold.
+
+    A cheap check of ``recipe.to_dict()`` (or the ``recipe`` a lowbit checkpoint's config
+    records) that the CLI makes before loading or calibrating anything; passing it does not
+    promise that a model exports (per-layer overrides, say, are checked by :func:`plan_export`).
+    """
+    parts = recipe.get("parts") if recipe.get("method") == "compose" else [recipe]
+    for part in parts or []:
+        method = part.get("method")
+        settings = part.get("settings") or {}
+        reason = _METHODS_NOT_HELD.get(method)
+        if reason is None and method in ("rtn", "gptq"):
+            reason = _settings_not_held(settings)
+        if reason is not None:
+            raise LowbitError(
+                f"compressed-tensors cannot hold the recipe {method!r}: {reason}; it holds "
+                "integer weights of 2, 4 or 8 bits (rtn, gptq), with or without int8 per-token "
+                "activations"
+            )
+
+
+def check_saved_recipe(directory: Path) -> None:
+    """:func:`check_recipe` for a model lowbit saved, from its config.json alone (no tensor is
+    read); a directory that is not a lowbit checkpoint passes (its load says what it is)."""
+    from lowbit.io.format import is_lowbit_checkpoint, read_config
+
+    if directory.is_dir() and is_lowbit_checkpoint(directory):
+        recipe = read_config(directory)["quantization_config"].get("recipe")
+        if isinstance(recipe, dict):
+            check_recipe(recipe)
+
+
+def _settings_not_held(settings: dict[str, Any]) -> str | None:
+    """Why rtn/gptq ``settings`` give linears the format cannot hold, or None."""
+    a_bits, w_bits = settings.get("a_bits", 16), settings.get("w_bits")
+    if w_bits == 16:
+        return "weights left in float (w_bits=16), so no linear holds integers"
+    if a_bits == 16:
+        if w_bits is not None and w_bits not in PORTABLE_PACK_BITS:
+            return f"{w_bits}-bit weights without activation quantization (w_bits={w_bits})"
+        return None
+    if a_bits != 8:
+        return f"{a_bits}-bit activations (a_bits={a_bits})"
+    if not settings.get("a_symmetric", True) or settings.get("a_group") is not None:
+        return "int8 activations that are asymmetric or grouped"
+    if settings.get("a_clip_ratio") not in (None, 1.0):
+        return f"int8 activations clipped at a_clip_ratio={settings['a_clip_ratio']}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -380,20 +447,6 @@ def _check_keys(model: nn.Module, plan: ExportPlan, tensors: dict[str, Tensor]) 
         )
 
 
-def check_export_target(target: Path) -> None:
-    """Refuse, with one sentence, a target that is not a new or empty directory."""
-    if target.exists() and not target.is_dir():
-        raise LowbitError(f"cannot export to {target}: it exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()):
-        raise LowbitError(f"cannot export to {target}: the directory exists and is not empty")
-    if not target.parent.is_dir():
-        raise LowbitError(
-            f"cannot export to {target}: the directory {target.parent} does not exist"
-        )
-    if not os.access(target.parent, os.W_OK):
-        raise LowbitError(f"cannot export to {target}: {target.parent} is not writable")
-
-
 def export_compressed_tensors(
     model: nn.Module, out_dir: str | os.PathLike, *, tokenizer=None
 ) -> Path:
@@ -416,10 +469,9 @@ def export_compressed_tensors(
     """
     from safetensors.torch import save_file
 
-    from lowbit.io.checkpoint import _set_default_permissions, saved_config
+    from lowbit.io.checkpoint import saved_config
 
-    target = Path(out_dir).expanduser()
-    check_export_target(target)
+    check_target(out_dir, "export to")
     plan = plan_export(model)
     tensors = export_tensors(model, plan)
     _check_keys(model, plan, tensors)
@@ -428,8 +480,7 @@ def export_compressed_tensors(
     config["quantization_config"] = compressed_tensors_config(plan)
     if not config.get("architectures"):
         config["architectures"] = [type(model).__name__]
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with atomic_directory(out_dir, verb="export to") as tmp:  # whole or not at all
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = getattr(model, "generation_config", None)
@@ -437,15 +488,4 @@ def export_compressed_tensors(
             generation.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _set_default_permissions(tmp)
-        try:
-            if target.is_dir():
-                target.rmdir()  # empty (checked): replaced by the finished directory
-            os.rename(tmp, target)
-        except OSError as err:  # something else wrote there meanwhile
-            raise LowbitError(
-                f"cannot export to {target}: it changed while exporting ({err.strerror})"
-            ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return Path(out_dir).expanduser()

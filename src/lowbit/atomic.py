@@ -1,0 +1,253 @@
+"""Directories that appear whole or not at all: saved checkpoints, exports, the GGUF cache.
+
+:func:`atomic_directory` is the one way lowbit writes a directory. The files go to a temporary
+directory beside the target, named ``.<target>.tmp-<pid>@<host>-<random>``; at the end it is
+renamed to the target in one step. Whatever stops the writing on the way leaves no trace:
+
+* an exception removes the temporary directory; an ``OSError`` (a full disk, a quota, a
+  read-only file system) becomes one sentence, a :class:`~lowbit.errors.LowbitError`;
+* SIGTERM and SIGINT (while it runs, in the main thread) remove it, print
+  ``lowbit: interrupted; nothing was written to <target>`` and exit with 143 or 130;
+* SIGKILL cannot be caught: the pid and host in the name let the next write beside the same
+  target (:func:`remove_stale_temporaries`) see that the writer is dead and remove it.
+
+The target may be a symbolic link (to an empty directory, or dangling): the directory is written
+where the link points and the link stays. It lives at the lowest layer of the package, as
+``lowbit.errors`` does, because both ``lowbit.models.loader`` (the GGUF cache) and ``lowbit.io``
+(checkpoints, exports) write through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from lowbit.errors import LowbitError
+
+__all__ = [
+    "atomic_directory",
+    "check_target",
+    "os_error_reason",
+    "remove_stale_temporaries",
+    "STALE_SECONDS",
+]
+
+#: a temporary older than this is stale even when its pid runs (it may have been reused) or it
+#: was made on another host (a shared file system)
+STALE_SECONDS = 24 * 3600
+# ".<name>.tmp-<pid>@<host>-<random>", and ".tmp-<pid>@<host>-<random>" (the GGUF cache of
+# earlier versions), and the same without "<pid>@<host>-" (earlier versions' saves)
+_TEMPORARY = re.compile(r"^\.(?:.+\.)?tmp-(?:(?P<pid>\d+)@(?P<host>.+)-)?[A-Za-z0-9_]+$")
+_SIGNALS = {signal.SIGTERM: 143, signal.SIGINT: 130}  # exit status: 128 + the signal's number
+
+
+def _host() -> str:
+    return socket.gethostname().replace("/", "_")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporary directories of writers that died before renaming them.
+
+    A temporary (a directory named as :func:`atomic_directory` names them) is stale when it was
+    made on this host by a process that no longer runs, or when it is older than
+    ``STALE_SECONDS`` (another host's, a reused pid, or an earlier version's name without a
+    pid). A directory that cannot be listed is left alone. Returns what was removed.
+    """
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:  # missing, unreadable: nothing of ours to clean there
+        return []
+    host = _host()
+    removed = []
+    for entry in entries:
+        match = _TEMPORARY.match(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            age = time.time() - entry.stat().st_mtime
+        except OSError:  # its writer just renamed or removed it
+            continue
+        pid = match["pid"]
+        dead = pid is not None and match["host"] == host and not _pid_alive(int(pid))
+        if dead or age > STALE_SECONDS:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed.append(entry)
+    return removed
+
+
+def _resolve(path: str | os.PathLike) -> tuple[Path, str]:
+    """The directory to write for ``path`` (a link followed to where it points) and how to name
+    it in a sentence."""
+    given = Path(path).expanduser()
+    target = Path(os.path.realpath(given))
+    shown = f"{given} (a link to {target})" if given.is_symlink() else str(given)
+    return target, shown
+
+
+def check_target(path: str | os.PathLike, verb: str = "save to") -> Path:
+    """Refuse, with one sentence, a target that is not a new or empty directory in a directory
+    that exists; returns the directory that will be written (links followed).
+
+    Args:
+        path: the target as the user gave it.
+        verb: what the sentence says cannot be done, e.g. ``"save to"``, ``"export to"``.
+    """
+    target, shown = _resolve(path)
+    if target.exists() and not target.is_dir():
+        raise LowbitError(f"cannot {verb} {shown}: it exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise LowbitError(f"cannot {verb} {shown}: the directory exists and is not empty")
+    if not target.parent.is_dir():
+        raise LowbitError(f"cannot {verb} {shown}: the directory {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise LowbitError(f"cannot {verb} {shown}: {target.parent} is not writable")
+    return target
+
+
+def os_error_reason(err: BaseException) -> str | None:
+    """What an error of the operating system means in words (``"the disk is full (No space
+    left on device)"``), or None when ``err`` is not one.
+
+    safetensors reports its I/O errors as its own ``SafetensorError`` with ``(os error N)`` in
+    the message; those count too.
+    """
+    if isinstance(err, OSError):
+        number, text = err.errno, err.strerror or str(err)
+    else:
+        found = re.search(r"os error (\d+)", str(err))
+        if type(err).__name__ != "SafetensorError" or found is None:
+            return None
+        number = int(found[1])
+        text = os.strerror(number)
+    if number == errno.ENOSPC:
+        return f"the disk is full ({text})"
+    if number == errno.EDQUOT:
+        return f"the disk quota is used up ({text})"
+    if number == errno.EROFS:
+        return f"the file system is read-only ({text})"
+    return text
+
+
+def _set_default_permissions(directory: Path) -> None:
+    """Give the directory and everything in it the modes the umask allows (mkdtemp makes the
+    directory 0700 and safetensors writes its files 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def _removed_on_signals(tmp: Path, shown: str, state: dict) -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT remove ``tmp``, say so in one sentence and exit 143 or
+    130. Installed only in the main thread (Python runs handlers there) and only for signals
+    not ignored (``nohup``, background jobs)."""
+
+    def on_signal(signum, frame) -> None:
+        if state["renamed"]:
+            message = f"interrupted after {shown} was written"
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            message = f"interrupted; nothing was written to {shown}"
+        print(f"lowbit: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(_SIGNALS[signum])
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler is not signal.SIG_IGN and handler is not None:
+                previous[signum] = signal.signal(signum, on_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    path: str | os.PathLike, *, verb: str = "save to", exist_ok: bool = False
+) -> Iterator[Path]:
+    """Write a directory whole or not at all: yields an empty temporary directory to fill, and
+    renames it to ``path`` when the block ends without an error.
+
+    Before it starts, stale temporaries of dead writers beside the target are removed
+    (:func:`remove_stale_temporaries`). See the module's docstring for what happens on errors
+    and signals.
+
+    Args:
+        path: the directory to write: new, or empty (replaced); a link is followed.
+        verb: the sentence's words for what failed, e.g. ``"save to"`` gives "cannot save to X:
+            the disk is full (...); nothing was written".
+        exist_ok: when the target appears meanwhile (a concurrent writer of the same content,
+            as for the GGUF cache), keep it and drop this one; otherwise that is a LowbitError.
+
+    Raises:
+        LowbitError: a target that is not a new or empty directory (unless ``exist_ok``), a
+            directory that takes no new files, an ``OSError`` while writing, or a target that
+            another writer filled meanwhile.
+    """
+    if exist_ok:
+        target, shown = _resolve(path)
+    else:
+        target = check_target(path, verb)
+        shown = _resolve(path)[1]
+    remove_stale_temporaries(target.parent)
+    try:
+        prefix = f".{target.name}.tmp-{os.getpid()}@{_host()}-"
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    except OSError as err:
+        raise LowbitError(
+            f"cannot {verb} {shown}: the directory {target.parent} does not take new files "
+            f"({os_error_reason(err)})"
+        ) from err
+    state = {"renamed": False}
+    try:
+        with _removed_on_signals(tmp, shown, state):
+            try:
+                yield tmp
+                _set_default_permissions(tmp)
+            except Exception as err:
+                reason = os_error_reason(err)
+                if reason is None:
+                    raise
+                raise LowbitError(f"cannot {verb} {shown}: {reason}; nothing was written") from err
+            try:
+                os.rename(tmp, target)  # replaces an empty directory in one step (POSIX)
+                state["renamed"] = True
+            except OSError as err:
+                if exist_ok and target.exists():
+                    return
+                raise LowbitError(
+                    f"cannot {verb} {shown}: it appeared while writing (another process wrote "
+                    f"there? {err.strerror}); it was left as it is and nothing was written"
+                ) from err
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
