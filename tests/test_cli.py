@@ -546,7 +546,10 @@ def test_a_prompt_of_control_characters_generates(capsys, tiny_model_dir):
 @pytest.mark.parametrize(
     "stdin, message",
     [
-        ("first question\nab\udcff\n", "message 3 of the chat is not valid UTF-8 text (the byte"),
+        (
+            "first question\nab\udcff\n",
+            "user turn 2 of the chat is not valid UTF-8 text (the byte 0xff at character 3)",
+        ),
         (b"first question\n\xff\n", "a line of stdin is not valid UTF-8 text (the byte 0xff)"),
     ],
 )

@@ -115,8 +115,11 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor
         check_text(prompt, "the prompt")
         ids = tokenizer(prompt, return_tensors="pt").input_ids
     else:
-        for number, message in enumerate(prompt, 1):
-            check_text(str(message.get("content", "")), f"message {number} of the chat")
+        turns: dict[str, int] = {}
+        for message in prompt:
+            role = str(message.get("role", "message"))
+            turns[role] = turns.get(role, 0) + 1
+            check_text(str(message.get("content", "")), f"{role} turn {turns[role]} of the chat")
         if not getattr(tokenizer, "chat_template", None):
             raise LowbitError(
                 "this model's tokenizer has no chat template, so it cannot hold a chat; "
