@@ -60,6 +60,7 @@ def test_the_same_rows_as_the_command_line(tiny_model_dir, corpus, tmp_path):
         (dict(recipes=["fp"], backend="abacus"), "unknown backend 'abacus'"),
         (dict(recipes=["fp"], dataset="/no/such/text.txt"), "does not exist"),
         (dict(recipes=[]), "no recipe to evaluate"),
+        (dict(recipes=["fp"], chunk=0), "--chunk must be at least 1, not 0"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_model_loads(kwargs, message):

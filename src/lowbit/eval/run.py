@@ -126,6 +126,8 @@ def evaluate_recipes(
             f"--resume-dir holds the blocks of one run, but {len(resumable)} recipes calibrate "
             "with GPTQ; give it with one of them"
         )
+    if chunk is not None and chunk < 1:
+        raise LowbitError(f"--chunk must be at least 1, not {chunk}")
     check_backend(backend)
     device = torch.device("cpu") if device is None else torch.device(device)
     torch.manual_seed(seed)
