@@ -387,7 +387,7 @@ NOT_HELD = {
     "rtn-a8-asymmetric": ("rtn", dict(w_bits=8, a_bits=8, a_symmetric=False)),
     "rtn-a8-clipped": ("rtn", dict(w_bits=8, a_bits=8, a_clip_ratio=0.9)),
     "rtn-w3": ("rtn", dict(w_bits=3)),
-    "gptq-w16": ("gptq", dict(w_bits=16)),
+    "rtn-w16-a8": ("rtn", dict(w_bits=16, a_bits=8)),
     "kv-int": ("kv-int", dict()),
     "kivi": ("kivi", dict()),
     "kvquant": ("kvquant", dict()),
