@@ -95,7 +95,7 @@ def quantize(
         device=device,
     )
     for pattern, values in context.overrides.items():
-        recipe.with_settings(**values)  # reject unknown settings before any work is done
+        recipe.for_layer(**values)  # reject unknown settings before any work is done
         if not any(_matches(name, pattern) for name in adapter.linear_names()):
             raise LowbitError(f"override pattern {pattern!r} matches no layer of this model")
     with torch.no_grad():

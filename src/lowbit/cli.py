@@ -832,17 +832,9 @@ def run_generate(args) -> None:
 
 
 def run_recipes() -> None:
-    from lowbit.recipes.registry import PRESETS, list_recipes
+    from lowbit.recipes.settings_help import recipes_help
 
-    for method, cls in list_recipes().items():
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        print(f"{method}: {doc}")
-        for key, value in cls().settings().items():
-            print(f"    {key} = {value}")
-    print("presets:")
-    for name, (method, settings) in PRESETS.items():
-        print(f"    {name}: {method} " + " ".join(f"{k}={v}" for k, v in settings.items()))
-    print("compose with +, applied left to right: e.g. rotate+gptq+kvquant")
+    print(recipes_help())
 
 
 class Terminated(BaseException):

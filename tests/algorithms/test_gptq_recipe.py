@@ -58,8 +58,9 @@ def test_recipe_settings_and_overrides():
 def test_per_layer_bits_override_and_w16_keeps_float():
     model, reference = tiny_model("qwen3"), tiny_model("qwen3")
     quantize(
-        model, get_recipe("gptq", w_bits="16"), calibration=calibration(),
-        overrides={"model.layers.1.self_attn.*": {"w_bits": 8}}, progress=False,
+        model, get_recipe("gptq", w_bits="8"), calibration=calibration(),
+        overrides={"model.layers.0.*": {"w_bits": 16}, "model.layers.1.mlp.*": {"w_bits": 16}},
+        progress=False,
     )  # fmt: skip
     wins = model.lowbit_weight_report.wins()
     assert wins["float"] == 10 and wins.get("gptq", 0) + wins.get("rtn", 0) == 4

@@ -15,7 +15,7 @@ SCALE_BITS = 16  # fp16 scales
 @pytest.mark.parametrize(
     "settings, expected",
     [
-        ({"w_bits": "16"}, 32.0),
+        ({"w_bits": "16", "a_bits": "8"}, 32.0),  # float weights
         ({"w_bits": "4", "w_group": "32"}, 4 + SCALE_BITS / 32),
         ({"w_bits": "4", "w_group": "32", "w_symmetric": "false"}, 4 + (SCALE_BITS + 4) / 32),
         ({"w_bits": "3", "w_group": "16", "w_symmetric": "false"}, 3 + (SCALE_BITS + 3) / 16),

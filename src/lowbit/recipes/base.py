@@ -19,6 +19,18 @@ from lowbit.errors import LowbitError
 
 OFF_BITS = 16  # a bit width of 16 means "not quantized" throughout lowbit
 
+#: What a recipe can do to a model, in the order a composition must do it, each with what the
+#: role does and why one part plays it at most once. A rotation changes the weights every later
+#: part quantizes; a weight recipe replaces every selected linear (its weight and the slot of its
+#: activation quantizer), so a second one would quantize weights that are no longer float; the KV
+#: cache is calibrated on, and installed into, the model the earlier parts made.
+ROLES: dict[str, tuple[str, str]] = {
+    "rotation": ("rotates the model", "a model is rotated once"),
+    "weights": ("quantizes the weights", "the second would find no float weight to quantize"),
+    "activations": ("quantizes the activations", "a linear has one activation quantizer"),
+    "kv": ("quantizes the KV cache", "a model holds one KV cache"),
+}
+
 
 def check_bits(name: str, bits: int, *, allow_off: bool = True) -> None:
     """Bits must be 2-8 (or 16 for off where allowed)."""
@@ -28,6 +40,12 @@ def check_bits(name: str, bits: int, *, allow_off: bool = True) -> None:
         return
     off = " or 16 for off" if allow_off else ""
     raise LowbitError(f"{name} must be between 2 and 8{off}, not {bits}")
+
+
+def check_seed(name: str, seed: int) -> None:
+    """A seed must be an integer torch's generators take (0 to 2**64 - 1)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise LowbitError(f"{name} must be an integer from 0 to 2**64 - 1, not {seed!r}")
 
 
 #: the widest bit width at which an unset clip ratio takes the paper's value (QuaRot clips at
@@ -57,6 +75,15 @@ def check_gptq_settings(recipe: Any) -> None:
     """A GPTQ recipe's settings (``lowbit.recipes.linear_settings.GPTQRecipeSettings``) in
     range, one sentence each: building its ``GPTQSettings`` checks them."""
     recipe.gptq_settings()
+
+
+def check_kv_fits(adapter: Any, quantizers: list) -> None:
+    """Raise LowbitError when a KV quantizer (None = a stream left in float) cannot serve the
+    model's heads: what installing the cache would find, checked before the parts of a
+    composition that come first do their work."""
+    for quantizer in quantizers:
+        if quantizer is not None:
+            quantizer.check(adapter.head_dim)
 
 
 def refuse_global_overrides(
@@ -121,10 +148,42 @@ class Recipe:
     method: ClassVar[str] = ""
     version: ClassVar[int] = 1
     needs_calibration: ClassVar[bool] = False
+    #: the :data:`ROLES` the method plays (``fp``: none; ``quarot``: all of its parts' roles)
+    roles: ClassVar[frozenset[str]] = frozenset()
+    #: the paper the method comes from, "Name (Author et al., year)"; empty for none
+    paper: ClassVar[str] = ""
 
     # -- validation and (de)serialisation -----------------------------------------------------
     def validate(self) -> None:
-        """Raise LowbitError when a setting is out of range. Subclasses extend it."""
+        """Raise LowbitError when a setting is out of range. Subclasses extend it.
+
+        These are the checks a single layer's settings pass too (a per-layer override may
+        leave a layer alone, e.g. ``w_bits=16``); :meth:`check_does_something` is the check of
+        a whole model's recipe."""
+
+    def played_roles(self) -> frozenset[str]:
+        """The roles these settings play: :attr:`roles`, less those a setting turns off
+        (``quarot`` with ``rotation=none`` rotates nothing, so a ``rotate`` part may)."""
+        return self.roles
+
+    def nothing_to_do(self) -> str | None:
+        """Why these settings leave the recipe nothing to do on a whole model (the end of the
+        sentence "recipe ... does nothing: ..."), or None when they do something. Subclasses
+        whose settings can turn every step off say so here."""
+        return None
+
+    def check_does_something(self) -> None:
+        """Raise LowbitError when the recipe, applied to a whole model, would change nothing
+        (``rtn`` with ``w_bits=16 a_bits=16`` would write the float model as a "quantized" one;
+        ``fp`` is the way to ask for that)."""
+        reason = self.nothing_to_do()
+        if reason is not None:
+            raise LowbitError(f"recipe {self.method!r} with these settings does nothing: {reason}")
+
+    def check_model(self, model: torch.nn.Module, context: QuantizeContext) -> None:
+        """Raise LowbitError when the recipe cannot apply to ``model`` (a group that does not
+        divide a width): cheap checks that a composition runs for every part before its first
+        part does any work. Subclasses whose failure would otherwise come late extend it."""
 
     def settings(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -151,7 +210,16 @@ class Recipe:
         return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
     def with_settings(self, **values: Any) -> Recipe:
-        """A copy with some settings changed; string values are read with the field's type."""
+        """A copy with some settings changed, as a whole model's recipe; string values are read
+        with the field's type. Settings out of range, or that leave the recipe nothing to do,
+        are a LowbitError."""
+        recipe = self.for_layer(**values)
+        recipe.check_does_something()
+        return recipe
+
+    def for_layer(self, **values: Any) -> Recipe:
+        """A copy with some settings changed, as a per-layer override makes it: settings out
+        of range are a LowbitError, and a layer may be left alone (``w_bits=16``)."""
         types_by_name = self.field_types()
         changes = {}
         for key, value in values.items():
@@ -226,5 +294,5 @@ class QuantizeContext:
 
         for pattern, values in self.overrides.items():
             if fnmatchcase(fqn, pattern):
-                recipe = recipe.with_settings(**values)
+                recipe = recipe.for_layer(**values)
         return recipe

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lowbit.algorithms.weights import quantize_linears
 from lowbit.recipes.base import (
+    OFF_BITS,
     QuantizeContext,
     Recipe,
     check_gptq_settings,
@@ -45,12 +46,22 @@ class GPTQRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
 
     method = "gptq"
     needs_calibration = True
+    roles = frozenset({"weights", "activations"})
+    paper = "GPTQ (Frantar et al., 2023)"
 
     gptq_weights = True
 
     def validate(self) -> None:
         self.validate_linear_settings()
         check_gptq_settings(self)
+
+    def nothing_to_do(self) -> str | None:
+        if self.w_bits == OFF_BITS:
+            return (
+                "w_bits=16 leaves every weight in float, so GPTQ has nothing to calibrate "
+                "(weight bits are 2-8; rtn with w_bits=16 quantizes activations alone)"
+            )
+        return None
 
     def apply(self, model, context: QuantizeContext) -> None:
         refuse_global_overrides(self.method, context.overrides, self.gptq_setting_names())

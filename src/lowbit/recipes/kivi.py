@@ -11,22 +11,23 @@ from lowbit.errors import LowbitError
 from lowbit.kv.attention import install_kv_quantization
 from lowbit.kv.cache import KVCacheLayout
 from lowbit.kv.kivi import KIVI_RESIDUAL, KIVIKeyQuantizer, KIVIValueQuantizer
-from lowbit.recipes.base import QuantizeContext, Recipe, check_bits, check_group
+from lowbit.recipes.base import QuantizeContext, Recipe, check_bits, check_group, check_kv_fits
 from lowbit.recipes.registry import register
 
 
 @register
 @dataclass
 class KIVIRecipe(Recipe):
-    """KIVI (Liu et al., 2024).
+    """KIVI's KV cache: keys per channel over token groups, values per token, the most recent
+    tokens in float16.
 
-    Settings:
-        bits: key and value bits, 2-8.
-        group: tokens per key scale and channels per value scale (32).
-        residual: most recent tokens kept in float16 (128).
+    Settings: :mod:`lowbit.recipes.settings_help` describes each (``lowbit recipes`` prints
+    them).
     """
 
     method = "kivi"
+    roles = frozenset({"kv"})
+    paper = "KIVI (Liu et al., 2024)"
 
     bits: int = 2
     group: int = 32
@@ -45,6 +46,10 @@ class KIVIRecipe(Recipe):
             fp_window=self.residual,
             residual_dtype=torch.float16,
         )
+
+    def check_model(self, model, context: QuantizeContext) -> None:
+        layout = self.layout(1)
+        check_kv_fits(context.adapter, [*layout.key_quantizers, *layout.value_quantizers])
 
     def apply(self, model, context: QuantizeContext) -> None:
         layout = self.layout(context.adapter.num_layers)

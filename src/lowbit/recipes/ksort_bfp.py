@@ -22,7 +22,7 @@ from lowbit.errors import LowbitError
 from lowbit.kv.attention import install_kv_quantization
 from lowbit.kv.bfp_quant import BFPKVQuantizer, BFPQueryQuantizer, check_bfp_block
 from lowbit.kv.cache import KVCacheLayout
-from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe
+from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_kv_fits
 from lowbit.recipes.registry import register
 from lowbit.transforms.permute import ksort_order
 
@@ -35,19 +35,16 @@ def _check_mantissa(name: str, bits: int) -> None:
 @register
 @dataclass
 class KSortBFPRecipe(Recipe):
-    """K-sort + BFP (Trukhanov & Soloveychik, 2024).
+    """A block floating point KV cache on K-sorted channels: BFP12 keys before RoPE, BFP16
+    queries, values optionally in BFP.
 
-    Settings:
-        k_mantissa_bits: key mantissa bits with sign (4 = BFP12), 16 = keys in fp16.
-        block: channels per shared exponent along head_dim (must divide head_dim).
-        sort: K-sort the key (and query) channels per head.
-        q_mantissa_bits: query mantissa bits (8 = BFP16), 16 = queries not quantized.
-        v_mantissa_bits: value mantissa bits, 16 = values in fp16.
-        permute_v: sort value channels per head by ``W_v`` row norm (with sort).
-        pre_rope: cache keys before RoPE (the seed's placement).
+    Settings: :mod:`lowbit.recipes.settings_help` describes each (``lowbit recipes`` prints
+    them).
     """
 
     method = "ksort-bfp"
+    roles = frozenset({"kv"})  # queries are quantized inside the cache's attention
+    paper = "K-sort + BFP (Trukhanov & Soloveychik, 2024)"
 
     k_mantissa_bits: int = 4
     block: int = 32
@@ -62,6 +59,20 @@ class KSortBFPRecipe(Recipe):
             _check_mantissa(name, getattr(self, name))
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise LowbitError(f"block must be a positive integer, not {self.block!r}")
+        if self.permute_v and not (self.sort and self.v_mantissa_bits != OFF_BITS):
+            raise LowbitError(
+                "permute_v sorts the channels of quantized values: it needs sort=true and "
+                "v_mantissa_bits 2-8"
+            )
+
+    def nothing_to_do(self) -> str | None:
+        if OFF_BITS == self.k_mantissa_bits == self.v_mantissa_bits == self.q_mantissa_bits:
+            return "keys, values and queries all at 16 bits leave attention in float"
+        return None
+
+    def check_model(self, model, context: QuantizeContext) -> None:
+        keys, values, _ = self.quantizers(context.adapter)  # checks the block against head_dim
+        check_kv_fits(context.adapter, [*keys, *values])
 
     def quantizers(self, adapter, model=None) -> tuple[list, list, list]:
         """Per-layer key, value and query quantizers; orders from ``model``'s weights when

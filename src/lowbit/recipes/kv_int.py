@@ -23,6 +23,7 @@ from lowbit.recipes.base import (
     check_bits,
     check_clip,
     check_group,
+    check_kv_fits,
     resolve_clip,
 )
 from lowbit.recipes.registry import register
@@ -36,22 +37,13 @@ QUAROT_KV_CLIP = 0.95
 class KVIntRecipe(Recipe):
     """Asymmetric (or symmetric) integer keys and values, per token or keys per channel.
 
-    Settings:
-        bits: sets both k_bits and v_bits when given.
-        k_bits, v_bits: 2-8, 16 = that stream not quantized.
-        k_group, v_group: channels per scale for per-token quantization; none = head_dim.
-        clip_ratio: fraction of each group's range kept; none = QuaRot's 0.95 for a stream
-            of 4 bits or fewer, no clip above (``lowbit.recipes.base.CLIP_MAX_BITS``).
-        symmetric: symmetric codes (no zero point).
-        pre_rope: cache keys before RoPE (RoPE applied to the dequantized keys every step).
-        per_channel_keys: keys per channel over runs of key_token_group tokens (tokens of an
-            unfinished run stay in float16 until it completes).
-        key_token_group: tokens per per-channel key scale.
-        rotate_qk: none, or hadamard: online Hadamard on q and k after RoPE (QuaRot).
-        sink_tokens: leading tokens kept in float16 (attention sink).
+    Settings: :mod:`lowbit.recipes.settings_help` describes each (``lowbit recipes`` prints
+    them).
     """
 
     method = "kv-int"
+    roles = frozenset({"kv"})
+    paper = "QuaRot's KV cache (Ashkboos et al., 2024)"
 
     bits: int | None = None
     k_bits: int = 4
@@ -91,6 +83,14 @@ class KVIntRecipe(Recipe):
             )
         if isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
             raise LowbitError(f"sink_tokens must be a non-negative integer, not {self.sink_tokens}")
+
+    def nothing_to_do(self) -> str | None:
+        if self.key_bits() == OFF_BITS and self.value_bits() == OFF_BITS:
+            return "keys and values both at 16 bits leave the cache in float (KV bits are 2-8)"
+        return None
+
+    def check_model(self, model, context: QuantizeContext) -> None:
+        check_kv_fits(context.adapter, [self.key_quantizer(), self.value_quantizer()])
 
     def _clip(self, bits: int) -> float:
         return resolve_clip(self.clip_ratio, bits, QUAROT_KV_CLIP)

@@ -31,7 +31,7 @@ from lowbit.kv.attention import install_kv_quantization
 from lowbit.kv.cache import KVCacheLayout
 from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
 from lowbit.kv.kvquant import KVQuantQuantizer, check_outlier_allocation, token_rotation
-from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits
+from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits, check_kv_fits
 from lowbit.recipes.registry import register, register_preset
 
 _LADDER = {
@@ -57,33 +57,17 @@ for _name, _settings in _LADDER.items():
 @register
 @dataclass
 class KVQuantRecipe(Recipe):
-    """KVQuant (Hooper et al., 2024).
+    """KVQuant's KV cache: Fisher-weighted non-uniform codebooks, keys per channel before RoPE,
+    sparse fp16 outliers and an fp16 attention sink.
 
-    Settings:
-        bits: key and value bits, 2-8 (``k_bits``/``v_bits`` override it per stream; 16 = fp).
-        k_bits, v_bits: per-stream bits, none = ``bits``.
-        outlier_fraction: share of elements kept in fp16 (dense-and-sparse), 0 = none.
-        outlier_allocation: how the per-channel key ranges share the outliers of a layer:
-            ``least-error`` where they cut the most Fisher-weighted error, ``even`` the same
-            share of every channel (KVQuant's fixed per-channel quantiles).
-        sink_tokens: leading tokens kept in fp16 (attention sink).
-        pre_rope: quantize keys before RoPE (false: after; their calibrated ranges then come
-            from the calibration keys rotated to positions drawn over the model's context).
-        per_channel_keys: keys normalized per channel (offline ranges); false = per token.
-        channel_codebooks: a key codebook per channel instead of per layer (needs
-            ``per_channel_keys``); values keep one per layer.
-        rotate_values: code each value token in a randomized-Hadamard basis over head_dim
-            (:func:`lowbit.kv.kvquant.token_rotation`; not in KVQuant).
-        share_outliers: each layer's keys and values share their outlier budget, split where
-            the Fisher-weighted error of the two is least (:meth:`outlier_splits`; not in
-            KVQuant, which gives each stream ``outlier_fraction``).
-        nuq: fitted non-uniform codebooks (nuqX); false = uniform integer levels.
-        fisher: weight the codebook fit by Fisher information; false = plain k-means.
-        calib_tokens: calibration tokens kept per layer from the Fisher pass.
+    Settings: :mod:`lowbit.recipes.settings_help` describes each (``lowbit recipes`` prints
+    them).
     """
 
     method = "kvquant"
     needs_calibration = True
+    roles = frozenset({"kv"})
+    paper = "KVQuant (Hooper et al., 2024)"
 
     bits: int = 3
     k_bits: int | None = None
@@ -122,6 +106,15 @@ class KVQuantRecipe(Recipe):
             raise LowbitError("channel_codebooks needs per_channel_keys (per-channel key ranges)")
         if isinstance(self.calib_tokens, bool) or self.calib_tokens < 1:
             raise LowbitError(f"calib_tokens must be a positive integer, not {self.calib_tokens}")
+
+    def nothing_to_do(self) -> str | None:
+        if self.key_bits == OFF_BITS and self.value_bits == OFF_BITS:
+            return "k_bits=16 and v_bits=16 leave the cache in float (KV bits are 2-8)"
+        return None
+
+    def check_model(self, model, context: QuantizeContext) -> None:
+        keys, values = self.quantizers(context.adapter, None)
+        check_kv_fits(context.adapter, [*keys, *values])
 
     @property
     def needs_gradients(self) -> bool:

@@ -46,7 +46,7 @@ _GLOBAL_SETTINGS = ("w_algo", "qat_steps", "qat_lr", "qat_seqlen")
 @register
 @dataclass
 class MixedRecipe(GPTQRecipeSettings, Recipe):
-    """2/4/16-bit intra-matrix mixed-precision weights (seed 002).
+    """2/4/16-bit intra-matrix mixed-precision weights.
 
     Settings:
         frac_4bit: share of each matrix's 16-channel column groups in 4 bits, by eq. 9's
@@ -65,6 +65,8 @@ class MixedRecipe(GPTQRecipeSettings, Recipe):
     """
 
     method = "mixed"
+    roles = frozenset({"weights"})
+    paper = "2/4/16 mixed precision (Li et al., 2024)"
 
     frac_4bit: float = 0.25
     outlier_fraction: float = 0.002
@@ -101,8 +103,8 @@ class MixedRecipe(GPTQRecipeSettings, Recipe):
             raise LowbitError(f"qat_steps must be 0 (off) or positive, not {self.qat_steps!r}")
         if self.w_algo not in ("gptq", "rtn"):
             raise LowbitError(f"w_algo must be gptq or rtn, not {self.w_algo!r}")
-        if not self.qat_lr > 0:
-            raise LowbitError(f"qat_lr must be positive, not {self.qat_lr}")
+        if not 0 < self.qat_lr < float("inf"):
+            raise LowbitError(f"qat_lr must be a positive finite number, not {self.qat_lr}")
 
     def weight_spec(self) -> MixedWeightSpec:
         return MixedWeightSpec(self.frac_4bit, self.outlier_fraction, self.g2, self.mse_clip)

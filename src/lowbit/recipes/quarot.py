@@ -29,6 +29,7 @@ from lowbit.recipes.base import (
     Recipe,
     check_bits,
     check_gptq_settings,
+    check_seed,
     refuse_global_overrides,
 )
 from lowbit.recipes.kv_int import KVIntRecipe
@@ -61,6 +62,8 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     """
 
     method = "quarot"
+    roles = frozenset({"rotation", "weights", "activations", "kv"})
+    paper = "QuaRot (Ashkboos et al., 2024)"
 
     # The paper's MSE-optimal clip per weight row, on by default here and off in rtn/gptq: norm
     # fusion widens each row's range, and the clip search recovers that range after rotation
@@ -99,7 +102,28 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
         if self.rotation not in ("hadamard", "random", "none"):
             raise LowbitError(f"rotation must be hadamard, random or none, not {self.rotation!r}")
         check_gptq_settings(self)
+        check_seed("seed", self.seed)
         self.kv_recipe().validate()
+
+    def played_roles(self) -> frozenset[str]:
+        """Without its rotation or its cache (``rotation=none``, k and v at 16 bits) quarot
+        leaves that role to another part: ``quarot-w4a16+kivi``."""
+        roles = set(self.roles)
+        if self.rotation == "none":
+            roles.discard("rotation")
+        if not self._installs_kv():
+            roles.discard("kv")
+        return frozenset(roles)
+
+    def nothing_to_do(self) -> str | None:
+        quantizes = self.w_bits != OFF_BITS or self.a_bits != OFF_BITS or self._installs_kv()
+        if self.rotation == "none" and not quantizes:
+            return "rotation=none with weights, activations and KV cache at 16 bits"
+        return None
+
+    def _installs_kv(self) -> bool:
+        kv = self.kv_recipe()
+        return kv.key_bits() != OFF_BITS or kv.value_bits() != OFF_BITS
 
     def kv_recipe(self) -> KVIntRecipe:
         """QuaRot's cache as a ``kv-int`` recipe."""
@@ -136,12 +160,10 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
             recipe=context.resume_fingerprint(self),
             device=context.device,
         )
-        kv = self.kv_recipe()
-        if kv.key_bits() != OFF_BITS or kv.value_bits() != OFF_BITS:
-            kv.apply(model, context)
+        if self._installs_kv():
+            self.kv_recipe().apply(model, context)
 
     def kv_bytes_per_token(self, adapter, context_length: int) -> float | None:
-        kv = self.kv_recipe()
-        if kv.key_bits() == OFF_BITS and kv.value_bits() == OFF_BITS:
+        if not self._installs_kv():
             return None
-        return kv.kv_bytes_per_token(adapter, context_length)
+        return self.kv_recipe().kv_bytes_per_token(adapter, context_length)

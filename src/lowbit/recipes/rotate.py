@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.recipes.base import QuantizeContext, Recipe
+from lowbit.recipes.base import QuantizeContext, Recipe, check_seed
 from lowbit.recipes.registry import register
 from lowbit.transforms.rotate import rotate_model
 
@@ -23,15 +23,15 @@ from lowbit.transforms.rotate import rotate_model
 @register
 @dataclass
 class RotateRecipe(Recipe):
-    """Rotate the model (seed 000's transform); quantizes nothing.
+    """Rotate the model (QuaRot's transform); quantizes nothing.
 
-    Settings:
-        rotation: hadamard (randomized) or random (random orthogonal).
-        seed: seed of the rotation's random signs or matrix.
-        online_fp16: compute the online Hadamards in fp16 instead of fp32.
+    Settings: :mod:`lowbit.recipes.settings_help` describes each (``lowbit recipes`` prints
+    them).
     """
 
     method = "rotate"
+    roles = frozenset({"rotation"})
+    paper = "QuaRot's rotation (Ashkboos et al., 2024)"
 
     rotation: Literal["hadamard", "random"] = "hadamard"
     seed: int = 0
@@ -40,6 +40,7 @@ class RotateRecipe(Recipe):
     def validate(self) -> None:
         if self.rotation not in ("hadamard", "random"):
             raise LowbitError(f"rotation must be hadamard or random, not {self.rotation!r}")
+        check_seed("seed", self.seed)
 
     def apply(self, model, context: QuantizeContext) -> None:
         rotate_model(

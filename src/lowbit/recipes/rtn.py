@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowbit.algorithms.weights import quantize_linears
-from lowbit.recipes.base import QuantizeContext, Recipe
+from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe
 from lowbit.recipes.linear_settings import LinearQuantSettings, check_activation_groups
 from lowbit.recipes.registry import register
 
@@ -23,9 +23,18 @@ class RTNRecipe(LinearQuantSettings, Recipe):
     """
 
     method = "rtn"
+    roles = frozenset({"weights", "activations"})
 
     def validate(self) -> None:
         self.validate_linear_settings()
+
+    def nothing_to_do(self) -> str | None:
+        if self.w_bits == OFF_BITS and self.a_bits == OFF_BITS:
+            return (
+                "w_bits=16 and a_bits=16 leave weights and activations in float (the fp "
+                "recipe is the float model; weight bits are 2-8)"
+            )
+        return None
 
     def apply(self, model, context: QuantizeContext) -> None:
         check_activation_groups(model, context, self)

@@ -53,6 +53,8 @@ class SpQRRecipe(GPTQRecipeSettings, Recipe):
     """
 
     method = "spqr"
+    roles = frozenset({"weights"})
+    paper = "SpQR (Dettmers et al., 2024)"
     needs_calibration = True
 
     w_bits: int = 3
