@@ -20,16 +20,16 @@ GPU rows (``--device cuda``): a 7B-shaped random-weight Llama (hidden 4096, inte
 32 layers, 32 heads, vocab 32000) in fp16 against lowbit W8/W4/W3/W2 with ``auto`` backends,
 W4 g128 (the format GPTQ 4-bit stores: its speed does not depend on how the codes were chosen,
 so RTN codes stand in), SpQR (w3, 16/16, 1% and 0% outliers, random input permutations, fused
-``triton`` kernels) and the seed's 2/4/16 format (``mixed-2-4-16`` with RTN: 25 % 4-bit
-groups, 0.2 % fp16 outliers; its ``triton`` backend, asynchronous dequantization, outliers
+``triton`` kernels) and the 2/4/16 format of Li et al., 2024 (``mixed-2-4-16`` with RTN: 25 %
+4-bit groups, 0.2 % fp16 outliers; its ``triton`` backend, asynchronous dequantization, outliers
 fused). SpQR rows quantize without calibration (:func:`quantize_spqr`); on the CPU SpQR and
 2/4/16 run on the bf16 SmolLM2 with ``torch-cpu`` (the weight decoded once) and ``reference``.
 
-Cost (``--cost``, the seed's Table 3): while decoding, the GPU's energy counter (NVML,
+Cost (``--cost``, the paper's Table 3): while decoding, the GPU's energy counter (NVML,
 ``nvidia-ml-py``; its power readings, averaged, where the counter is missing) gives the mean
 power and the energy per token; the cost per million tokens is ``seconds per token x
 --gpu-hour-usd / 3600 + joules per token / 3.6e6 x --kwh-usd``, times 1e6. Defaults follow the
-seed's method: a GPU's price over 5 years of service (an H100 at $30,000: $0.685 per hour) and
+paper's method: a GPU's price over 5 years of service (an H100 at $30,000: $0.685 per hour) and
 $0.09 per kWh.
 
 Commands::
@@ -391,7 +391,7 @@ def child(args, row: str, compiled: bool) -> dict:
 
 
 def usd_per_million(got: dict, gpu_hour_usd: float, kwh_usd: float) -> float | None:
-    """The seed's eq. 11 per token: GPU time at ``gpu_hour_usd`` plus energy at ``kwh_usd``."""
+    """Li et al.'s eq. 11 per token: GPU time at ``gpu_hour_usd`` plus energy at ``kwh_usd``."""
     if "joules_per_token" not in got:
         return None
     seconds = 1.0 / got["tokens_per_s"]

@@ -23,10 +23,10 @@ from common import add_window_arguments, command_line, markdown_table, stamp  # 
 
 from lowbit.algorithms.int_spec import IntWeightSpec  # noqa: E402
 from lowbit.algorithms.weights import quantize_linears  # noqa: E402
+from lowbit.api import load_model  # noqa: E402
 from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
 from lowbit.models.adapter import adapter_for  # noqa: E402
-from lowbit.api import load_model  # noqa: E402
 from lowbit.transforms.fuse import fuse_norms  # noqa: E402
 from lowbit.transforms.rotate import rotate_model  # noqa: E402
 

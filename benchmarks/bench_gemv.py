@@ -12,9 +12,9 @@ packed storage (codes, fp16 scales, uint8 zeros) for the other lowbit rows.
 GPU (the issue's table: cuBLAS fp16, ``aten._weight_int4pack_mm`` at 4 bits g128 in bf16, the
 lowbit ``triton`` backend at W8/W4/W3 g128 and W2 g64, fp16 inputs; SpQR rows (``--formats
 spqr`` alone): lowbit's fused SpQR kernel at 1% outliers with the outlier layout profiled, CSR,
-PTCSR, and without outliers, and seed 004's own CUDA kernel from the PyPI package
-``spqr-quant`` on the same words when it imports (a benchmark dependency only: ``pip install
-spqr-quant``; it compiles its extension with nvcc on first import); times from
+PTCSR, and without outliers, and Crnčević's own CUDA SpQR kernel (master's thesis, 2025) from
+the PyPI package ``spqr-quant`` on the same words when it imports (a benchmark dependency only:
+``pip install spqr-quant``; it compiles its extension with nvcc on first import); times from
 ``triton.testing.do_bench_cudagraph``, i.e. GPU time without Python launch overhead, as decoding
 runs under CUDA graphs; ``--timer do_bench`` for plain ``do_bench``). The triton backend tunes
 a few launch configurations per shape on its first call: ~9 compiles of a few seconds per shape
@@ -26,12 +26,12 @@ reruns fast; ``LOWBIT_TRITON_TUNE=0`` skips tuning for a quick first pass)::
     python benchmarks/bench_gemv.py --device cuda --shapes 8192x8192 28672x8192 --out docs/results/kernels_gpu_3.md
     python benchmarks/bench_gemv.py --device cuda --formats spqr --rows 1 16 --out docs/results/spqr_gemv_gpu.md
 
-Mixed 2/4/16 (``--mixed``, seed 002): the ``mixed-2-4-16`` format (25 % 4-bit groups, 0.2 %
+Mixed 2/4/16 (``--mixed``, Li et al., 2024): the ``mixed-2-4-16`` format (25 % 4-bit groups, 0.2 %
 fp16 outliers, RTN on the random weight) through :func:`lowbit.kernels.mixed_gemv.mixed_gemv`
 at M <= 16: the asynchronous kernel (outliers fused), the synchronous one, the asynchronous one
 with the outliers in a separate SpMV launch, and the asynchronous one without outliers (the
 dense part alone, its bytes without the CSR); on the CPU the ``reference`` backend. Bytes are
-every stored tensor the kernel reads. The seed's targets at M = 1 on every shape from 11008 x
+every stored tensor the kernel reads. The paper's targets at M = 1 on every shape from 11008 x
 4096 up: async >= 4.5x cuBLAS fp16, >= 1.15x sync, outliers <= 15 % (async fused against
 async without outliers)::
 
@@ -62,17 +62,17 @@ GPU_SHAPES = ["4096x4096", "11008x4096", "4096x11008", "14336x4096", "8192x8192"
 CPU_SHAPES = ["4096x4096", "576x1536", "1536x576", "576x576"]
 FORMATS = ["8:128", "4:128", "3:128", "2:64"]  # bits:group ("8:0" = per channel)
 CPU_FORMATS = [*FORMATS, "8:0"]  # 8-bit per channel: the layout torch's int8 CPU kernel takes
-GPU_FORMATS = [*FORMATS, "spqr"]  # "spqr": SpQR rows (lowbit's kernels and the seed's)
-SEED_FLAGS = 257  # spqr_quant's FeatureFlags.SPARSE_FUSED_FP32 (fused sparse, fp32 accumulation)
+GPU_FORMATS = [*FORMATS, "spqr"]  # "spqr": SpQR rows (lowbit's kernels and Crnčević's)
+SPQR_QUANT_FLAGS = 257  # FeatureFlags.SPARSE_FUSED_FP32 (fused sparse, fp32 accumulation)
 
 
 def spqr_rows(weight, device: str, act_dtype, rows_m) -> list:
     """SpQR rows for one shape: lowbit's fused kernel (outlier layout profiled, CSR, PTCSR, and
-    no outliers: what they cost) and, when the PyPI package ``spqr-quant`` imports, the seed's
+    no outliers: what they cost) and, when the PyPI package ``spqr-quant`` imports, Crnčević's
     own CUDA kernel on the same words (its fused, permuted matvec; at M > 1 one call per row,
     as its batched path loops). Weights: SpQR without calibration with 1% outliers and a
-    random input permutation (act-order's gather), as seed 004's layers have. Also checks that
-    the seed's dequantization of the words equals lowbit's (the layouts are the same)."""
+    random input permutation (act-order's gather), as the thesis's layers have. Also checks that
+    its dequantization of the words equals lowbit's (the layouts are the same)."""
     import torch
 
     from lowbit.algorithms.spqr import SpQRSpec
@@ -103,31 +103,31 @@ def spqr_rows(weight, device: str, act_dtype, rows_m) -> list:
         try:
             import spqr_quant  # noqa: F401  (compiles its CUDA extension on first import)
         except Exception as err:  # a benchmark dependency only
-            print(f"seed kernel skipped: spqr_quant does not import ({err})", flush=True)
+            print(f"spqr-quant kernel skipped: spqr_quant does not import ({err})", flush=True)
             return rows
-        words = q.words().reshape(-1).contiguous()  # the seed's dense_weights, same layout
+        words = q.words().reshape(-1).contiguous()  # spqr_quant's dense_weights, same layout
         row_offsets, col_vals = q.outliers.row_ptr, q.outliers.col_val
         perm16 = q.perm.to(torch.int32) & 0xFFFF
         in_perm = (perm16[0::2] | (perm16[1::2] << 16)).to(torch.int32)  # uint16 pairs
         nnz = col_vals.numel()
 
-        def seed(x):  # [M, K] fp16 -> [M, N], one matvec per row
+        def spqr_quant_mul(x):  # [M, K] fp16 -> [M, N], one matvec per row
             out = torch.empty(x.shape[0], n, dtype=torch.float16, device=x.device)
             for i in range(x.shape[0]):
                 torch.ops.spqr_cuda.spqr_mul_fused(
                     n, k, 3, 16, 16, in_perm, words, row_offsets, col_vals, nnz,
-                    x[i].contiguous(), SEED_FLAGS, out[i], out[i],
+                    x[i].contiguous(), SPQR_QUANT_FLAGS, out[i], out[i],
                 )  # fmt: skip
             return out
 
-        seed_w = torch.zeros(n, k, dtype=torch.float16)
+        decoded = torch.zeros(n, k, dtype=torch.float16)
         torch.ops.spqr_cuda.dequantize_compressed(
-            n, k, 3, 16, 16, words.cpu(), row_offsets.cpu(), col_vals.cpu(), nnz, seed_w
+            n, k, 3, 16, 16, words.cpu(), row_offsets.cpu(), col_vals.cpu(), nnz, decoded
         )  # its host decoder: the stored column order, outliers included
-        same = torch.equal(seed_w.float(), q.dequantize_permuted().cpu().half().float())
-        print(f"{n}x{k}: the seed decodes lowbit's words to the same weight: {same}", flush=True)
+        same = torch.equal(decoded.float(), q.dequantize_permuted().cpu().half().float())
+        print(f"{n}x{k}: spqr_quant decodes lowbit's words to the same weight: {same}", flush=True)
         nbytes = sum(t.numel() * t.element_size() for t in (words, row_offsets, col_vals, in_perm))
-        rows.append(("seed spqr-quant CUDA w3 1%", seed, nbytes, w_ref, torch.float16, None))
+        rows.append(("spqr-quant CUDA w3 1%", spqr_quant_mul, nbytes, w_ref, torch.float16, None))
     return rows
 
 

@@ -37,10 +37,12 @@ from common import (  # noqa: E402
     weight_calibrations,
 )
 
-from lowbit.api import quantize  # noqa: E402
+from lowbit.api import (
+    load_model,  # noqa: E402
+    quantize,  # noqa: E402
+)
 from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
-from lowbit.api import load_model  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
 PEER_VENV = Path("/tmp/llmc-venv")

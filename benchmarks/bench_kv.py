@@ -211,11 +211,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from lowbit.api import load_model
     from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.kv.fisher import collect_kv_fisher
     from lowbit.models.adapter import adapter_for
-    from lowbit.api import load_model
 
     loaded = load_model(None)
     tokens = tokenize(loaded.tokenizer, load_corpus(args.dataset).text)

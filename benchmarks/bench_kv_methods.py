@@ -58,13 +58,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    from lowbit.api import quantize
+    from lowbit.api import load_model, quantize
     from lowbit.cli import parse_settings
     from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
     from lowbit.models.adapter import adapter_for
-    from lowbit.api import load_model
     from lowbit.recipes.kvquant import LADDER
     from lowbit.recipes.registry import get_recipe
 

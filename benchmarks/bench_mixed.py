@@ -1,5 +1,5 @@
-"""Seed 002's 2/4/16-bit mixed weights against GPTQ at 3 bits, and the seed's ablations, on
-WikiText-2.
+"""The 2/4/16-bit mixed weights of Li et al., 2024 against GPTQ at 3 bits, and the paper's
+ablations, on WikiText-2.
 
     python benchmarks/bench_mixed.py --calib wiki --rows gptq-w3-g64 mixed --json mixed.json
     python benchmarks/bench_mixed.py --table mixed.json     # the markdown table of a JSON
@@ -19,7 +19,7 @@ windows >= 16 (never the evaluated ones) or from the pydoc calibration text, see
   outliers; ``mixed-10``: 10 % 4-bit groups; ``mixed-2bit``: no 4-bit groups and no outliers
   (2-bit GPTQ in the same format); ``mixed-rtn``: round to nearest (4-bit groups by the
   weights' energy); ``mixed-qat``: ``--qat-steps`` steps of QAT first.
-* ``inter-25`` / ``inter-10`` (the seed's Table 4): whole matrices in 4 bits and the rest in
+* ``inter-25`` / ``inter-10`` (the paper's Table 4): whole matrices in 4 bits and the rest in
   2, the matrices ranked by their eq. 9 sensitivity per weight on the float model, as many as
   bring the 4-bit share of the weights closest to 25 % / 10 %; same format otherwise (2-bit
   matrices keep 0.2 % outliers, a 4-bit matrix has none).
@@ -166,9 +166,9 @@ def layer_study(args) -> None:
     from lowbit.algorithms.gptq import gptq_quantize
     from lowbit.algorithms.int_spec import IntWeightSpec
     from lowbit.algorithms.mixed import MixedWeightSpec, choose_4bit_groups, mixed_quantize
+    from lowbit.api import load_model
     from lowbit.calibrate.hessian import HessianCollector
     from lowbit.data import calibration_samples, load_corpus, tokenize
-    from lowbit.api import load_model
 
     torch.set_num_threads(args.threads)
     fp = load_model(None)
@@ -223,7 +223,7 @@ def layer_study(args) -> None:
 
 def bits_table(threads: int) -> None:
     """Stored bits per weight by part (RTN on a random weight) beside eq. 10 and its CSR term,
-    at the seed's settings (25 % 4-bit groups, 0.2 % outliers, g1 = g2 = 16) for 4096 x 4096
+    at the paper's settings (25 % 4-bit groups, 0.2 % outliers, g1 = g2 = 16) for 4096 x 4096
     and the embedded model's three shapes."""
     from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize
     from lowbit.formats.accounting import mixed_2_4_bits
@@ -289,12 +289,11 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
 
-    from lowbit.api import quantize
+    from lowbit.api import load_model, quantize
     from lowbit.data import eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.eval.memory import linear_weight_bits
     from lowbit.models.adapter import adapter_for
-    from lowbit.api import load_model
     from lowbit.recipes.registry import get_recipe
 
     fp = load_model(None)

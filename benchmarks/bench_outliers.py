@@ -25,9 +25,9 @@ import time
 
 import torch
 
+from lowbit.api import load_model
 from lowbit.data import eval_windows, load_corpus, tokenize
 from lowbit.models.adapter import adapter_for
-from lowbit.api import load_model
 from lowbit.transforms.rotate import rotate_model
 
 

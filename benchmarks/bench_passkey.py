@@ -25,9 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, markdown_table, stamp  # noqa: E402
 
-from lowbit.api import quantize  # noqa: E402
+from lowbit.api import (
+    load_model,  # noqa: E402
+    quantize,  # noqa: E402
+)
 from lowbit.data import calibration_samples, load_corpus, tokenize  # noqa: E402
-from lowbit.api import load_model  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
 # the passkey task of Mohtashami & Jaggi (2023, "Landmark Attention"): intro, filler, needle

@@ -27,10 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_window_arguments, command_line, markdown_table, stamp  # noqa: E402
 
-from lowbit.api import quantize  # noqa: E402
+from lowbit.api import (
+    load_model,  # noqa: E402
+    quantize,  # noqa: E402
+)
 from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
-from lowbit.api import load_model  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
 FLOAT = dict(w_bits=16, a_bits=16, kv_bits=16)

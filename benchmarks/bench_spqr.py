@@ -12,9 +12,10 @@ codes and statistics, beta 16/16, act-order) with 0%, 0.5%, 1% and 2% outliers, 
 relative threshold tau = 0.2 (budget 10%). Columns: perplexity, KL and top-1 agreement against
 the fp model, bits per weight counted from the stored tensors over every block linear (codes,
 words, statistics, outliers with their offsets, permutations; SpQR's dense part is 4.0 bits per
-weight in seed 004's 64-bit words) beside the analytic count of the statistics (3.625 for
-SpQR), the share of outliers, and the wall seconds of quantization. Each row is written to
-``--json`` as it finishes, so an interrupted run keeps its rows.
+weight in the 64-bit words of Crnčević's SpQR inference kernel, master's thesis, 2025) beside
+the analytic count of the statistics (3.625 for SpQR), the share of outliers, and the wall
+seconds of quantization. Each row is written to ``--json`` as it finishes, so an interrupted run
+keeps its rows.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ from common import (  # noqa: E402
     weight_calibrations,
 )
 
-from lowbit.api import quantize  # noqa: E402
+from lowbit.api import (
+    load_model,  # noqa: E402
+    quantize,  # noqa: E402
+)
 from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
 from lowbit.eval.memory import linear_weight_bits  # noqa: E402
 from lowbit.formats.accounting import spqr_bits, two_order_bits  # noqa: E402
 from lowbit.models.adapter import adapter_for  # noqa: E402
-from lowbit.api import load_model  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
 #: row name -> (recipe, settings, analytic bits of the dense format)

@@ -127,9 +127,8 @@ def export(row: str, out: Path) -> tuple[list[list[int]], list[str], str]:
     per prompt, and the model's dtype."""
     import torch
 
-    from lowbit.api import quantize
+    from lowbit.api import load_model, quantize
     from lowbit.io.compressed_tensors import export_compressed_tensors
-    from lowbit.api import load_model
     from lowbit.recipes.registry import get_recipe
 
     loaded = load_model(None)

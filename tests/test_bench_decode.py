@@ -1,5 +1,5 @@
-"""The cost accounting of ``benchmarks/bench_decode.py`` (seed 002's Table 3), without a GPU:
-the NVML energy meter against a fake NVML, the cost per million tokens by hand, the table."""
+"""The cost accounting of ``benchmarks/bench_decode.py`` (Table 3 of Li et al., 2024), without
+a GPU: the NVML energy meter against a fake NVML, the cost per million tokens by hand, the table."""
 
 import importlib.util
 import sys

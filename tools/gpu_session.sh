@@ -15,11 +15,11 @@
 #                 beside cuBLAS fp16 and torch's int4 kernel (first calls tune: several
 #                 compiles a shape)
 #   gemv-int-big  the same on 4096x11008, 14336x4096
-#   gemv-spqr     bench_gemv --formats spqr at M = 1, 16 on the seed's six shapes
+#   gemv-spqr     bench_gemv --formats spqr at M = 1, 16 on its six GPU shapes
 #   gemv-mixed    bench_gemv --mixed (async / sync / outliers apart / none) beside cuBLAS
 #                 fp16 and lowbit's 4-bit g128 and 2-bit g64 kernels
 #   decode        bench_decode on the 7B-shaped random Llama: fp16, W4 g128, 2/4/16 with the
-#                 seed's Table 3 cost columns, then SpQR 1 % and 0 %
+#                 Table 3 cost columns of Li et al., 2024, then SpQR 1 % and 0 %
 #   memory        bench_memory --device cuda --shape 7b
 #
 # How many stages fit a session's device time is not measured yet (no GPU has run them);

@@ -8,7 +8,7 @@ For the prefill kernel a decoded weight serves BLOCK_M rows, so its count is per
 Pointers and strides are declared 16-divisible, as Triton's launcher specializes them. ::
 
     python tools/kernel_sass.py --bits 2 3 4 8 --arch 90
-    python tools/kernel_sass.py --spqr --arch 90     # the SpQR kernel (seed 004's words)
+    python tools/kernel_sass.py --spqr --arch 90     # lowbit's fused SpQR kernel
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def compile_prefill_kernel(bits, block_m, block_n, num_warps, arch, dtype="fp16"
 def compile_spqr_kernel(
     block_m, block_tr, block_g, num_warps, arch, dtype="fp16", split_k=1, has_bias=False
 ):
-    """``_spqr_gemv_kernel`` (seed 004's words): 4096 columns (256 tiles), act-order
-    permutation, CSR outliers, no masks (``EVEN_K``), ``split_k`` splits."""
+    """``_spqr_gemv_kernel`` (on the 64-bit words of Crnčević's SpQR inference kernel, master's
+    thesis, 2025): 4096 columns (256 tiles), act-order permutation, CSR outliers, no masks
+    (``EVEN_K``), ``split_k`` splits."""
     from lowbit.kernels import spqr_gemv
 
     kernel = spqr_gemv._spqr_gemv_kernel

@@ -14,7 +14,7 @@ from lowbit.formats.intq import IntQuantized
 from lowbit.formats.sparse import CSRMatrix, split_outliers
 
 
-def test_seed002_eq10_gives_2_91():
+def test_li_et_al_eq10_gives_2_91():
     assert mixed_2_4_bits() == pytest.approx(2.9116, abs=1e-4)
     assert round(mixed_2_4_bits(), 2) == 2.91
     assert mixed_2_4_bits(outlier_fraction=0.0, rows=10**9, cols=10**9) == pytest.approx(

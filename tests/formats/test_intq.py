@@ -56,7 +56,7 @@ def test_double_quant_packed_equals_simulated_and_counts_eq7():
         )
         assert torch.equal(packed.dequantize(), fake)
     # asymmetric: N + (N + Ns)/g1 + (16 + 16)/(g1 g2): the container stores the second-order
-    # zero in fp16 (seed 002 eq. 7 counts it at Ns bits; see accounting.py)
+    # zero in fp16 (eq. 7 of Li et al., 2024 counts it at Ns bits; see accounting.py)
     assert packed.bits_per_element() == pytest.approx(2 + (2 + 4) / 16 + 32 / 256)
 
 

@@ -65,7 +65,7 @@ def test_layout_round_trip_is_exact(n, k, frac4, density, g2, seed):
     assert torch.equal(deq, groups.view(n, -1)[:, :k] + sparse2)
 
 
-def test_seed_layout_at_25_percent():
+def test_the_papers_layout_at_25_percent():
     """At 25 % 4-bit every 128-bit word holds a triplet of 2-bit groups and half a 4-bit group,
     the other half in the second matrix, lanes in the documented bit order."""
     q, w, is4, _, stats, codes = _mixed(20, 64 * 6, 0.25, 0.0, 1)
@@ -153,7 +153,7 @@ def test_outliers_only_in_two_bit_groups():
 
 
 def test_eq10_reproduced_from_the_stored_tensors():
-    """The seed's settings (4096 x 4096, 25 % 4-bit, g1 = g2 = 16, N_s = 4, 0.2 % outliers):
+    """Li et al.'s settings (4096 x 4096, 25 % 4-bit, g1 = g2 = 16, N_s = 4, 0.2 % outliers):
     the stored tensors eq. 10 counts (codes, the 2-bit groups' clipped first-order statistics
     and their second order, CSR outliers) give 2.91, within the 0.02 alignment overhead of the
     formula; every stored bit (the 4-bit groups' statistics and the group order too) 3.07."""

@@ -30,7 +30,7 @@ def test_word_layout_is_index_high_fp16_low():
     assert idx.tolist() == [3, 65535] and val.tolist() == [1.0, -2.0]
 
 
-def test_value_high_words_are_seed_004_col_val():
+def test_value_high_words_are_the_spqr_kernels_col_val():
     """SpQR's kernel word: fp16 value in the high half, column in the low half."""
     words = pack_index_value(torch.tensor([3, 65535]), torch.tensor([1.0, -2.0]), value_high=True)
     assert (int(words[0]) & 0xFFFFFFFF) == (0x3C00 << 16) | 3

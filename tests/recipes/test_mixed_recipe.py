@@ -23,7 +23,7 @@ def _ids(n=4, seqlen=32, seed=0):
 
 @pytest.fixture(scope="module")
 def quantized():
-    """A tiny llama quantized with the seed's preset (GPTQ), and its calibration ids."""
+    """A tiny llama quantized with the preset of Li et al., 2024 (GPTQ), and its calibration ids."""
     model, ids = tiny_model("llama"), _ids()
     lowbit.quantize(model, "mixed-2-4-16", calibration=ids, progress=False)
     return model, ids

@@ -90,7 +90,8 @@ def test_static_cache_generation_matches_the_dynamic_cache(quantized):
 
 @pytest.mark.gpu
 def test_static_cache_and_inductor_on_cuda(quantized):
-    """The seed's end-to-end setting: StaticCache, torch.compile, the fused kernels."""
+    """The end-to-end setting of Crnčević's SpQR kernel thesis: StaticCache, torch.compile, the
+    fused kernels."""
     _, model = quantized
     pack_model(model)
     model = model.to("cuda", torch.float16)

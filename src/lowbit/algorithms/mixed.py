@@ -1,5 +1,6 @@
-"""Seed 002's weight algorithm: which column groups get 4 bits, which weights stay fp16, and
-GPTQ (or RTN) under the mixed 2/4-bit format of :mod:`lowbit.formats.mixed`.
+"""The weight algorithm of the 2/4/16 mixed-precision paper (Li et al., 2024): which column
+groups get 4 bits, which weights stay fp16, and GPTQ (or RTN) under the mixed 2/4-bit format of
+:mod:`lowbit.formats.mixed`.
 
 Pure tensor math on a weight ``W [N, K]`` and the Hessian ``H = 2/N Σ x xᵀ [K, K]`` of its
 inputs (from :mod:`lowbit.calibrate`); nothing here knows a model.

@@ -1,9 +1,9 @@
-"""Choices on the float model and a short QAT for the mixed 2/4-bit format (seed 002 §3.3).
+"""Choices on the float model and a short QAT for the mixed 2/4-bit format (Li et al., 2024, §3.3).
 
 * :func:`choose_on_float`: one calibration walk over the *float* model (one pass per block,
   nothing changed) giving each selected linear's eq. 9 sensitivity per column group, its 4-bit
   groups and its exclusive outliers (:mod:`lowbit.algorithms.mixed`). QAT trains with these;
-  the inter-layer baseline of the seed's Table 4 ranks whole matrices by them.
+  the inter-layer baseline of the paper's Table 4 ranks whole matrices by them.
 * :func:`mixed_qat`: fine-tune the selected linears' weights with the mixed format
   fake-quantized in the forward pass, ``W + (Q(W) - W).detach()`` (straight-through
   estimator), ``Q`` = round to nearest with the statistics recomputed from the current weights

@@ -1,5 +1,6 @@
 """SpQR: GPTQ column by column into bi-level small groups, with the weights that fit no group
-moved to a sparse fp16 matrix (Dettmers et al. 2023, summarised in seed 004 §2).
+moved to a sparse fp16 matrix (Dettmers et al., 2024, summarised in §2 of Crnčević's master's
+thesis on an SpQR inference kernel, 2025).
 
 Pure tensor math on a weight ``W [out, in]``, the Hessian ``H = 2/N Σ x xᵀ`` of its inputs and
 an :class:`SpQRSpec`; the format is :class:`~lowbit.formats.spqr.SpQRQuantized`.
@@ -10,7 +11,7 @@ zeroes dead inputs and gives the upper Cholesky factor ``U`` of the dampened ``H
 
 * **act-order**: columns are visited by decreasing ``H_jj`` and the weight is *stored* in that
   order, so groups are runs of ``beta1`` visited columns; the permutation is stored and the
-  kernel gathers the input through it (seed 004's fused kernel).
+  kernel gathers the input through it (as Crnčević's fused kernel does).
 * **bi-level groups**: when a group's first column is reached, each row's min-max scale and
   zero over the group's current (updated) weights are computed without the group's likely
   outliers, then quantized to ``stat_bits`` per tile of ``beta2`` rows with fp16 second-order

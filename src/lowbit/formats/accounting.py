@@ -1,4 +1,4 @@
-"""Bits-per-element formulas of the seed papers, next to the containers' exact counts.
+"""Bits-per-element formulas of the papers lowbit implements, next to the containers' exact counts.
 
 The containers' own ``bits_per_element()`` count what they store; these functions state the
 papers' formulas (with their settings as arguments) so the two can be compared in tests.
@@ -19,9 +19,9 @@ __all__ = [
 def two_order_bits(
     n_bits: int, g1: int, scale_bits: int | None = None, g2: int | None = None
 ) -> float:
-    """Seed 002 eqs. 6-7: ``N + (N + 16)/g1`` (1-order), or with ``scale_bits = N_s`` and
-    ``g2``: ``N + (N + N_s)/g1 + (N_s + 16)/(g1 g2)`` (N-bit zero, N_s-bit scale per group;
-    N_s-bit zero and 16-bit scale per group of scales)."""
+    """Li et al., 2024 (2/4/16-bit mixed precision), eqs. 6-7: ``N + (N + 16)/g1`` (1-order), or
+    with ``scale_bits = N_s`` and ``g2``: ``N + (N + N_s)/g1 + (N_s + 16)/(g1 g2)`` (N-bit zero,
+    N_s-bit scale per group; N_s-bit zero and 16-bit scale per group of scales)."""
     if scale_bits is None:
         return n_bits + (n_bits + 16) / g1
     return n_bits + (n_bits + scale_bits) / g1 + (scale_bits + 16) / (g1 * g2)
@@ -44,7 +44,7 @@ def mixed_2_4_bits(
     rows: int = 4096,
     cols: int = 4096,
 ) -> float:
-    """Seed 002 eq. 10 plus its outliers: ``α (2 + (2 + N_s)/g1 + (N_s + 16)/(g1 g2)) + (1 - α) 4``
+    """Li et al.'s eq. 10 plus outliers: ``α (2 + (2 + N_s)/g1 + (N_s + 16)/(g1 g2)) + (1 - α) 4``
     with ``α = 1 - frac_4bit``, plus CSR outliers (:func:`csr_outlier_bits`). Defaults: the
     paper's Llama settings (g1 = g2 = 16, 0.2% outliers), N_s = 4 (its 4-bit 2-order scales),
     25% 4-bit groups counted at 4 bits as in eq. 10, and a 4096 × 4096 matrix for the row
@@ -57,10 +57,11 @@ def mixed_2_4_bits(
 def spqr_bits(
     w_bits: int = 3, beta1: int = 16, beta2: int = 16, stat_bits: int = 3, second_bits: int = 16
 ) -> float:
-    """SpQR bi-level statistics (seed 004 §2): ``w + (s + z)/β1 + 4 · 16/(β1 β2)``: a
-    ``stat_bits`` scale and zero per row of β1 weights, and per β1 × β2 tile the fp16 scale and
-    zero of the scales and of the zeros. 3-bit, β = 16: 3 + 0.375 + 0.25 = 3.625 (sparse
-    outliers extra). The thesis's 64-bit packed tile rows hold this in exactly 4 bits/weight."""
+    """SpQR bi-level statistics (Dettmers et al., 2024; §2 of Crnčević's master's thesis, 2025):
+    ``w + (s + z)/β1 + 4 · 16/(β1 β2)``: a ``stat_bits`` scale and zero per row of β1 weights, and
+    per β1 × β2 tile the fp16 scale and zero of the scales and of the zeros. 3-bit, β = 16: 3 +
+    0.375 + 0.25 = 3.625 (sparse outliers extra). The thesis's 64-bit packed tile rows hold this
+    in exactly 4 bits/weight."""
     return w_bits + 2 * stat_bits / beta1 + 4 * second_bits / (beta1 * beta2)
 
 

@@ -19,8 +19,8 @@ an all-zero block, and FP32 subnormals below ``2**-127 * 2**(p-2)``, get ``E = -
 subnormals then round to 0). Code 255 means NaN: a block holding any NaN or ±Inf decodes to NaN
 in every element (integer mantissas cannot express Inf; this is OCP MX's conversion rule).
 
-Members: BFP12 = ``(p=4)``, BFP16 = ``(p=8)`` (seed 001, block size free, e.g. 64);
-MXINT8 = ``(p=8, block 32)``, MXINT4 = ``(p=4, block 32)``: see :data:`BFP_FORMATS`.
+Members: BFP12 = ``(p=4)``, BFP16 = ``(p=8)`` (Trukhanov & Soloveychik, 2024; block size free,
+e.g. 64); MXINT8 = ``(p=8, block 32)``, MXINT4 = ``(p=4, block 32)``: see :data:`BFP_FORMATS`.
 Storage: ``p`` bits per element plus 8 bits per block (BFP12, block 64: 4.125 bits).
 """
 

@@ -593,7 +593,7 @@ class IntQuantized:
         Args:
             x: float tensor, any shape (2-d when ``scale_bits`` is given).
             bits ... mse_search, scale_rule, rounding: see :func:`int_scale_zero`.
-            scale_bits: if set, 2-order quantization (seed 002 eqs. 6-7): the first-order
+            scale_bits: if set, 2-order quantization (Li et al., 2024, eqs. 6-7): the first-order
                 scales are quantized asymmetrically (min-max range) to ``scale_bits`` bits in
                 groups of ``scale_group`` along the other axis, with fp16 second-order scales and
                 fp16 real-valued zeros (see :func:`_quantize_scales`). Codes of ``x`` are then

@@ -1,10 +1,10 @@
 """Intra-matrix 2/4-bit mixed precision with 2-order scales, exclusive fp16 outliers and a
-memory-aligned layout (seed 002, Li et al., "2/4/16-bit in a weight matrix").
+memory-aligned layout (Li et al., 2024, "2/4/16-bit in a weight matrix").
 
 A weight ``W [N, K]`` (N output rows, K input columns) is stored as follows.
 
 * **Groups.** Column group ``g`` is the ``GROUP = 16`` input channels ``[16g, 16g + 16)`` of
-  every row (the seed's g1). A group is 2-bit or 4-bit for the whole matrix: the choice is per
+  every row (the paper's g1). A group is 2-bit or 4-bit for the whole matrix: the choice is per
   input-channel group (eq. 9's sensitivity, made by :mod:`lowbit.algorithms.mixed`). When K
   is not a multiple of 16 the last group is padded: its missing columns hold the row's zero
   point (they decode to 0) and the kernels mask their activations.
@@ -27,13 +27,13 @@ A weight ``W [N, K]`` (N output rows, K input columns) is stored as follows.
   (:class:`~lowbit.formats.sparse.CSRMatrix`, SpQR's 32-bit column/value words). Their dense
   code is the zero point, so ``W = dense + sparse`` with nothing counted twice.
 
-**Aligned layout** (seed §3.3, "Memory Alignment"). A *lane* is 32 bits: the 16 codes of one
+**Aligned layout** (the paper's §3.3, "Memory Alignment"). A *lane* is 32 bits: the 16 codes of one
 2-bit group (code ``j`` in bits ``2j``), or half of a 4-bit group (8 codes, code ``j`` in bits
 ``4j``). Each row is a sequence of 128-bit words ``primary [N, U, 4]`` int32 in three segments:
 
 * ``A`` (``ua`` words): lanes 0-2 a triplet of 2-bit groups, lane 3 codes 0-7 of one 4-bit
   group; codes 8-15 of that group are the word's entry in the second matrix ``secondary [N,
-  ua]`` int32. At 25 % 4-bit every word is of this kind, as in the seed.
+  ua]`` int32. At 25 % 4-bit every word is of this kind, as in the paper.
 * ``B`` (``ub`` words): four 2-bit lanes (the 2-bit groups beyond ``3 ua``).
 * ``C`` (``uc`` words): two whole 4-bit groups (the 4-bit groups beyond ``ua``).
 

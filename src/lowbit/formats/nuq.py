@@ -1,6 +1,6 @@
 """Non-uniform quantization (NUQ): nearest entry of a codebook after per-vector normalization.
 
-Normalization (KVQuant, seed 003): along ``axis`` (the reduction axis, as in
+Normalization (KVQuant, Hooper et al., 2024): along ``axis`` (the reduction axis, as in
 :mod:`lowbit.formats.intq`; keys per channel = ``axis=-2`` over tokens, values per token =
 ``axis=-1``), each vector is mapped to ``[-1, 1]``: ``"minmax"`` uses ``center = (max + min) / 2``,
 ``half_range = (max - min) / 2``; ``"absmax"`` uses ``center = 0``, ``half_range = max|x|``;

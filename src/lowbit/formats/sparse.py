@@ -4,13 +4,14 @@ Every stored nonzero is one 32-bit word holding a 16-bit index (column for CSR/P
 CSC) and the fp16 bit pattern of the value, so outlier values are rounded to fp16 and matrices
 are limited to 65536 columns (rows for CSC). By default the index is the high half and the value
 the low half (KVQuant's layout); ``value_high=True`` swaps them: the value in the high half, the
-column in the low half, the ``col_val`` word of seed 004's SpQR kernel (§3.4.2).
+column in the low half, the ``col_val`` word of Crnčević's SpQR inference kernel (master's
+thesis, 2025, §3.4.2).
 Exact zeros are never stored; values beyond the fp16 range raise
 :class:`~lowbit.errors.LowbitError`.
 
 * CSR: ``row_ptr`` int32 ``[rows + 1]`` + ``col_val`` int32 ``[nnz]``.
 * CSC: ``col_ptr`` int32 ``[cols + 1]`` + ``row_val`` int32 ``[nnz]``.
-* PTCSR (seed 004 §3.4.3): rows are cut into tiles of 16; tile ``t`` with at most ``L_t``
+* PTCSR (Crnčević, §3.4.3): rows are cut into tiles of 16; tile ``t`` with at most ``L_t``
   nonzeros per row stores ``16 * L_t`` words transposed, word ``tile_ptr[t] + i * 16 + r``
   being the ``i``-th nonzero of the tile's row ``r`` or a zero word (padding: column 0, +0.0,
   which no real nonzero can produce). ``tile_ptr`` int32 ``[n_tiles + 1]``; rows need not be a

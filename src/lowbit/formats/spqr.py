@@ -1,4 +1,5 @@
-"""SpQR weights (seed 004): small-group codes with quantized statistics, plus sparse outliers.
+"""SpQR weights (Dettmers et al., 2024): small-group codes with quantized statistics, plus
+sparse outliers.
 
 A weight ``W [out, in]`` is stored in the column order of an input permutation ``perm``
 (GPTQ's act-order; column ``j`` of the stored matrix multiplies ``x[perm[j]]``) as
@@ -8,19 +9,20 @@ A weight ``W [out, in]`` is stored in the column order of an input permutation `
   (default 16). Each row of a group has a ``stat_bits``-bit scale code and zero code
   (default 3); those codes are themselves quantized per tile of ``beta2`` rows × one group (the
   16 × 16 tile) with fp16 second-order statistics ``q_ss, q_sz`` (scale and zero of the scales)
-  and ``q_zs, q_zz`` (of the zeros). Dequantization (seed 004 §2), every operation rounded to
-  fp16 as the seed's ``half2`` arithmetic does::
+  and ``q_zs, q_zz`` (of the zeros). Dequantization (§2 of Crnčević's master's thesis on an
+  SpQR inference kernel, 2025), every operation rounded to fp16 as his kernel's ``half2``
+  arithmetic does::
 
       s = q_ss · (c_s − q_sz)      z = q_zs · (c_z − q_zz)      w = s · (q − z)
 
   First-order statistics are SpQR's min-max: ``scale = (max − min) / (2**bits − 1)``, a real
   zero ``−min / scale`` (then both quantized as above).
-* ``S'``, the outliers: fp16 values in CSR or PTCSR (:mod:`lowbit.formats.sparse`) with seed
-  004's ``col_val`` words (fp16 value in the high half, 16-bit column in the low half), in the
+* ``S'``, the outliers: fp16 values in CSR or PTCSR (:mod:`lowbit.formats.sparse`) with Crnčević's
+  ``col_val`` words (fp16 value in the high half, 16-bit column in the low half), in the
   stored (permuted) column order. An outlier's value is the residual ``w − D'`` rounded to fp16,
   so ``D' + S'`` is the weight up to one fp16 rounding of a small number.
 
-The packed layout (seed 004 §3.1, 3-bit codes and statistics, beta1 = beta2 = 16 only): one
+The packed layout (Crnčević, §3.1, 3-bit codes and statistics, beta1 = beta2 = 16 only): one
 64-bit word per tile row, the tiles of a row of tiles contiguous (``words [T, G * 16]`` int64,
 word ``g * 16 + r`` of row ``t`` is row ``r`` of tile ``(t, g)``)::
 
@@ -30,7 +32,7 @@ word ``g * 16 + r`` of row ``t`` is row ``r`` of tile ``(t, g)``)::
     bits 62-63  zero (spare)
 
 The second-order word is ``q_ss | q_zs << 16 | q_sz << 32 | q_zz << 48`` (fp16 bit patterns,
-the seed's ``SecondOrder`` union); chunk ``c`` (its bits ``8c .. 8c+7``) is stored in rows
+Crnčević's ``SecondOrder`` union); chunk ``c`` (its bits ``8c .. 8c+7``) is stored in rows
 ``2c`` and ``2c + 1``, so each half of a 16-lane group recovers the whole word by an OR over
 three shuffles (lanes ``r ^ 2, r ^ 4, r ^ 8``). That is 4.0 bits per weight for the dense part
 (the analytic count of the statistics, :func:`~lowbit.formats.accounting.spqr_bits`, is 3.625).
@@ -82,7 +84,7 @@ _SCALE_FLOOR = 2.0**-10  # a scale is at least max|w| / 1024, so |zero| <= 1024 
 
 
 def decode_fp16(codes: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
-    """``fp16(scale · fp16(codes − zero))``: the seed's ``dequantize2`` in fp16 arithmetic.
+    """``fp16(scale · fp16(codes − zero))``: Crnčević's ``dequantize2`` in fp16 arithmetic.
 
     ``scale`` and ``zero`` are fp16 (or fp32 holding fp16 values) broadcasting to ``codes``.
     Each operation runs in fp32 and is rounded to fp16; that is the correctly rounded fp16
@@ -229,7 +231,7 @@ def _bits_half(x: Tensor) -> Tensor:
 
 
 def pack_words(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, second: Tensor) -> Tensor:
-    """Seed 004's 64-bit tile-row words (see the module docstring).
+    """Crnčević's 64-bit tile-row words (see the module docstring).
 
     Args:
         codes: ``[out, in]`` uint8 3-bit codes (stored column order).
@@ -325,7 +327,7 @@ def unpack_words(
 
 
 def make_outliers(values: Tensor, mask: Tensor, sparse_format: str = "csr"):
-    """Outlier container of ``values`` under ``mask`` (stored column order, seed 004 words);
+    """Outlier container of ``values`` under ``mask`` (stored column order, Crnčević's words);
     exact zeros are not stored."""
     if values.shape[1] > MAX_WIDTH:
         raise LowbitError(
@@ -437,7 +439,7 @@ class SpQRQuantized:
 
     # -- packed layout -------------------------------------------------------------------------
     def words(self) -> Tensor:
-        """The dense part as seed 004's ``[T, G * 16]`` int64 words."""
+        """The dense part as Crnčević's ``[T, G * 16]`` int64 words."""
         _check_packed_format(self.bits, self.stat_bits, self.beta1, self.beta2)
         return pack_words(self.codes, self.scale_codes, self.zero_codes, self.second)
 

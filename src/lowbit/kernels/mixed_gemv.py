@@ -1,4 +1,4 @@
-"""GEMV with asynchronous dequantization for mixed 2/4-bit weights (seed 002, Algorithm 1).
+"""GEMV with asynchronous dequantization for mixed 2/4-bit weights (Li et al., 2024, Algorithm 1).
 
 ``x [M, K] @ Wᵀ`` for M <= 16 with ``W`` in the aligned layout of
 :mod:`lowbit.formats.mixed`; the torch reference is
@@ -11,10 +11,10 @@ outputs.
 Each word of the layout covers column groups the stored group order scatters over K, so a
 word's activations are gathered by the column table (``col2``, ``col4``).
 
-**M = 1** (``_gemv1_kernel``, the seed's Algorithm 1 in Triton). Rows run across threads
+**M = 1** (``_gemv1_kernel``, the paper's Algorithm 1 in Triton). Rows run across threads
 (``BLOCK_N`` rows per program, several per thread), and each step walks two words of every row
 of each segment (A: a triplet of 2-bit groups + half a 4-bit group, B: four 2-bit groups, C:
-two 4-bit groups): one contiguous 32-byte load per row (the aligned vector loads of the seed;
+two 4-bit groups): one contiguous 32-byte load per row (the aligned vector loads of the paper;
 a full sector), split into its eight 32-bit lanes. The activations of a word's groups are the
 same for every row, so they are scalar (uniform) loads shared by all of a thread's rows, and a
 code costs a shift, a masked or (the exponent trick ``code | 0x4B000000``), a subtraction and
@@ -28,7 +28,7 @@ an FMA into the row's unscaled group sum; the group's scale and zero are applied
   scales runs while the next weights are in flight (the overlap of Algorithm 1's lines 12-15).
 * **Synchronous** (``ASYNC=False``): each step loads its words, decodes them into the unscaled
   group sums and only then, after a ``tl.debug_barrier`` (nothing is scheduled across it),
-  loads the statistics and dequantizes the scales: the dataflow the seed measures against.
+  loads the statistics and dequantizes the scales: the dataflow the paper measures against.
 
 Both compute the same sums in the same order, so their outputs are identical bit for bit; only
 the schedule differs.

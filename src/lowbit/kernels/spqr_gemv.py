@@ -1,12 +1,12 @@
-"""Fused dense-and-sparse SpQR products on seed 004's packed words (Triton), with the torch
-reference beside them.
+"""Fused dense-and-sparse SpQR products (Triton) on the packed words of Crnčević's SpQR
+inference kernel (master's thesis, 2025), with the torch reference beside them.
 
 ``y = x_p @ D'ᵀ + x_p @ S'ᵀ + b`` where ``x_p = x[:, perm]`` (the stored column order),
 ``D'`` the packed 3-bit words (:mod:`lowbit.formats.spqr`) and ``S'`` the fp16 outliers in CSR
 or PTCSR. One pass over the tiles: each program owns ``BLOCK_TR`` tile rows (16 output rows
 each) and a range of tile columns; per chunk of ``BLOCK_G`` tiles it loads the ``[BLOCK_TR,
 16, BLOCK_G]`` words once, rebuilds each tile's second-order statistics from the 8-bit chunks
-(a sum over the tile's 16 rows of the even rows' chunks shifted into place: the seed's OR
+(a sum over the tile's 16 rows of the even rows' chunks shifted into place: Crnčević's OR
 shuffle), decodes each row's fp16 scale and zero, then the sixteen codes of every word, and
 multiplies with the input gathered through ``perm``. Before the output is written, the same
 program adds its rows' outliers (a share of them under split-K), so nothing but ``y`` (and
@@ -15,7 +15,7 @@ split-K partial sums) goes back to memory.
 * ``BLOCK_M == 1`` (GEMV): per code ``q · x`` in fp32 (the exponent trick ``float(code |
   0x4B000000) − 2**23`` turns a code into a float with integer ops), summed per word; the scale
   and zero are applied once per word: ``s · (Σ q x − z · Σ x)``, exact algebra, fp32 rounding.
-* ``BLOCK_M == 16`` (2 <= M <= 16, the small batch; the seed's kernel loops over the rows one
+* ``BLOCK_M == 16`` (2 <= M <= 16, the small batch; Crnčević's kernel loops over the rows one
   at a time): per code slot ``i`` of the words, the dequantized weights ``fp16(s · fp16(q −
   z))`` (the reference's weights bit for bit) of a ``[BLOCK_TR · 16, BLOCK_G]`` block go into
   one ``tl.dot`` with the ``[BLOCK_G, 16]`` inputs of the columns ``16 g + i``: decoding is paid
@@ -114,7 +114,7 @@ if triton is not None:
         q_zz = ((high_word >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
         code_s = (lo & 7).to(tl.float32)
         code_z = ((lo >> 3) & 7).to(tl.float32)
-        # fp16(q_ss * fp16(c_s - q_sz)): each operation rounded to fp16, as the seed's half2
+        # fp16(q_ss * fp16(c_s - q_sz)): each operation rounded to fp16, as Crnčević's half2
         scale = (q_ss * (code_s - q_sz).to(tl.float16).to(tl.float32)).to(tl.float16)
         zero = q_zs.to(tl.float32) * (code_z - q_zz.to(tl.float32)).to(tl.float16).to(tl.float32)
         return scale, zero.to(tl.float16)
@@ -395,7 +395,7 @@ def spqr_gemv(
         words: ``[ceil(N / 16), ceil(K / 16) * 16]`` int64 packed words.
         perm: ``[K]`` int32 input permutation (stored column ``j`` reads ``x[:, perm[j]]``) or
             None (:meth:`SpQRQuantized.perm_index` as int32; the containers keep 16 bits).
-        outliers: CSR or PTCSR with seed 004's words (stored column order), or None.
+        outliers: CSR or PTCSR with Crnčević's ``col_val`` words (stored column order), or None.
         bias: ``[N]`` in ``x``'s dtype, or None.
         out_features: N.
         config: ``(BLOCK_M, BLOCK_TR, BLOCK_G, SPLIT_K, num_warps)`` to force a launch.

@@ -1,12 +1,13 @@
 """The ``triton`` backend for SpQR layers (:class:`~lowbit.nn.spqr_linear.SpQRLinear`).
 
-``prepare`` keeps the words as stored (the kernels read seed 004's layout directly), widens the
-16-bit permutation to int32 (one load per gathered input, no sign fix-up), and picks the outlier
-layout the kernel multiplies with: the layer's ``sparse_format``, or with ``"auto"`` the faster
-of CSR and PTCSR for this tensor, timed once on the GPU (seed 004 §3.4.4: the better layout
-depends on the tensor and the device) and cached per (device, shape, outlier pattern) for the
-process; under the interpreter, and whenever timing is off (``LOWBIT_TRITON_TUNE=0``), the
-stored layout. ``LOWBIT_SPQR_SPARSE=csr|ptcsr`` overrides every layer set to ``"auto"``.
+``prepare`` keeps the words as stored (the kernels read them directly, in the layout of Crnčević's
+SpQR inference kernel, master's thesis, 2025), widens the 16-bit permutation to int32 (one load per
+gathered input, no sign fix-up), and picks the outlier layout the kernel multiplies with: the
+layer's ``sparse_format``, or with ``"auto"`` the faster of CSR and PTCSR for this tensor, timed
+once on the GPU (Crnčević's thesis, §3.4.4: the better layout depends on the tensor and the device)
+and cached per (device, shape, outlier pattern) for the process; under the interpreter, and whenever
+timing is off (``LOWBIT_TRITON_TUNE=0``), the stored layout. ``LOWBIT_SPQR_SPARSE=csr|ptcsr``
+overrides every layer set to ``"auto"``.
 
 ``matmul`` runs the fused dense-and-sparse kernel for M <= 16
 (:func:`~lowbit.kernels.spqr_gemv.spqr_gemv`) and, above, decodes ``D'`` with the Triton decode
@@ -77,7 +78,7 @@ def _profile(layer, words, perm, device) -> str:
 
 
 class TritonSpQRBackend(WeightBackend):
-    """Fused dense-and-sparse kernels on seed 004's packed words."""
+    """Fused dense-and-sparse kernels on the packed words of Crnčević's SpQR kernel."""
 
     name = "triton"
     format_kind = "spqr"

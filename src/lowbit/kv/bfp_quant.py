@@ -1,4 +1,5 @@
-"""Block floating point KV and query quantizers (seed 001): BFP12 keys, BFP16 queries.
+"""Block floating point KV and query quantizers (Trukhanov & Soloveychik, 2024): BFP12 keys,
+BFP16 queries.
 
 Blocks of ``block`` channels run along head_dim inside one head (``block`` must divide
 head_dim, so a block never straddles heads), one 8-bit shared exponent per block and a signed

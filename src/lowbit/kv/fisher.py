@@ -1,4 +1,4 @@
-"""Activation Fisher information of the cached keys and values (KVQuant, seed 003 §3.3).
+"""Activation Fisher information of the cached keys and values (KVQuant, Hooper et al., 2024, §3.3).
 
 The diagonal Fisher information of an activation ``a`` is ``(dL/da)**2``, ``L`` the language
 modelling loss on calibration text. KVQuant weights its codebook fitting by it. One pass per

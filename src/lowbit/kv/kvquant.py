@@ -1,4 +1,5 @@
-"""KVQuant's KV quantizer (seed 003): nuqX codebooks, per-channel keys, dense-and-sparse outliers.
+"""KVQuant's KV quantizer (Hooper et al., 2024): nuqX codebooks, per-channel keys,
+dense-and-sparse outliers.
 
 One :class:`KVQuantQuantizer` per layer and per K/V. Every element is coded with ``bits``-bit
 indices into a per-layer codebook of ``2**bits`` levels on ``[-1, 1]`` after a normalization:
@@ -34,7 +35,7 @@ same storage). Their dense code is whatever the clamped value maps to; dequantiz
 overwrites it with the stored fp16 value, so outliers come back exactly as fp16.
 
 The codebook is ``lowbit.formats.nuq.fit_codebook`` on the calibration samples' normalized
-non-outlier values, weighted by their Fisher information times ``half_range²``: the seed's
+non-outlier values, weighted by their Fisher information times ``half_range²``: the paper's
 objective ``Σ F (a - â)²`` in activation units (KVQuant's nuqX), Lloyd started from the uniform
 grid. Lloyd only finds a local minimum, and from its default start (the weighted quantiles) the
 heavy-tailed Fisher weights left it worse than the uniform grid in some layers, on its own
@@ -43,8 +44,8 @@ docs/results/kv-cache.md). Without outliers the end levels stay at ±1, where ea
 largest-magnitude elements sit, so they are reproduced rather than clamped. ``nuq=False`` uses
 the uniform grid ``linspace(-1, 1, 2**bits)``, which is asymmetric min-max integer
 quantization. ``channel_codebooks=True`` (per-channel keys) fits one codebook per channel
-instead, as seed 003's Algorithm 1 stores them (``[H_kv * D, 2**bits]`` per layer); it is off
-by default, since it helped the embedded model at 2 bits and not at 3
+instead, as Algorithm 1 of Zhou's technical review of KVQuant stores them (``[H_kv * D, 2**bits]``
+per layer); it is off by default, since it helped the embedded model at 2 bits and not at 3
 (docs/results/kv-cache.md). Codebooks and key ranges are the calibrated state
 (buffers, saved with ``state_dict``); everything else is computed online.
 """
@@ -397,8 +398,8 @@ class KVQuantQuantizer(KVQuantizer):
         num_heads, head_dim: the layer's KV heads and channels per head.
         per_channel: calibrated per-channel ranges (keys) instead of online per-token ones.
         outlier_fraction: share of elements kept as fp16 outliers (0 = none).
-        channel_codebooks: one codebook per channel (``[H_kv * D, 2**bits]``, as in seed 003's
-            Algorithm 1) instead of one per layer; needs ``per_channel``.
+        channel_codebooks: one codebook per channel (``[H_kv * D, 2**bits]``, as in Algorithm 1 of
+            Zhou's KVQuant review) instead of one per layer; needs ``per_channel``.
         rotate: code each token's head vector in the basis of :func:`token_rotation` (``x @ R``,
             dequantized ``x̂ Rᵀ``); needs per-token ranges (``per_channel=False``).
 

@@ -1,4 +1,4 @@
-"""The packed face of a mixed 2/4-bit weight (seed 002): :class:`MixedLinear`.
+"""The packed face of a mixed 2/4-bit weight (Li et al., 2024): :class:`MixedLinear`.
 
 Its buffers are the stored tensors of :class:`~lowbit.formats.mixed.MixedQuantized` (the
 aligned layout the kernels read as it is, and what a checkpoint stores):

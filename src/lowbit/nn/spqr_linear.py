@@ -1,5 +1,5 @@
-"""The packed face of an SpQR weight: seed 004's words, outliers and input permutation as
-buffers of a linear layer.
+"""The packed face of an SpQR weight: words, outliers and input permutation as buffers of a
+linear layer, in the layout of Crnčević's SpQR inference kernel (master's thesis, 2025).
 
 Buffers (what a checkpoint stores, :mod:`lowbit.formats.spqr`):
 
@@ -14,8 +14,8 @@ The product runs on the module's backend (:mod:`lowbit.kernels.dispatch`, format
 ``triton`` runs the fused kernels (:mod:`lowbit.kernels.triton_spqr`), ``torch-cpu`` keeps a
 decoded weight per input dtype (:mod:`lowbit.kernels.torch_cpu_decoded`). ``sparse_format`` says
 which outlier layout the triton backend multiplies with: ``"auto"`` (profile both once per
-layer and keep the faster, seed 004 §3.4.4), ``"csr"`` or ``"ptcsr"``; the stored layout is
-converted once when it differs.
+layer and keep the faster, Crnčević's thesis, §3.4.4), ``"csr"`` or ``"ptcsr"``; the stored
+layout is converted once when it differs.
 """
 
 from __future__ import annotations

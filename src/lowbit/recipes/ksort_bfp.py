@@ -1,4 +1,4 @@
-"""The ``ksort-bfp`` recipe: K-sort + block floating point KV cache (seed 001).
+"""The ``ksort-bfp`` recipe: K-sort + block floating point KV cache (Trukhanov & Soloveychik, 2024).
 
 Keys are cached before RoPE in BFP12 (4-bit mantissas, one 8-bit exponent per ``block``
 channels of a head), their channels sorted per head by the norm of the ``W_k`` rows that make

@@ -28,7 +28,8 @@ from lowbit.recipes.base import (
 )
 from lowbit.recipes.registry import register
 
-#: QuaRot's KV clip ratio (seed 000), used at 4 bits or fewer when ``clip_ratio`` is unset
+#: QuaRot's KV clip ratio (Ashkboos et al., 2024), used at 4 bits or fewer when ``clip_ratio``
+#: is unset
 QUAROT_KV_CLIP = 0.95
 
 

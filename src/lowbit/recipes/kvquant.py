@@ -1,4 +1,4 @@
-"""The ``kvquant`` recipe: KVQuant's KV cache (seed 003), every component switchable.
+"""The ``kvquant`` recipe: KVQuant's KV cache (Hooper et al., 2024), every component switchable.
 
 Full method (defaults): 3-bit nuqX keys per channel before RoPE and values per token, codebooks
 fitted per layer with Fisher weights, 1% fp16 outliers, the first token in fp16, and, beyond
@@ -44,7 +44,7 @@ _LADDER = {
     "kvquant-ladder-outliers": dict(sink_tokens=0),
     "kvquant-ladder-sink": {},
 }
-#: the ablation ladder of seed 003 in order, then the full ``kvquant`` (value rotation, shared
+#: KVQuant's ablation ladder in order, then the full ``kvquant`` (value rotation, shared
 #: outliers)
 LADDER = (*_LADDER, "kvquant")
 # the paper's rungs code values as they come and give each stream outlier_fraction
@@ -124,7 +124,7 @@ class KVQuantRecipe(Recipe):
         """Per-layer key and value quantizers, calibrated on ``calib`` (None: uncalibrated,
         for the bytes accounting only)."""
         h, d = adapter.num_kv_heads, adapter.head_dim
-        if calib is not None:  # sinks kept in fp16 stay out of calibration (seed 003)
+        if calib is not None:  # sinks kept in fp16 stay out of calibration (as in KVQuant)
             calib = calib.without_leading(self.sink_tokens)
         # the value basis of rotate_values, built once: its Fisher weights are those of x @ R
         rotate = self.rotate_values and calib is not None

@@ -1,5 +1,5 @@
-"""The ``mixed`` recipe: seed 002's 2/4/16-bit weights (2-bit groups, the most sensitive
-groups of each matrix in 4 bits, a few fp16 outliers in 2-bit groups, 2-order scales).
+"""The ``mixed`` recipe: the 2/4/16-bit weights of Li et al., 2024 (2-bit groups, the most
+sensitive groups of each matrix in 4 bits, a few fp16 outliers in 2-bit groups, 2-order scales).
 
 Weights only (activations and the KV cache stay as they are; compose with ``rotate`` and any
 KV recipe: ``rotate+mixed+kvquant``). Calibrated layer by layer with GPTQ under the mixed format
@@ -9,11 +9,11 @@ dequantized weight and the exact storage of its packed form (:class:`~lowbit.nn.
 MixedLinear`, what ``packed=True``, ``lowbit quantize`` and checkpoints hold). The per-layer
 choices are left on the model as ``model.lowbit_weight_report``.
 
-The preset ``mixed-2-4-16`` is the seed's setting: 25 % 4-bit groups, 0.2 % outliers, g1 = g2
+The preset ``mixed-2-4-16`` is the paper's setting: 25 % 4-bit groups, 0.2 % outliers, g1 = g2
 = 16 (2.91 bits by eq. 10; every stored bit counted, 3.07 at 4096 x 4096, see
 docs/results/mixed.md).
 
-Optional QAT (``qat_steps > 0``, seed §3.3): the 4-bit groups and outliers are chosen on the
+Optional QAT (``qat_steps > 0``, Li et al. §3.3): the 4-bit groups and outliers are chosen on the
 float model's Hessians, the block linears are fine-tuned for ``qat_steps`` steps with the
 mixed format fake-quantized in the forward pass (straight-through estimator), then GPTQ
 quantizes the fine-tuned weights with the same 4-bit groups (:mod:`lowbit.algorithms.qat`).

@@ -1,4 +1,5 @@
-"""The ``quarot`` recipe (seed 000): rotate, then quantize weights, activations and KV cache.
+"""The ``quarot`` recipe (QuaRot, Ashkboos et al., 2024): rotate, then quantize weights,
+activations and KV cache.
 
 Steps, each done by the module that owns it:
 1. :func:`lowbit.transforms.rotate.rotate_model` fuses the RMSNorm scales, unties the

@@ -1,4 +1,4 @@
-"""The ``spqr`` recipe: SpQR weights (seed 004), calibrated layer by layer.
+"""The ``spqr`` recipe: SpQR weights (Dettmers et al., 2024), calibrated layer by layer.
 
 Each block linear is quantized by :func:`~lowbit.algorithms.spqr.spqr_quantize` on the Hessian
 of its inputs (the shared driver, :func:`lowbit.algorithms.weights.quantize_linears`): 3-bit
@@ -6,8 +6,9 @@ codes in 16 x 16 tiles with 3-bit first-order statistics and fp16 second-order o
 ``outlier_fraction`` of the weights as fp16 outliers. Simulated like ``gptq`` (each weight holds
 its dequantized values, its packed storage is counted exactly); ``lowbit.quantize(...,
 packed=True)`` and ``lowbit quantize`` pack it into :class:`~lowbit.nn.spqr_linear.SpQRLinear`
-(seed 004's words), which needs the packed layout's format (3 bits, beta 16/16, 3-bit
-statistics). Rotation and KV caches come from composition: ``rotate+spqr+kvquant``.
+(the 64-bit words of Crnčević's SpQR inference kernel, master's thesis, 2025), which needs the
+packed layout's format (3 bits, beta 16/16, 3-bit statistics). Rotation and KV caches come
+from composition: ``rotate+spqr+kvquant``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from lowbit.recipes.base import (
 from lowbit.recipes.linear_settings import GPTQRecipeSettings
 from lowbit.recipes.registry import register, register_preset
 
-# the paper's settings (Dettmers et al. 2023, seed 004): 3-bit weights and statistics, beta
-# 16/16, about 1% or 0.5% outliers
+# the paper's settings (Dettmers et al., 2024), as in Crnčević's thesis: 3-bit weights and
+# statistics, beta 16/16, about 1% or 0.5% outliers
 register_preset("spqr-w3-1pct", "spqr", {})
 register_preset("spqr-w3-0.5pct", "spqr", {"outlier_fraction": 0.005})
 

@@ -1,10 +1,11 @@
 """K-sort: function-preserving channel permutations of keys/queries (and values) per head.
 
-Seed 001, Algorithm 1: inside each key/value head, sort the rows of ``W_k`` by their norm
-(descending here, so the large-magnitude channels share blocks), apply the same permutation
-``π`` to the rows of ``W_q`` for every query head of the group (scores ``q·k`` are unchanged
-by a common permutation), and carry RoPE through ``π`` (step 5): the channel that lands at
-position ``j`` keeps its own frequency, partner and sine sign.
+Algorithm 1 of Trukhanov & Soloveychik, 2024 ("Accurate Block Quantization in LLMs with
+Outliers"): inside each key/value head, sort the rows of ``W_k`` by their norm (descending
+here, so the large-magnitude channels share blocks), apply the same permutation ``π`` to the
+rows of ``W_q`` for every query head of the group (scores ``q·k`` are unchanged by a common
+permutation), and carry RoPE through ``π`` (step 5): the channel that lands at position ``j``
+keeps its own frequency, partner and sine sign.
 
 RoPE as transformers writes it (rotate-half) rotates channel ``i`` with ``p(i) = i ± d/2``:
 ``out[i] = x[i] cos θ_i + s_i x[p(i)] sin θ_i`` with ``s_i = -1`` in the first half and ``+1``
@@ -19,8 +20,8 @@ so a permuted model's attention applies RoPE with :func:`apply_ordered_rope`:
 :func:`ksort_qk` installs a per-instance attention forward that does (for the stock
 transformers attention), and lowbit's own attention reads the same ``lowbit_rope_order``.
 
-The value permutation (seed 001 §III, last paragraph) needs no RoPE care: ``W_v`` rows and the
-matching ``o_proj`` input columns move together.
+The value permutation (the paper's §III, last paragraph) needs no RoPE care: ``W_v`` rows and
+the matching ``o_proj`` input columns move together.
 
 Qwen3's per-head ``q_norm``/``k_norm`` share one weight over heads; with per-head permutations
 the weight becomes ``[heads, head_dim]`` (RMSNorm itself is permutation invariant and the
