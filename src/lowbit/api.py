@@ -66,6 +66,7 @@ def quantize(
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     recipe.validate()
+    recipe.check_does_something()  # a recipe built in Python skips with_settings' check
     if getattr(model, "lowbit_recipe", None) is not None:
         raise LowbitError(
             f"this model is already quantized with {model.lowbit_recipe.method!r}; "

@@ -5,7 +5,9 @@ Every object a checkpoint rebuilds from JSON (a runtime module's spec, a KV quan
 its dataclass fields, a KV quantizer by its constructor's signature, a runtime module by its
 ``spec_fields`` (:mod:`lowbit.nn.spec`), which are annotations too. :func:`check_fields` checks
 values read from a file against them, so a damaged or edited checkpoint is one sentence, never
-a traceback deep inside a constructor.
+a traceback deep inside a constructor; :func:`parse_text` reads a value typed on the command
+line (``--set key=value``) by the same annotation. Ranges beyond these types (bits 2-8) are
+each object's own ``validate``.
 
 What an annotation admits in JSON: ``int`` a positive integer (a size), :data:`Count` an
 integer >= 0 (a number of things, possibly none), ``float`` a finite number, ``bool``, ``str``,
@@ -26,7 +28,15 @@ import torch
 
 from lowbit.errors import LowbitError
 
-__all__ = ["Count", "field_annotations", "check_fields", "dtype_name", "dtype_from_name"]
+__all__ = [
+    "Count",
+    "field_annotations",
+    "admits",
+    "check_fields",
+    "parse_text",
+    "dtype_name",
+    "dtype_from_name",
+]
 
 #: an integer that may be 0 (a count: outliers, 4-bit groups); plain ``int`` fields are sizes >= 1
 Count = NewType("Count", int)
@@ -92,6 +102,49 @@ def check_fields(
             raise LowbitError(
                 f"the checkpoint's {what} entry has an invalid {key}: {values[key]!r}"
             )
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use true or false)")
+
+
+def parse_text(text: Any, annotation: Any) -> Any:
+    """A value typed as text (``--set w_bits=4``) as the field's annotated type; a value that
+    is not a string is returned as it is. Raises ValueError with the reason."""
+    if not isinstance(text, str):
+        return text
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if type(None) in options and text.strip().lower() in ("none", "null", ""):
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return parse_text(text, option)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError("; ".join(errors))
+    if origin is Literal:
+        if text not in typing.get_args(annotation):
+            raise ValueError(f"{text!r} is not one of {list(typing.get_args(annotation))}")
+        return text
+    if annotation is bool:
+        return _parse_bool(text)
+    if annotation in (int, Count):
+        return int(text)
+    if annotation is float:
+        return float(text)
+    if annotation is str:
+        return text
+    raise ValueError(f"cannot read a value of type {annotation} from text")
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:

@@ -57,3 +57,19 @@ def test_saved_recipe_of_another_version_is_refused():
     data["version"] = 99
     with pytest.raises(LowbitError, match="version 99"):
         recipe_from_dict(data)
+
+
+def test_saved_recipe_settings_are_checked_by_their_annotations():
+    """A checkpoint's recipe JSON goes through lowbit.settings like module specs do."""
+    data = get_recipe("w4a16-g64").to_dict()
+    assert recipe_from_dict(data).to_dict() == data
+    for change, message in [
+        ({"w_bits": "4"}, "invalid w_bits"),
+        ({"w_group": True}, "invalid w_group"),
+        ({"nope": 1}, "unknown nope"),
+    ]:
+        bad = {**data, "settings": {**data["settings"], **change}}
+        with pytest.raises(LowbitError, match=message):
+            recipe_from_dict(bad)
+    rotate = get_recipe("rotate").to_dict()
+    assert recipe_from_dict(rotate).seed == 0  # a Count: 0 is a valid seed

@@ -14,6 +14,7 @@ from lowbit.errors import LowbitError
 from lowbit.models.tiny import tiny_model
 from lowbit.nn.quant_linear import FakeQuantLinear
 from lowbit.recipes.registry import get_recipe, list_recipes
+from lowbit.recipes.rtn import RTNRecipe
 from lowbit.recipes.settings_help import RECIPE_SETTINGS, SETTINGS, describe_setting
 
 DOES_NOTHING = [
@@ -142,3 +143,10 @@ def test_lowbit_recipes_prints_each_method_its_paper_and_every_setting(capsys):
     settings = {b.split(":")[0]: re.findall(r"^    (\w+) \(", b, re.M) for b in blocks}
     for method, cls in list_recipes().items():  # every setting, under its own method
         assert settings[method] == [field.name for field in dataclasses.fields(cls)]
+
+
+def test_a_recipe_built_in_python_that_does_nothing_is_refused_by_quantize():
+    model = tiny_model("llama")
+    with pytest.raises(LowbitError, match="does nothing"):
+        lowbit.quantize(model, RTNRecipe(w_bits=16, a_bits=16), progress=False)
+    assert getattr(model, "lowbit_recipe", None) is None

@@ -8,14 +8,13 @@ rebuilds it; ``with_settings()`` applies ``--set key=value`` overrides with the 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from pathlib import Path
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.settings import check_fields, field_annotations, parse_text
 
 OFF_BITS = 16  # a bit width of 16 means "not quantized" throughout lowbit
 
@@ -99,48 +98,6 @@ def refuse_global_overrides(
             )
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (use true or false)")
-
-
-def _coerce(text: Any, annotation: Any) -> Any:
-    """Turn a --set value (a string) into the field's declared type."""
-    if not isinstance(text, str):
-        return text
-    origin = typing.get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if type(None) in options and text.strip().lower() in ("none", "null", ""):
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(text, option)
-            except ValueError as err:
-                errors.append(str(err))
-        raise ValueError("; ".join(errors))
-    if origin is typing.Literal:
-        if text not in typing.get_args(annotation):
-            raise ValueError(f"{text!r} is not one of {list(typing.get_args(annotation))}")
-        return text
-    if annotation is bool:
-        return _parse_bool(text)
-    if annotation is int:
-        return int(text)
-    if annotation is float:
-        return float(text)
-    if annotation is str:
-        return text
-    raise ValueError(f"cannot read a value of type {annotation} from text")
-
-
 @dataclasses.dataclass
 class Recipe:
     """Base of every method's config. Subclasses are dataclasses registered by name."""
@@ -200,14 +157,17 @@ class Recipe:
                 f"recipe {cls.method!r} version {data.get('version')} cannot be read by this "
                 f"lowbit (it reads version {cls.version})"
             )
-        recipe = cls(**data.get("settings", {}))
+        settings = data.get("settings", {})
+        fields = cls.field_types()
+        check_fields(settings, fields, f"{cls.method} recipe", optional=tuple(fields))
+        recipe = cls(**settings)
         recipe.validate()
         return recipe
 
     @classmethod
     def field_types(cls) -> dict[str, Any]:
-        hints = typing.get_type_hints(cls)
-        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        """Each setting's annotation (:mod:`lowbit.settings` reads and checks values by it)."""
+        return field_annotations(cls)
 
     def with_settings(self, **values: Any) -> Recipe:
         """A copy with some settings changed, as a whole model's recipe; string values are read
@@ -229,7 +189,7 @@ class Recipe:
                     f"{', '.join(types_by_name)}"
                 )
             try:
-                changes[key] = _coerce(value, types_by_name[key])
+                changes[key] = parse_text(value, types_by_name[key])
             except ValueError as err:
                 raise LowbitError(
                     f"setting {key}={value!r} of recipe {self.method!r}: {err}"

@@ -13,6 +13,7 @@ from lowbit.kv.cache import KVCacheLayout
 from lowbit.kv.kivi import KIVI_RESIDUAL, KIVIKeyQuantizer, KIVIValueQuantizer
 from lowbit.recipes.base import QuantizeContext, Recipe, check_bits, check_group, check_kv_fits
 from lowbit.recipes.registry import register
+from lowbit.settings import Count
 
 
 @register
@@ -31,7 +32,7 @@ class KIVIRecipe(Recipe):
 
     bits: int = 2
     group: int = 32
-    residual: int = KIVI_RESIDUAL
+    residual: Count = KIVI_RESIDUAL
 
     def validate(self) -> None:
         check_bits("bits", self.bits, allow_off=False)

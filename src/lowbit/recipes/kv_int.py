@@ -27,6 +27,7 @@ from lowbit.recipes.base import (
     resolve_clip,
 )
 from lowbit.recipes.registry import register
+from lowbit.settings import Count
 
 #: QuaRot's KV clip ratio (Ashkboos et al., 2024), used at 4 bits or fewer when ``clip_ratio``
 #: is unset
@@ -57,7 +58,7 @@ class KVIntRecipe(Recipe):
     per_channel_keys: bool = False
     key_token_group: int = 128
     rotate_qk: str = "none"
-    sink_tokens: int = 0
+    sink_tokens: Count = 0
 
     def key_bits(self) -> int:
         return self.k_bits if self.bits is None else self.bits

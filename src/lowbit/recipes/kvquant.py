@@ -33,6 +33,7 @@ from lowbit.kv.fisher import KVCalibration, collect_kv_fisher
 from lowbit.kv.kvquant import KVQuantQuantizer, check_outlier_allocation, token_rotation
 from lowbit.recipes.base import OFF_BITS, QuantizeContext, Recipe, check_bits, check_kv_fits
 from lowbit.recipes.registry import register, register_preset
+from lowbit.settings import Count
 
 _LADDER = {
     "kvquant-ladder-int": dict(
@@ -74,7 +75,7 @@ class KVQuantRecipe(Recipe):
     v_bits: int | None = None
     outlier_fraction: float = 0.01
     outlier_allocation: str = "least-error"
-    sink_tokens: int = 1
+    sink_tokens: Count = 1
     pre_rope: bool = True
     per_channel_keys: bool = True
     channel_codebooks: bool = False

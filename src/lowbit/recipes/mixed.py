@@ -38,6 +38,7 @@ from lowbit.recipes.base import (
 )
 from lowbit.recipes.linear_settings import GPTQRecipeSettings
 from lowbit.recipes.registry import register, register_preset
+from lowbit.settings import Count
 
 # settings besides GPTQ's that apply to the whole run and cannot differ per layer
 _GLOBAL_SETTINGS = ("w_algo", "qat_steps", "qat_lr", "qat_seqlen")
@@ -77,7 +78,7 @@ class MixedRecipe(GPTQRecipeSettings, Recipe):
     # 4-bit groups): GPTQ settings mixed does not offer (not in its saved JSON)
     guard: ClassVar[bool] = False
     heldout_fraction: ClassVar[float] = 0.125
-    qat_steps: int = 0
+    qat_steps: Count = 0
     qat_lr: float = 1e-4
     qat_seqlen: int = 512
 

@@ -40,6 +40,7 @@ from lowbit.recipes.linear_settings import (
     check_activation_groups,
 )
 from lowbit.recipes.registry import register
+from lowbit.settings import Count
 from lowbit.transforms.rotate import rotate_model
 
 
@@ -79,7 +80,7 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 (the paper's) at 4 bits or fewer, none above
     rotation: Literal["hadamard", "random", "none"] = "hadamard"
-    seed: int = 0
+    seed: Count = 0
     online_fp16: bool = False
     # GPTQ settings quarot does not offer (not in its saved JSON): fixed at GPTQ's defaults
     block_size: ClassVar[int] = 128

@@ -17,6 +17,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.recipes.base import QuantizeContext, Recipe, check_seed
 from lowbit.recipes.registry import register
+from lowbit.settings import Count
 from lowbit.transforms.rotate import rotate_model
 
 
@@ -34,7 +35,7 @@ class RotateRecipe(Recipe):
     paper = "QuaRot's rotation (Ashkboos et al., 2024)"
 
     rotation: Literal["hadamard", "random"] = "hadamard"
-    seed: int = 0
+    seed: Count = 0
     online_fp16: bool = False
 
     def validate(self) -> None:

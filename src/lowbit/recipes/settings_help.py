@@ -17,6 +17,7 @@ from typing import Any
 
 from lowbit.recipes.base import ROLES, Recipe
 from lowbit.recipes.registry import PRESETS, list_recipes
+from lowbit.settings import Count
 
 #: setting name -> one line on what it does (ranges as validate() enforces them)
 SETTINGS: dict[str, str] = {
@@ -139,6 +140,8 @@ def type_name(annotation: Any) -> str:
         return " | ".join(str(option) for option in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(option) for option in typing.get_args(annotation))
+    if annotation is Count:
+        return "int >= 0"
     if annotation is type(None):
         return "none"
     return getattr(annotation, "__name__", str(annotation))
