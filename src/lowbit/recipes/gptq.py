@@ -32,16 +32,8 @@ from lowbit.recipes.registry import register
 class GPTQRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     """GPTQ weights (per output channel or per group) and per-token activations.
 
-    Settings (besides the weight/activation ones of ``rtn``):
-        act_order: quantize columns by decreasing input energy (groups stay static, so the
-            format is a plain grouped one).
-        block_size: columns per lazy GPTQ update.
-        damp: dampening added to the Hessian's diagonal, relative to its mean (grown x10
-            while the Cholesky factorisation fails).
-        guard: per layer, keep RTN where it beats GPTQ on held-out calibration samples.
-        heldout_fraction: share of the calibration samples the guard holds out.
-        sequential: calibrate each block on the quantized previous blocks' outputs (two
-            passes per block); false: on the float model's (one pass per block).
+    Settings: rtn's and GPTQ's (:class:`~lowbit.recipes.linear_settings.GPTQRecipeSettings`),
+    each described in :mod:`lowbit.recipes.settings_help` (``lowbit recipes`` prints them).
     """
 
     method = "gptq"

@@ -97,18 +97,8 @@ class GPTQRecipeSettings:
     """GPTQ's settings, for a recipe whose weights are calibrated with GPTQ; :meth:`gptq_settings`
     hands them to :func:`~lowbit.algorithms.weights.quantize_linears`.
 
-    Settings:
-        act_order: quantize columns by decreasing input energy (integer groups stay static, so
-            the format is a plain grouped one).
-        block_size: columns per lazy GPTQ update.
-        damp: dampening added to the Hessian's diagonal, relative to its mean (grown x10
-            while the Cholesky factorisation fails).
-        guard: per layer, keep RTN where it beats GPTQ on held-out calibration samples.
-        heldout_fraction: share of the calibration samples the guard holds out.
-        sequential: calibrate each block on the quantized previous blocks' outputs (two
-            passes per block); false: on the float model's (one pass per block).
-
-    A recipe that does not offer one of them fixes it as a class constant instead, e.g.
+    The settings (act_order, block_size, damp, guard, heldout_fraction, sequential) are
+    described in :mod:`lowbit.recipes.settings_help`. A recipe that does not offer one of them fixes it as a class constant instead, e.g.
     ``block_size: ClassVar[int] = 128``: it is then not a setting (not in ``to_dict()``, no
     ``--set``), and :meth:`gptq_settings` reads the constant. A recipe changes a default by
     declaring the field again (``guard: bool = False``).
