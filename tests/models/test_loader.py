@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
 from lowbit.models import loader
 from lowbit.models.loader import load_model
@@ -75,7 +76,7 @@ def test_cached_conversion_equals_the_gguf_and_is_keyed_by_hash(embedded):
     path = loader.embedded_gguf_path()
     cached = loader._gguf_cache_dir(path)
     assert (cached / "model.safetensors").is_file() and (cached / "config.json").is_file()
-    assert loader._file_sha256(path)[:24] in cached.name
+    assert file_sha256(path)[:24] in cached.name
     assert not [p for p in cached.parent.iterdir() if p.name.startswith(".tmp-")]
     direct = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
