@@ -91,7 +91,6 @@ def register_with_transformers() -> None:
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
     from lowbit.io.format import QUANT_METHOD, check_format, verify_checkpoint
-    from lowbit.io.rebuild import refresh_derived_buffers, restructure
 
     class LowbitConfig(QuantizationConfigMixin):
         """lowbit's ``quantization_config`` (see :mod:`lowbit.io.format`), kept as given."""
@@ -110,9 +109,14 @@ def register_with_transformers() -> None:
             directory = _checkpoint_directory(checkpoint_files)
             if directory is not None and directory not in _VERIFIED:
                 verify_checkpoint(directory)
+            from lowbit.io.rebuild import restructure  # on first use: loading transformers
+            # imports this registration, and must not import lowbit's model-side modules
+
             restructure(model, self.quantization_config.to_dict())
 
         def _process_model_after_weight_loading(self, model, **kwargs):
+            from lowbit.io.rebuild import refresh_derived_buffers
+
             refresh_derived_buffers(model)
             return model
 
