@@ -66,7 +66,7 @@ __all__ = [
 class WeightSpec(Protocol):
     """A layer's weight format, as :func:`quantize_linears` uses it. Containers it returns have
     ``dequantize(dtype=None)``, ``storage_bits()``, ``to(device)`` and a packed module
-    (:func:`lowbit.nn.packed_linear.register_packed_format`)."""
+    (``@register_module``, :mod:`lowbit.nn.spec`)."""
 
     def check(self, weight: Tensor, name: str) -> None:
         """Raise LowbitError (one sentence) when ``weight`` cannot take this format."""
