@@ -475,7 +475,7 @@ def export_compressed_tensors(
     plan = plan_export(model)
     tensors = export_tensors(model, plan)
     _check_keys(model, plan, tensors)
-    config = saved_config(model)
+    config = saved_config(model, model.dtype)
     config.pop("quantization_config", None)
     config["quantization_config"] = compressed_tensors_config(plan)
     if not config.get("architectures"):

@@ -35,7 +35,7 @@ from lowbit.formats.intq import IntQuantized
 from lowbit.formats.packing import packed_words_per_row
 from lowbit.kernels.dispatch import backend_names, packed_matmul, register_layer
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
-from lowbit.nn.spec import MODULES, Rebuildable, register_module
+from lowbit.nn.spec import MODULES, Rebuildable, StoredFloatBuffers, register_module
 from lowbit.settings import dtype_from_name, dtype_name
 
 __all__ = [
@@ -51,8 +51,11 @@ __all__ = [
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class PackedLinearBase(Rebuildable, nn.Module):
+class PackedLinearBase(Rebuildable, StoredFloatBuffers):
     """y = act_quantizer(input_transform(x)) @ Wᵀ + b, W held packed by a subclass.
+
+    Casting the model's dtype casts the bias and the modules in front, never the packed
+    buffers (:class:`~lowbit.nn.spec.StoredFloatBuffers`).
 
     Subclasses set ``format_kind`` (the key backends are registered under), ``container_type``
     (the weight container they pack, with ``dequantize``, ``storage_bits``, ``to``) and
@@ -98,16 +101,12 @@ class PackedLinearBase(Rebuildable, nn.Module):
         self._handle = register_layer(self)
 
     def _apply(self, fn, recurse: bool = True):
-        """``module.to(dtype)``, ``.half()``, ``.bfloat16()`` cast the bias and the modules in
-        front, never the packed buffers: their float parts (fp16 scales) are stored data, and
-        rounding them to the model's dtype would change the quantized weight. The buffers
-        still follow device moves."""
-        stored = {n: b for n, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        """The packed buffers keep their dtype (:class:`StoredFloatBuffers`); ``weight_dtype``
+        follows a cast of the model, as a float weight would (``fn`` of an empty tensor)."""
         result = super()._apply(fn, recurse)
-        for name, before in stored.items():
-            after = self._buffers[name]
-            if after.dtype != before.dtype:
-                self._buffers[name] = before.to(after.device)  # [same shape], stored dtype
+        probe = fn(torch.empty(0, dtype=self.weight_dtype))
+        if isinstance(probe, Tensor) and probe.dtype.is_floating_point:
+            self.weight_dtype = probe.dtype
         return result
 
     # -- what a format provides -------------------------------------------------------------------
