@@ -746,7 +746,7 @@ def run_info(args) -> None:
     print(f"dtype: {str(loaded.model.dtype).removeprefix('torch.')}")
     if recipe is not None:  # a saved lowbit model
         from lowbit.eval.memory import memory_in_use, memory_report
-        from lowbit.nn.decoded_linear import decode_for_run
+        from lowbit.models.run import prepare_run
 
         memory = memory_report(loaded.model, adapter)
         settings = " ".join(f"{k}={v}" for k, v in recipe.settings().items())
@@ -756,13 +756,16 @@ def run_info(args) -> None:
             f"{memory.model_bytes / 1e6:.1f} MB; KV cache: {memory.kv_bytes_per_token:.1f} "
             f"bytes per token at context {memory.kv_context}"
         )
-        decoded = decode_for_run(loaded.model)
-        if decoded:
+        run = prepare_run(loaded.model)
+        if run.decoded:
             print(
-                f"on the CPU: {decoded} layers without a packed CPU kernel run from their weight "
+                f"run: {run.decoded} layers without a packed CPU kernel run from their weight "
                 f"decoded to {str(loaded.model.dtype).removeprefix('torch.')}, which replaces "
                 "their packed buffers in memory"
             )
+        if run.shared:
+            print(f"run: {run.shared} groups of projections of one input (q/k/v, gate/up) "
+                  "multiplied in one kernel call each")  # fmt: skip
         print(
             f"in memory: {memory_in_use(loaded.model) / 1e6:.1f} MB of weights and buffers "
             "(a CPU kernel's layout of the packed weights is added at the first call)"
@@ -796,7 +799,7 @@ def run_generate(args) -> None:
     from lowbit.data import load_corpus
     from lowbit.eval.run import check_backend, use_backend
     from lowbit.generate import check_sampling, check_text, generate
-    from lowbit.nn.decoded_linear import decode_for_run
+    from lowbit.models.run import prepare_run
 
     recipe = None
     if args.recipe is not None:
@@ -843,7 +846,7 @@ def run_generate(args) -> None:
             resume_dir=args.resume_dir,
         )  # fmt: skip
     use_backend(model, args.backend)
-    decode_for_run(model)  # SpQR, 2/4/16 in bf16 on the CPU: one decoded copy only
+    prepare_run(model)  # what eval measures: lowbit.models.run
     torch.manual_seed(args.seed)
 
     def emit(text: str) -> None:

@@ -119,7 +119,7 @@ def evaluate_recipes(
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.eval.memory import memory_report
     from lowbit.models.adapter import adapter_for
-    from lowbit.nn.decoded_linear import decode_for_run
+    from lowbit.models.run import prepare_run
 
     labelled = _labelled(recipes)
     if not labelled:
@@ -180,7 +180,7 @@ def evaluate_recipes(
             )  # fmt: skip
         quantize_seconds = time.perf_counter() - start
         use_backend(candidate, backend)
-        decode_for_run(candidate)  # SpQR, 2/4/16 in bf16 on the CPU: one decoded copy only
+        prepare_run(candidate)  # what generate runs: lowbit.models.run
         result = evaluate(
             candidate, ids, reference=reference, chunk=chunk, progress=progress, desc=label[:30]
         )

@@ -32,6 +32,8 @@ measured error.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -117,46 +119,101 @@ class TorchCPUBackend(WeightBackend):
 
     def prepare(self, layer) -> dict[str, Tensor]:
         kernel = _kernel(layer)
-        n, k = layer.out_features, layer.in_features
         codes = unpack_codes(layer)  # [N, K] uint8
         if kernel is None:  # the exact path; 2 and 3 bits keep their codes unpacked once
             return {} if layer.bits in (4, 8) else {"codes": codes}
-        scale = layer.scale.float()  # [N, G]
         if kernel == "int8":
-            return {"int8": (codes.to(torch.int16) - 128).to(torch.int8), "scale": scale[:, 0]}
-        g = _int4_kernel_group(layer)
-        repeat = (layer.group_size or k) // g
-        scale = scale.repeat_interleave(repeat, dim=1)  # [N, K / g]
-        half = 2 ** (layer.bits - 1)
-        codes = codes + (8 - half)  # c' = c + 8 - 2**(b-1): (c - half) * s = (c' - 8) * s
-        if layer.zero is None:
-            shift = torch.zeros_like(scale)
-        else:  # (c - zero) * s = (c' - 8) * s + (half - zero) * s; exact: small integer x fp16
-            shift = (half - layer.zero.float()).repeat_interleave(repeat, dim=1) * scale
-        n_pad = -n % 16  # the kernel packs N in blocks of 16
-        codes = F.pad(codes, (0, 0, 0, n_pad), value=8)  # [N16, K], padded rows decode to 0
-        scale_zero = torch.stack((scale, shift), dim=-1)  # [N, K / g, 2]
-        scale_zero = F.pad(scale_zero, (0, 0, 0, 0, 0, n_pad))  # [N16, K / g, 2]
-        return {
-            "int4": torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2),
-            "scale_zero": scale_zero.transpose(0, 1).contiguous(),  # [K / g, N16, 2] fp32
-            "group": torch.tensor(g),
-        }
+            int8, scale = _int8_parts(layer, codes)
+            return {"int8": int8, "scale": scale}
+        codes, scale_zero = _int4_parts(layer, codes)
+        return _int4_layout(codes, scale_zero, _int4_kernel_group(layer))
+
+    def prepare_group(self, layers: list) -> dict[str, Any] | None:
+        """Layers with one input width and one kernel (int4 with one kernel group, or int8):
+        their codes and scales stacked along ``N``, each layer's rows padded to the int4
+        kernel's 16 as on its own, so every output equals the layer's own call bit for bit."""
+        kernels = {(_kernel(layer), _int4_kernel_group(layer)) for layer in layers}
+        widths = {layer.in_features for layer in layers}
+        if len(kernels) != 1 or len(widths) != 1 or next(iter(kernels))[0] is None:
+            return None
+        kernel, group = next(iter(kernels))
+        sizes = [layer.out_features for layer in layers]
+        if kernel == "int8":
+            parts = [_int8_parts(layer, unpack_codes(layer)) for layer in layers]
+            prepared = {"int8": torch.cat([p[0] for p in parts]),  # [ΣN, K]
+                        "scale": torch.cat([p[1] for p in parts])}  # fmt: skip
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        else:
+            parts = [_int4_parts(layer, unpack_codes(layer)) for layer in layers]
+            codes = torch.cat([p[0] for p in parts])  # [Σ N16, K]
+            prepared = _int4_layout(codes, torch.cat([p[1] for p in parts]), group)
+            padded = [p[0].shape[0] for p in parts]
+            starts = [sum(padded[:i]) for i in range(len(padded))]
+        prepared["columns"] = list(
+            zip(starts, sizes, strict=True)
+        )  # each layer's [start, start + N)
+        return prepared
 
     def matmul(self, layer, x: Tensor, prepared: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         if x.dtype not in _KERNEL_DTYPES or "int4" not in prepared and "int8" not in prepared:
             weight = dequantize_exact(layer, x.dtype, prepared.get("codes"))  # [N, K]
             return F.linear(x, weight, bias)  # [M, N]
-        x = x.contiguous()
-        if "int8" in prepared:
-            scale = _in_dtype(prepared, "scale", x.dtype)  # [N]
-            out = torch.ops.aten._weight_int8pack_mm(x, prepared["int8"], scale)  # [M, N]
-        else:
-            scale_zero = _in_dtype(prepared, "scale_zero", x.dtype)  # [K / g, N16, 2]
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, prepared["int4"], int(prepared["group"]), scale_zero
-            )[:, : layer.out_features]  # [M, N16] -> [M, N]
+        out = _kernel_matmul(x, prepared)[:, : layer.out_features]  # [M, N16] -> [M, N]
         return out if bias is None else out + bias
+
+    def matmul_group(self, layers: list, x: Tensor, prepared: dict[str, Any]) -> list[Tensor]:
+        if x.dtype not in _KERNEL_DTYPES:
+            return None  # the exact path, layer by layer
+        out = _kernel_matmul(x, prepared)  # [M, Σ N16]
+        outs = []
+        for layer, (start, n) in zip(layers, prepared["columns"], strict=True):
+            part = out[:, start : start + n]  # [M, N_i]
+            outs.append(part if layer.bias is None else part + layer.bias.to(x.dtype))
+        return outs
+
+
+def _int8_parts(layer, codes: Tensor) -> tuple[Tensor, Tensor]:
+    """int8 codes ``c - 128`` ``[N, K]`` and the fp32 scale per row ``[N]``."""
+    return (codes.to(torch.int16) - 128).to(torch.int8), layer.scale.float()[:, 0]
+
+
+def _int4_parts(layer, codes: Tensor) -> tuple[Tensor, Tensor]:
+    """Codes ``c'`` ``[N16, K]`` int32 and ``(s, z)`` ``[N16, K / g, 2]`` fp32 of the int4
+    kernel (module docstring), ``N`` padded to a multiple of 16 with rows that decode to 0."""
+    n, k = layer.out_features, layer.in_features
+    g = _int4_kernel_group(layer)
+    repeat = (layer.group_size or k) // g
+    scale = layer.scale.float().repeat_interleave(repeat, dim=1)  # [N, K / g]
+    half = 2 ** (layer.bits - 1)
+    codes = codes.to(torch.int32) + (8 - half)  # c' = c + 8 - 2**(b-1): (c - half) s = (c' - 8) s
+    if layer.zero is None:
+        shift = torch.zeros_like(scale)
+    else:  # (c - zero) * s = (c' - 8) * s + (half - zero) * s; exact: small integer x fp16
+        shift = (half - layer.zero.float()).repeat_interleave(repeat, dim=1) * scale
+    n_pad = -n % 16  # the kernel packs N in blocks of 16
+    codes = F.pad(codes, (0, 0, 0, n_pad), value=8)  # [N16, K]
+    scale_zero = F.pad(torch.stack((scale, shift), dim=-1), (0, 0, 0, 0, 0, n_pad))
+    return codes, scale_zero  # [N16, K], [N16, K / g, 2]
+
+
+def _int4_layout(codes: Tensor, scale_zero: Tensor, group: int) -> dict[str, Any]:
+    return {
+        "int4": torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
+        "scale_zero": scale_zero.transpose(0, 1).contiguous(),  # [K / g, N16, 2] fp32
+        "group": group,
+    }
+
+
+def _kernel_matmul(x: Tensor, prepared: dict[str, Any]) -> Tensor:
+    """``x [M, K]`` (bf16/fp16) times a prepared int4 or int8 layout: ``[M, N]`` (N16 int4)."""
+    x = x.contiguous()
+    if "int8" in prepared:
+        scale = _in_dtype(prepared, "scale", x.dtype)  # [N]
+        return torch.ops.aten._weight_int8pack_mm(x, prepared["int8"], scale)
+    scale_zero = _in_dtype(prepared, "scale_zero", x.dtype)  # [K / g, N16, 2]
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, prepared["int4"], prepared["group"], scale_zero
+    )
 
 
 register_backend(TorchCPUBackend())
