@@ -58,7 +58,7 @@ def test_packed_face_saves_and_loads_with_identical_logits(quantized, tmp_path):
     expected = _logits(model, ids)
     assert pack_model(model) == 14
     layers = [m for m in model.modules() if isinstance(m, SpQRLinear)]
-    assert len(layers) == 14 and all(m.backend == "reference" for m in layers)
+    assert len(layers) == 14 and all(m.backend == "auto" for m in layers)
     assert torch.equal(_logits(model, ids), expected)  # the packed face, bit for bit
     lowbit.save(model, tmp_path / "spqr")
     loaded = lowbit.load(tmp_path / "spqr", dtype=torch.float32)

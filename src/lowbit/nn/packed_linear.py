@@ -119,7 +119,7 @@ class PackedLinearBase(Rebuildable, StoredFloatBuffers):
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_dtype: torch.dtype | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
     ) -> PackedLinearBase:
         """The packed layer of a weight container (its tensors copied into buffers)."""
         raise NotImplementedError
@@ -170,7 +170,7 @@ class PackedLinearBase(Rebuildable, StoredFloatBuffers):
             spec["out_features"],
             weight_dtype=dtype_from_name(spec["weight_dtype"]),
             bias=spec["bias"],
-            backend=spec.get("backend", "reference"),
+            backend=spec.get("backend", "auto"),
             **cls.format_kwargs(fields),
         )
 
@@ -244,7 +244,9 @@ class PackedLinear(PackedLinearBase):
         input_transform, act_quantizer: modules applied to the input first (as on
             ``FakeQuantLinear``), or None.
         backend: how the product is computed: a name from
-            :func:`lowbit.kernels.dispatch.backend_names` (``"reference"``, ``"auto"``, ...).
+            :func:`lowbit.kernels.dispatch.backend_names`; ``"auto"`` (the default) picks the
+            fastest that runs the layer on the input's device and dtype, ``"reference"`` is the
+            oracle.
 
     Buffers are allocated empty (zeros); :meth:`from_quantized` or ``load_state_dict`` fill them.
     """
@@ -268,7 +270,7 @@ class PackedLinear(PackedLinearBase):
         bias: bool = False,
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
         device: torch.device | str | None = None,
     ):
         super().__init__()
@@ -306,7 +308,7 @@ class PackedLinear(PackedLinearBase):
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_dtype: torch.dtype | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
     ) -> PackedLinear:
         """The packed layer of a 2-d weight container (as RTN and GPTQ produce)."""
         if len(weight.shape) != 2 or weight.axis not in (-1, 1):
