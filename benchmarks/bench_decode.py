@@ -146,7 +146,7 @@ def build_model(device: str, dtype_name: str, quant, backend, shape: str = "smol
         lowbit.quantize(model, recipe, progress=False, packed=True)
         set_backend(model, backend)
     if device == "cpu":
-        prepare_run(model)  # as lowbit generate runs it: decoded SpQR/2-4-16, shared inputs
+        prepare_run(model)  # as lowbit generate runs it: lowbit.models.run
     return model, tokenizer
 
 

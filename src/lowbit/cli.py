@@ -757,19 +757,19 @@ def run_info(args) -> None:
             f"bytes per token at context {memory.kv_context}"
         )
         run = prepare_run(loaded.model)
+        run_dtype = str(loaded.model.dtype).removeprefix("torch.")
         if run.decoded:
             print(
                 f"run: {run.decoded} layers without a packed CPU kernel run from their weight "
-                f"decoded to {str(loaded.model.dtype).removeprefix('torch.')}, which replaces "
-                "their packed buffers in memory"
+                f"decoded to {run_dtype}, which replaces their packed buffers in memory"
             )
-        if run.shared:
-            print(f"run: {run.shared} groups of projections of one input (q/k/v, gate/up) "
-                  "multiplied in one kernel call each")  # fmt: skip
-        print(
-            f"in memory: {memory_in_use(loaded.model) / 1e6:.1f} MB of weights and buffers "
-            "(a CPU kernel's layout of the packed weights is added at the first call)"
-        )
+        if run.kernel:
+            print(
+                f"run: {run.kernel} layers keep only their CPU kernel's layout in place of "
+                f"their packed buffers; {run.shared} groups of projections of one input "
+                "(q/k/v, gate/up) multiplied in one call each"
+            )
+        print(f"in memory: {memory_in_use(loaded.model) / 1e6:.1f} MB of weights and buffers")
 
 
 def _stdin_turns():

@@ -84,9 +84,8 @@ def memory_in_use(model: torch.nn.Module) -> int:
     for module in model.modules():
         for prepared in module.__dict__.get("_prepared", {}).values():
             tensors += [t for t in prepared.values() if isinstance(t, torch.Tensor)]
-        group = module.__dict__.get("shared_input")  # lowbit.nn.shared_input
-        if group is not None:
-            tensors += group.prepared_tensors()
+        if hasattr(module, "run_tensors"):  # lowbit.nn.run_linear
+            tensors += module.run_tensors()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 

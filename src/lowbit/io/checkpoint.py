@@ -43,9 +43,9 @@ from lowbit.io.rebuild import (
     skeleton,
 )
 from lowbit.models.loader import quiet_transformers
-from lowbit.nn.decoded_linear import check_not_decoded
 from lowbit.nn.packed_linear import packed_format_for, unpack_model
 from lowbit.nn.quant_linear import FakeQuantLinear
+from lowbit.nn.run_linear import check_not_run_form
 from lowbit.version import __version__
 
 __all__ = ["save", "check_save_target", "load", "describe", "checkpoint_tensors", "run_dtype"]
@@ -61,7 +61,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
         raise LowbitError(
             "this model was not quantized by lowbit (lowbit.quantize); nothing to save"
         )
-    check_not_decoded(model, "save")
+    check_not_run_form(model, "save")
     modules = {}
     for fqn, module in model.named_modules():
         spec = module_spec(module)

@@ -273,11 +273,11 @@ def plan_export(model: nn.Module) -> ExportPlan:
     """Check that compressed-tensors can hold ``model`` and say how; LowbitError if not."""
     from lowbit.models.adapter import adapter_for
     from lowbit.nn.act_quant import ActivationQuantizer
-    from lowbit.nn.decoded_linear import check_not_decoded
     from lowbit.nn.packed_linear import PackedLinearBase
     from lowbit.nn.quant_linear import FakeQuantLinear
+    from lowbit.nn.run_linear import check_not_run_form
 
-    check_not_decoded(model, "export")
+    check_not_run_form(model, "export")
     adapter = adapter_for(model)
     schemes: dict[str, LayerScheme] = {}
     float_linears: list[str] = []

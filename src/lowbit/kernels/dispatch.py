@@ -97,14 +97,16 @@ class WeightBackend:
         raise NotImplementedError
 
     def prepare_group(self, layers: list) -> dict[str, Any] | None:
-        """One layout for layers that share their input (q/k/v, gate/up), multiplied in one
-        call by :meth:`matmul_group`; None where this backend cannot (the default)."""
+        """One layout for one layer or for layers that read one input (q/k/v, gate/up),
+        multiplied in one call by :meth:`matmul_layout`; its ``"columns"`` holds each layer's
+        ``(start, n)`` in the product. None where this backend has no such layout (the
+        default). :mod:`lowbit.nn.run_linear` runs a model from these layouts alone."""
         return None
 
-    def matmul_group(self, layers: list, x: Tensor, prepared: dict[str, Any]) -> list[Tensor]:
-        """``[x @ W_iᵀ + b_i for each layer]`` (``[M, N_i]`` each) in one call; None where
-        this input takes another path (then each layer multiplies on its own)."""
-        return None
+    def matmul_layout(self, x: Tensor, prepared: dict[str, Any]) -> Tensor:
+        """``x [M, K]`` times every weight of a :meth:`prepare_group` layout: ``[M, N']``,
+        each layer's output at its ``columns``, no bias."""
+        raise NotImplementedError
 
 
 class ReferenceBackend(WeightBackend):

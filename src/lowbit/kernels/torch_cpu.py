@@ -131,7 +131,8 @@ class TorchCPUBackend(WeightBackend):
     def prepare_group(self, layers: list) -> dict[str, Any] | None:
         """Layers with one input width and one kernel (int4 with one kernel group, or int8):
         their codes and scales stacked along ``N``, each layer's rows padded to the int4
-        kernel's 16 as on its own, so every output equals the layer's own call bit for bit."""
+        kernel's 16 as on its own, so every output equals the layer's own call bit for bit
+        (bf16/fp16 inputs; fp32 inputs take the kernels' fp32 paths, not the exact one)."""
         kernels = {(_kernel(layer), _int4_kernel_group(layer)) for layer in layers}
         widths = {layer.in_features for layer in layers}
         if len(kernels) != 1 or len(widths) != 1 or next(iter(kernels))[0] is None:
@@ -161,15 +162,8 @@ class TorchCPUBackend(WeightBackend):
         out = _kernel_matmul(x, prepared)[:, : layer.out_features]  # [M, N16] -> [M, N]
         return out if bias is None else out + bias
 
-    def matmul_group(self, layers: list, x: Tensor, prepared: dict[str, Any]) -> list[Tensor]:
-        if x.dtype not in _KERNEL_DTYPES:
-            return None  # the exact path, layer by layer
-        out = _kernel_matmul(x, prepared)  # [M, Σ N16]
-        outs = []
-        for layer, (start, n) in zip(layers, prepared["columns"], strict=True):
-            part = out[:, start : start + n]  # [M, N_i]
-            outs.append(part if layer.bias is None else part + layer.bias.to(x.dtype))
-        return outs
+    def matmul_layout(self, x: Tensor, prepared: dict[str, Any]) -> Tensor:
+        return _kernel_matmul(x, prepared)  # [M, Σ N16]
 
 
 def _int8_parts(layer, codes: Tensor) -> tuple[Tensor, Tensor]:

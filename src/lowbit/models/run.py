@@ -1,13 +1,18 @@
 """Get a quantized model ready to run on the CPU: what no checkpoint stores, done once.
 
+In a bf16 or fp16 run every packed layer that a CPU backend computes from another form of its
+weight is swapped for that form, which replaces its packed buffers
+(:mod:`lowbit.nn.run_linear`):
+
 * SpQR and 2/4/16 layers, which no packed CPU kernel multiplies, run from their weight decoded
-  once in the run's dtype, which replaces their packed buffers
-  (:func:`lowbit.nn.decoded_linear.decode_for_run`);
-* the packed projections of one input (q/k/v, gate/up) are multiplied in one kernel call
-  (:mod:`lowbit.nn.shared_input`).
+  once in the run's dtype (:func:`~lowbit.nn.run_linear.decode_for_run`);
+* the layers torch's int4/int8 CPU kernels run keep only the kernel's layout, the projections
+  of one input (each block's q/k/v and gate/up) one stacked layout multiplied in one call
+  (:func:`~lowbit.nn.run_linear.kernel_form`).
 
 Outputs are unchanged bit for bit; ``lowbit eval``, ``generate`` and ``info`` call
-:func:`prepare_run`, so what ``eval`` measures is what ``generate`` runs.
+:func:`prepare_run`, so what ``eval`` measures is what ``generate`` runs. An fp32 run keeps the
+packed layers (their exact path reads the codes).
 """
 
 from __future__ import annotations
@@ -17,36 +22,39 @@ from dataclasses import dataclass
 from torch import nn
 
 from lowbit.models.adapter import adapter_for
-from lowbit.nn.decoded_linear import decode_for_run
 from lowbit.nn.packed_linear import PackedLinearBase
-from lowbit.nn.shared_input import share_input
+from lowbit.nn.run_linear import decode_for_run, kernel_form
 
-__all__ = ["RunPreparation", "prepare_run", "share_projection_inputs"]
+__all__ = ["RunPreparation", "prepare_run", "projection_groups"]
 
 
 @dataclass(frozen=True)
 class RunPreparation:
     decoded: int  # layers decoded for the run
-    shared: int  # groups of projections multiplied in one call
+    kernel: int  # layers that keep only a CPU kernel's layout
+    shared: int  # of those, groups of projections multiplied in one call
 
 
-def share_projection_inputs(model: nn.Module) -> int:
-    """Group each block's q/k/v and gate/up projections where all are packed linears on the
-    CPU that can share a call (:func:`~lowbit.nn.shared_input.share_input`). Returns the
-    number of groups."""
-    groups = 0
+def projection_groups(model: nn.Module) -> list[list[PackedLinearBase]]:
+    """Each block's q/k/v and gate/up projections where packed, then every other packed layer
+    on its own."""
+    groups = []
     for block in adapter_for(model).blocks():
         for layers in (
             [block.q_proj, block.k_proj, block.v_proj],
             [block.gate_proj, block.up_proj],
         ):
-            packed = all(isinstance(layer, PackedLinearBase) for layer in layers)
-            on_cpu = packed and all(b.is_cpu for layer in layers for b in layer.buffers())
-            if on_cpu and not any("shared_input" in layer.__dict__ for layer in layers):
-                groups += share_input(layers) is not None
-    return groups
+            groups.append([layer for layer in layers if isinstance(layer, PackedLinearBase)])
+    grouped = {id(layer) for group in groups for layer in group}
+    alone = [
+        [m] for m in model.modules() if isinstance(m, PackedLinearBase) and id(m) not in grouped
+    ]
+    return [group for group in groups if group] + alone
 
 
 def prepare_run(model: nn.Module) -> RunPreparation:
-    """:func:`decode_for_run`, then :func:`share_projection_inputs`; in place."""
-    return RunPreparation(decode_for_run(model), share_projection_inputs(model))
+    """:func:`decode_for_run`, then :func:`kernel_form` over :func:`projection_groups`; in
+    place."""
+    decoded = decode_for_run(model)
+    kernel, shared = kernel_form(model, projection_groups(model))
+    return RunPreparation(decoded, kernel, shared)

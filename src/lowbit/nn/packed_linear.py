@@ -185,9 +185,6 @@ class PackedLinearBase(Rebuildable, StoredFloatBuffers):
             x = self.act_quantizer(x)
         if torch.compiler.is_compiling():  # one opaque node (lowbit.kernels.dispatch)
             return torch.ops.lowbit.packed_matmul(x, self._handle, self.out_features)
-        group = self.__dict__.get("shared_input")  # lowbit.nn.shared_input
-        if group is not None:
-            return group(self, x)  # [..., out], computed with its siblings'
         return packed_matmul(self, x)  # [..., out]
 
     @property

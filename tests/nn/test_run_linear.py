@@ -8,8 +8,8 @@ from lowbit.errors import LowbitError
 from lowbit.eval.memory import memory_in_use, model_storage_bytes
 from lowbit.io.compressed_tensors import plan_export
 from lowbit.models.tiny import tiny_model
-from lowbit.nn.decoded_linear import DecodedLinear, decode_for_run
 from lowbit.nn.packed_linear import PackedLinear, PackedLinearBase, set_backend
+from lowbit.nn.run_linear import DecodedLinear, decode_for_run
 
 IDS = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(0))
 CALIB = torch.randint(3, 256, (8, 32), generator=torch.Generator().manual_seed(1))
@@ -39,10 +39,10 @@ def test_a_decoded_model_gives_the_backends_logits_in_less_memory(recipe, tmp_pa
     assert memory_in_use(model) <= memory_in_use(bf16) < held
     assert "decoded to bfloat16" in repr(model)
 
-    with pytest.raises(LowbitError, match="decoded for the run"):
+    with pytest.raises(LowbitError, match="prepared for the run"):
         lowbit.save(model, tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
-    with pytest.raises(LowbitError, match="decoded for the run"):
+    with pytest.raises(LowbitError, match="prepared for the run"):
         plan_export(model)
 
 
