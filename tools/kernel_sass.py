@@ -25,15 +25,24 @@ from pathlib import Path
 def _compile(kernel, scalars, constants, dtype, arch, **options):
     """``kernel`` compiled for ``sm_<arch>`` with fp16 scales and 16-divisible pointers and
     strides (as Triton's launcher specializes them)."""
+    pointers = {"x_ptr": f"*{dtype}", "words_ptr": "*i32", "scale_ptr": "*fp16",
+                "zero_ptr": "*u8", "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}  # fmt: skip
+    return compile_for(kernel, pointers, scalars, constants, arch, **options)
+
+
+def compile_for(kernel, pointers, scalars, constants, arch, **options):
+    """``kernel`` compiled for ``sm_<arch>``: ``pointers`` name -> Triton type, ``scalars``
+    int32, ``constants`` constexprs; pointers, K and strides declared 16-divisible. The split-K
+    outputs (``part_ptr`` fp32, ``count_ptr`` int32) are added where the kernel has them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    pointers = {"x_ptr": f"*{dtype}", "words_ptr": "*i32", "scale_ptr": "*fp16",
-                "zero_ptr": "*u8", "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}  # fmt: skip
+    if "part_ptr" in names:
+        pointers = {**pointers, "part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
-    aligned = [*pointers, "K", *(s for s in scalars if s.startswith("stride"))]
+    aligned = [*pointers, *(s for s in scalars if s == "K" or s.startswith("stride"))]
     source = ASTSource(
         fn=kernel,
         signature=signature,
@@ -44,15 +53,16 @@ def _compile(kernel, scalars, constants, dtype, arch, **options):
 
 
 def compile_decode_kernel(
-    bits, block_m, block_n, num_warps, arch, dtype="fp16", split_k=1, has_bias=False
-):
-    """``_int_gemv_kernel``: symmetric, g128, 32-word tiles, 16 tiles (``split_k`` splits)."""
+    bits, block_m, block_n, num_warps, arch, dtype="fp16", split_k=1, has_bias=False,
+    symmetric=True,
+):  # fmt: skip
+    """``_int_gemv_kernel``: g128, 32-word tiles, 16 tiles (``split_k`` splits)."""
     from lowbit.kernels import int_gemv
 
-    scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_os",
+    scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_ps",
                "stride_om"]  # fmt: skip
     constants = dict(
-        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=True, HAS_BIAS=has_bias,
+        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
         K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=16 // split_k, BLOCK_M=block_m,
         BLOCK_N=block_n, INTERPRET=False,
     )  # fmt: skip
@@ -60,17 +70,21 @@ def compile_decode_kernel(
                     num_warps=num_warps)  # fmt: skip
 
 
-def compile_prefill_kernel(bits, block_m, block_n, num_warps, arch, dtype="fp16"):
-    """``_int_gemm_kernel``: symmetric, g128, 32-word tiles, 16 tiles, 3 stages."""
+def compile_prefill_kernel(
+    bits, block_m, block_n, num_warps, arch, dtype="fp16", num_stages=3, symmetric=True,
+    has_bias=False,
+):  # fmt: skip
+    """``_int_gemm_kernel``: g128, 32-word tiles, 16 tiles."""
     from lowbit.kernels import int_gemm
 
     scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_om"]
     constants = dict(
-        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=True, HAS_BIAS=False, K_TILES=16,
+        BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
+        K_TILES=16,
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, INTERPRET=False,
     )  # fmt: skip
     return _compile(int_gemm._int_gemm_kernel, scalars, constants, dtype, arch,
-                    num_warps=num_warps, num_stages=3)  # fmt: skip
+                    num_warps=num_warps, num_stages=num_stages)  # fmt: skip
 
 
 def compile_spqr_kernel(
@@ -81,31 +95,17 @@ def compile_spqr_kernel(
     (``EVEN_K``), ``split_k`` splits."""
     from lowbit.kernels import spqr_gemv
 
-    kernel = spqr_gemv._spqr_gemv_kernel
-    names = kernel.arg_names
     pointers = {"x_ptr": f"*{dtype}", "words_ptr": "*i64", "perm_ptr": "*i32",
                 "sp_ptr_ptr": "*i32", "sp_val_ptr": "*i32", "bias_ptr": f"*{dtype}",
                 "out_ptr": f"*{dtype}"}  # fmt: skip
-    scalars = ["M", "N", "K", "stride_xm", "stride_wt", "stride_os", "stride_om"]
+    scalars = ["M", "N", "K", "stride_xm", "stride_wt", "stride_ps", "stride_om"]
     constants = dict(
         N_TILES_G=256, SPLIT_K=split_k, CHUNKS_PER_SPLIT=256 // block_g // split_k,
-        HAS_PERM=True, SPARSE=1, HAS_BIAS=has_bias, EVEN_K=True, BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m,
-        INTERPRET=False,
+        HAS_PERM=True, SPARSE=1, HAS_BIAS=has_bias, EVEN_K=True, BLOCK_TR=block_tr,
+        BLOCK_G=block_g, BLOCK_M=block_m, INTERPRET=False,
     )  # fmt: skip
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
-    aligned = [*pointers, "K", *(s for s in scalars if s.startswith("stride"))]
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(c),): v for c, v in constants.items()},
-        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
-    )
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps))  # fmt: skip
+    return compile_for(spqr_gemv._spqr_gemv_kernel, pointers, scalars, constants, arch,
+                       num_warps=num_warps)  # fmt: skip
 
 
 def spqr_table(arch: int) -> None:

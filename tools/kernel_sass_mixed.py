@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_sass import loop_instructions  # noqa: E402
+from kernel_sass import compile_for, loop_instructions  # noqa: E402
 
 _POINTERS = {
     "primary_ptr": "*i32", "secondary_ptr": "*i32", "stats2_ptr": "*i16", "stats4_ptr": "*u8",
@@ -34,10 +34,6 @@ def compile_mixed(
     has_bias=False,
 ):  # fmt: skip
     """The M = 1 (``block_m`` 1) or 16-row kernel, segment A only (UA = 64 words), g2 16."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from lowbit.kernels import mixed_gemv
 
     pointers = {"x_ptr": f"*{dtype}", **_POINTERS, "bias_ptr": f"*{dtype}",
@@ -48,22 +44,13 @@ def compile_mixed(
     strides = ["stride_pn", "stride_sn", "stride_t2", "stride_t4", "stride_r2", "stride_r4"]
     if block_m == 1:
         kernel = mixed_gemv._gemv1_kernel
-        scalars = ["N", "K", *strides, "stride_os"]
+        scalars = ["N", "K", *strides, "stride_ps"]
         constants = dict(common, STEPS_A=8, STEPS_B=0, STEPS_C=0, EVEN_K=True)
     else:
         kernel = mixed_gemv._gemm16_kernel
-        scalars = ["M", "N", "K", "stride_xm", *strides, "stride_os", "stride_om"]
+        scalars = ["M", "N", "K", "stride_xm", *strides, "stride_ps", "stride_om"]
         constants = dict(common, TILES_A=4, TILES_B=0, TILES_C=0, T=tile, BLOCK_M=block_m)
-    names = kernel.arg_names
-    signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
-    aligned = [*pointers, "K", *(s for s in scalars if s.startswith("stride"))]
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(c),): v for c, v in constants.items()},
-        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
-    )
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return compile_for(kernel, pointers, scalars, constants, arch, num_warps=warps)
 
 
 def main() -> None:

@@ -202,33 +202,54 @@ def test_the_wrappers_refuse_bad_calls_in_a_sentence():
         int_gemm(x[:, :64], *tensors, None, **static)
 
 
-def test_tuning_keeps_the_fastest_valid_candidate(monkeypatch):
-    """The GPU-only tuning path with a fake timer: candidates are valid launch configurations,
-    the fastest one is kept and cached per shape."""
+def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_product(monkeypatch):
+    """The GPU-only tuning path with fake resources and a fake timer: SPLIT_K fills one wave of
+    the programs the compiled kernel keeps resident, a shape that cannot launch is never tried,
+    a fast candidate with a wrong product is dropped, the fastest valid one is kept per shape."""
     import triton.testing
 
-    from lowbit.kernels import int_gemm as gemm_module
     from lowbit.kernels import int_gemv as gemv_module
 
-    for m in (1, 5):
-        for block_m, block_n, split_k, _ in gemv_module._candidates(m, 4096, 16):
-            assert block_m in (1, 16) and block_m >= m and 1 <= split_k <= 16 and block_n >= 32
-    fast, _ = _layers(4, 32, True, 160)
+    fast, _ = _layers(8, 16, True, 160)  # 16-word tiles: 3 tiles
     x = torch.randn(1, 160, dtype=torch.float16, device=DEVICE)
     fast(x)  # prepares the layout
     tensors, static = _operands(fast)
-    fake_ms = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: next(fake_ms))
+    want = gemv_module.int_gemv(x, *tensors, None, **static)
+    shapes = list(gemv_module._candidates(1))
+    assert shapes[0] == (1, 128, 4, 1) and all(s[0] in (1, 16) for s in shapes)
+    # shape 1 cannot launch; shape 2 is fastest but wrong; shape 3 beats the default
+    resident = {shapes[0]: 264, shapes[1]: None, shapes[2]: 132, shapes[3]: 132}
+    monkeypatch.setattr(gemv_module, "resident_programs",
+                        lambda probe, device: resident[current[0]])  # fmt: skip
+    current = [None]
+    real_config = gemv_module._config
+
+    def config(args, shape, n_tiles):
+        current[0] = shape
+        return real_config(args, shape, n_tiles)
+
     launched = []
-    monkeypatch.setattr(gemv_module, "_launch", lambda *args: launched.append(args[-1]))
+
+    def launch(*args, probe=False):
+        config = args[-1]
+        launched.append(config)
+        return want * (2 if config[:2] == shapes[2][:2] else 1)
+
+    times = {shapes[0][:2]: 3.0, shapes[2][:2]: 1.0, shapes[3][:2]: 2.0}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[launched[-1][:2]])
+    monkeypatch.setattr(gemv_module, "_config", config)
+    monkeypatch.setattr(gemv_module, "_launch", launch)
     monkeypatch.setattr(gemv_module, "INTERPRET", False)
     monkeypatch.setattr(gemv_module, "TUNE", True)
     monkeypatch.setattr(gemv_module, "_TUNED", {})
-    gemv_module.int_gemv(x, *tensors, None, **static)  # tunes (fake), launches the winner
+    with pytest.warns(UserWarning, match="off the reference"):
+        gemv_module.int_gemv(x, *tensors, None, **static)  # tunes (fake), launches the winner
     gemv_module.int_gemv(x, *tensors, None, **static)  # cached: no second sweep
-    candidates = list(gemv_module._candidates(1, N, tensors[0].shape[1] // static["tile"]))
-    assert launched[-2:] == [candidates[1]] * 2 and len(gemv_module._TUNED) == 1
-    assert len(list(gemm_module._candidates())) >= 2
+    # N = 37: one program; SPLIT_K = min(3 tiles, resident programs // 1)
+    assert tensors[0].shape[1] // static["tile"] == 3
+    assert launched[-2:] == [(16, 64, 3, 4)] * 2
+    assert all(c[:2] != shapes[1][:2] for c in launched)
+    assert len(gemv_module._TUNED) == 1
 
 
 # ---------------------------------------------------------------- real sizes, on CUDA only

@@ -40,14 +40,20 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from lowbit.errors import LowbitError
-from lowbit.kernels.int_layout import check_operands
-from lowbit.kernels.split_k import output_buffer, store_output, sum_splits
-from lowbit.kernels.triton_support import fastest_config
+from lowbit.kernels.int_layout import check_operands, tiled_reference
+from lowbit.kernels.split_k import split_buffers, store_output
+from lowbit.kernels.triton_support import (
+    device_limits,
+    fastest_config,
+    resident_programs,
+    split_for,
+)
 
 __all__ = ["int_gemv", "MAX_ROWS"]
 
@@ -60,9 +66,9 @@ TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 @triton.jit
 def _int_gemv_kernel(
-    x_ptr, words_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
+    x_ptr, words_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_sg, stride_zg, stride_os, stride_om,
+    stride_xm, stride_wn, stride_sg, stride_zg, stride_ps, stride_om,
     BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
@@ -133,55 +139,76 @@ def _int_gemv_kernel(
         out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
         out = acc  # [BLOCK_N, BLOCK_M]
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    offs_out = offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
     mask = mask_n[:, None] & mask_m[None, :]
-    store_output(out_ptrs, out, mask, bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K, INTERPRET)
+    store_output(out_ptr + offs_out, part_ptr + offs_out, stride_ps, count_ptr, out, mask,
+                 bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
-def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tensor:
+def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=False):
+    """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only."""
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
     block_m, block_n, split_k, num_warps = config
     n_tiles = words.shape[1] // tile
     per_split = triton.cdiv(n_tiles, split_k)
     split_k = triton.cdiv(n_tiles, per_split)  # no empty splits
-    out = output_buffer(x, split_k, n)  # [S, M, N]
     grid = (triton.cdiv(n, block_n), split_k)
-    _int_gemv_kernel[grid](
+    out, partials, counters = split_buffers(x, split_k, n, grid[0])
+    compiled = _int_gemv_kernel.run(
         x, words, scale, words if zero is None else zero, x if bias is None else bias, out,
+        partials, counters,
         m, n, k,
         x.stride(0), words.stride(0), scale.stride(0), 0 if zero is None else zero.stride(0),
-        out.stride(0), out.stride(1),
+        partials.numel() // split_k, out.stride(0),
         BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
         HAS_BIAS=bias is not None, K_TILES=n_tiles, SPLIT_K=split_k, TILES_PER_SPLIT=per_split,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        INTERPRET=INTERPRET, num_warps=num_warps,
+        INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
     )  # fmt: skip
-    return out[0] if split_k == 1 else sum_splits(out, bias).to(x.dtype)
+    return compiled if probe else out
 
 
-def _default_config(m: int, n: int, n_tiles: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K, warps) without measuring: ~2 programs per H100 SM."""
-    block_m = 1 if m == 1 else MAX_ROWS
-    block_n = 128 if not INTERPRET else 32
-    programs = triton.cdiv(n, block_n)
-    split_k = max(1, min(n_tiles, triton.cdiv(264, programs))) if not INTERPRET else 1
-    return block_m, block_n, split_k, 4
-
-
-def _candidates(m: int, n: int, n_tiles: int):
-    """A few configurations around the default (each one is a compile of a few seconds)."""
-
-    def waves(block_n):  # SPLIT_K for ~2 programs per SM of an H100
-        return max(1, min(n_tiles, triton.cdiv(264, triton.cdiv(n, block_n))))
-
+def _candidates(m: int):
+    """Block shapes ``(BLOCK_M, BLOCK_N, warps, split divisor)`` timed on a GPU, the default
+    first; SPLIT_K is derived from the compiled kernel's occupancy (one wave), divided by the
+    divisor (fewer, longer splits: less fp32 partial traffic at 16 rows). Every shape compiles
+    for sm_90 within its limits (tests/kernels/test_kernel_resources.py)."""
     if m == 1:
-        yield from ((1, 128, waves(128), 4), (1, 64, waves(64), 4), (1, 128, 1, 4))
-    yield from ((MAX_ROWS, 128, waves(128), 4), (MAX_ROWS, 64, waves(64), 4))
-    if m > 1:  # fewer, longer splits: less fp32 partial traffic at 16 rows
-        yield MAX_ROWS, 128, max(1, waves(128) // 4), 4
+        yield from ((1, 128, 4, 1), (1, 64, 4, 1), (MAX_ROWS, 128, 4, 1), (MAX_ROWS, 64, 4, 1))
+    else:
+        yield from ((MAX_ROWS, 128, 4, 1), (MAX_ROWS, 64, 4, 1), (MAX_ROWS, 128, 4, 4))
 
 
+def _config(args, shape, n_tiles: int):
+    """The launch configuration of a block shape with SPLIT_K filling one wave of the device
+    (None: the shape cannot launch there)."""
+    x, words = args[0], args[1]
+    block_m, block_n, warps, divisor = shape
+    programs = triton.cdiv(words.shape[0], block_n)
+    if INTERPRET:  # nothing to fill: one split, the interpreter runs programs one by one
+        return block_m, block_n, 1, warps
+    guess = (block_m, block_n, split_for(programs, n_tiles, 2 * device_limits(x.device).sms), warps)
+    resident = resident_programs(lambda: _launch(*args, guess, probe=True), x.device)
+    if resident is None:
+        return None
+    return block_m, block_n, max(1, split_for(programs, n_tiles, resident) // divisor), warps
+
+
+#: |kernel - reference| <= TOL * max|reference| for a tuning candidate (the tests' bounds)
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _choose(args, m: int, n_tiles: int, tune: bool) -> tuple[int, int, int, int]:
+    shapes = list(_candidates(m))
+    if not (tune and TUNE and not INTERPRET):
+        shapes = shapes[:1]
+    configs = [c for c in (_config(args, s, n_tiles) for s in shapes) if c is not None]
+    if len(shapes) == 1 and configs:
+        return configs[0]
+    x, words, scale, zero, bias, bits, group_size, tile = args
+    expected = tiled_reference(x, words, scale, zero, bias, bits, group_size, tile)
+    return fastest_config(lambda c: _launch(*args, c), configs, expected, TOL[x.dtype])
 
 
 def int_gemv(
@@ -215,16 +242,10 @@ def int_gemv(
     if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
         raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
     x = x.contiguous()
-    n_tiles = words.shape[1] // tile
     args = (x, words, scale, zero, bias, bits, group_size, tile)
     if config is None:
         key = (m == 1, n, k, bits, group_size, tile, zero is None, x.dtype, x.device)
         config = _TUNED.get(key)
         if config is None:
-            config = _default_config(m, n, n_tiles)
-            if tune and TUNE and not INTERPRET:
-                config = fastest_config(
-                    lambda c: _launch(*args, c), list(_candidates(m, n, n_tiles))
-                )
-            _TUNED[key] = config
+            config = _TUNED[key] = _choose(args, m, words.shape[1] // tile, tune)
     return _launch(*args, config)

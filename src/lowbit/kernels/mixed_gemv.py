@@ -58,8 +58,14 @@ import triton.language as tl
 from torch import Tensor
 
 from lowbit.errors import LowbitError
-from lowbit.kernels.split_k import output_buffer, store_output, sum_splits
-from lowbit.kernels.triton_support import fastest_config
+from lowbit.kernels.mixed_layout import mixed_reference
+from lowbit.kernels.split_k import split_buffers, store_output
+from lowbit.kernels.triton_support import (
+    device_limits,
+    fastest_config,
+    resident_programs,
+    split_for,
+)
 
 __all__ = ["mixed_gemv", "outlier_spmv", "MAX_ROWS"]
 
@@ -187,9 +193,9 @@ def _group_sum(lane, x_ptr, col, K, BITS: tl.constexpr, OFFSET: tl.constexpr,
 @triton.jit
 def _gemv1_kernel(
     x_ptr, primary_ptr, secondary_ptr, stats2_ptr, stats4_ptr, second2_ptr, second4_ptr,
-    col2_ptr, col4_ptr, row_ptr_ptr, col_val_ptr, bias_ptr, out_ptr,
+    col2_ptr, col4_ptr, row_ptr_ptr, col_val_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     N, K,
-    stride_pn, stride_sn, stride_t2, stride_t4, stride_r2, stride_r4, stride_os,
+    stride_pn, stride_sn, stride_t2, stride_t4, stride_r2, stride_r4, stride_ps,
     UA: tl.constexpr, UB: tl.constexpr, UC: tl.constexpr,
     STEPS_A: tl.constexpr, STEPS_B: tl.constexpr, STEPS_C: tl.constexpr,
     G2: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -318,8 +324,9 @@ def _gemv1_kernel(
         zero_m = tl.arange(0, 1)
         out = _add_outliers(out, x_ptr, row_ptr_ptr, col_val_ptr, offs_n, mask_n & first_split,
                             zero_m, zero_m < 1, 0, MAX_ROW_NNZ)  # fmt: skip
-    out_ptrs = out_ptr + pid_k * stride_os + offs_n[:, None]  # [BLOCK_N, 1]
-    store_output(out_ptrs, out, mask_n[:, None], bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K,
+    offs_out = offs_n[:, None]  # [BLOCK_N, 1]
+    store_output(out_ptr + offs_out, part_ptr + offs_out, stride_ps, count_ptr, out,
+                 mask_n[:, None], bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K,
                  INTERPRET)  # fmt: skip
 
 
@@ -379,10 +386,10 @@ def _mma_lane(acc, lane, zero, scale, x_ptr, cols, K, stride_xm, offs_m, mask_m,
 @triton.jit
 def _gemm16_kernel(
     x_ptr, primary_ptr, secondary_ptr, stats2_ptr, stats4_ptr, second2_ptr, second4_ptr,
-    col2_ptr, col4_ptr, row_ptr_ptr, col_val_ptr, bias_ptr, out_ptr,
+    col2_ptr, col4_ptr, row_ptr_ptr, col_val_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
     stride_xm, stride_pn, stride_sn, stride_t2, stride_t4, stride_r2, stride_r4,
-    stride_os, stride_om,
+    stride_ps, stride_om,
     UA: tl.constexpr, UB: tl.constexpr, UC: tl.constexpr,
     TILES_A: tl.constexpr, TILES_B: tl.constexpr, TILES_C: tl.constexpr,
     G2: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -535,9 +542,10 @@ def _gemm16_kernel(
         first_split = (offs_n * 0 + pid_k) == 0  # block-shaped (interpreter: bool & scalar)
         out = _add_outliers(out, x_ptr, row_ptr_ptr, col_val_ptr, offs_n, mask_n & first_split,
                             offs_m, mask_m, stride_xm, MAX_ROW_NNZ)  # fmt: skip
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    offs_out = offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
     mask = mask_n[:, None] & mask_m[None, :]
-    store_output(out_ptrs, out, mask, bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K, INTERPRET)
+    store_output(out_ptr + offs_out, part_ptr + offs_out, stride_ps, count_ptr, out, mask,
+                 bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- unfused outliers
@@ -583,7 +591,9 @@ def outlier_spmv(x: Tensor, ops: dict) -> Tensor:
 # ----------------------------------------------------------------------------- launch
 
 
-def _launch(x, ops, bias, config, asynchronous, fuse_outliers) -> Tensor:
+def _launch(x, ops, bias, config, asynchronous, fuse_outliers, probe=False):
+    """One launch (the product ``[M, N]``; unfused outliers add a second), or with ``probe``
+    the compiled kernel only."""
     m, k = x.shape
     n = ops["shape"][0]
     seg = ops["segments"]
@@ -594,8 +604,10 @@ def _launch(x, ops, bias, config, asynchronous, fuse_outliers) -> Tensor:
     per_split = [triton.cdiv(t, split_k) for t in steps]
     fuse = fuse_outliers and ops["max_row_nnz"] > 0
     separate = not fuse_outliers and ops["max_row_nnz"] > 0  # a second launch adds them
-    out = output_buffer(x, split_k, n, final=not separate)  # [S, M, N]
     grid = (triton.cdiv(n, block_n), split_k)
+    out, partials, counters = split_buffers(
+        x, split_k, n, grid[0], torch.float32 if separate else None
+    )  # [M, N], [S, M, N], [tiles]
     tensors = (
         ops["primary"], ops["secondary"], ops["stats2"], ops["stats4"], ops["second2"],
         ops["second4"], ops["col2"], ops["col4"], ops["row_ptr"], ops["col_val"],
@@ -608,59 +620,81 @@ def _launch(x, ops, bias, config, asynchronous, fuse_outliers) -> Tensor:
     common = dict(
         UA=seg.ua, UB=seg.ub, UC=seg.uc, G2=ops["g2"], BLOCK_N=block_n, ASYNC=asynchronous,
         FUSE_OUTLIERS=fuse, MAX_ROW_NNZ=_nnz_bound(ops["max_row_nnz"]), SPLIT_K=split_k,
-        HAS_BIAS=bias is not None, INTERPRET=INTERPRET, num_warps=num_warps,
+        HAS_BIAS=bias is not None, INTERPRET=INTERPRET, num_warps=num_warps, grid=grid,
+        warmup=probe,
     )  # fmt: skip
     bias_arg = x if bias is None else bias
+    split_stride = partials.numel() // split_k
     if block_m == 1:
-        _gemv1_kernel[grid](
-            x, *tensors, bias_arg, out, n, k, *strides, out.stride(0),
+        compiled = _gemv1_kernel.run(
+            x, *tensors, bias_arg, out, partials, counters, n, k, *strides, split_stride,
             STEPS_A=per_split[0], STEPS_B=per_split[1], STEPS_C=per_split[2],
             EVEN_K=k % 16 == 0 and ops["even_cols"], **common,
         )  # fmt: skip
     else:
-        _gemm16_kernel[grid](
-            x, *tensors, bias_arg, out, m, n, k, x.stride(0), *strides,
-            out.stride(0), out.stride(1),
+        compiled = _gemm16_kernel.run(
+            x, *tensors, bias_arg, out, partials, counters, m, n, k, x.stride(0), *strides,
+            split_stride, out.stride(0),
             TILES_A=per_split[0], TILES_B=per_split[1], TILES_C=per_split[2], T=tile,
             BLOCK_M=block_m, **common,
         )  # fmt: skip
-    if split_k == 1 and not separate:
-        return out[0]
-    total = sum_splits(out, bias)  # [M, N] fp32
-    if separate:
-        total += outlier_spmv(x, ops)
-    return total.to(x.dtype)
+    if probe:
+        return compiled
+    if separate:  # the comparison path: fp32 product, then the outliers' own launch
+        return (out + outlier_spmv(x, ops)).to(x.dtype)
+    return out
 
 
-def _default_config(m: int, n: int, words: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, T, SPLIT_K, warps) without measuring: ~2 programs per H100 SM."""
-    if INTERPRET:
-        return (1, 16, 2, 1, 1) if m == 1 else (MAX_ROWS, 16, 16, 1, 4)
-    if m == 1:  # four rows per thread of one warp
-        block_n, per_step, warps = 128, 2, 1
-    else:
-        block_n, per_step, warps = 64, 16, 4
-    programs = triton.cdiv(n, block_n)
-    split_k = max(1, min(triton.cdiv(words, per_step), triton.cdiv(264, programs)))
-    block_m = 1 if m == 1 else MAX_ROWS
-    return block_m, block_n, per_step, split_k, warps
-
-
-def _candidates(m: int, n: int, words: int):
-    def waves(block_n, per_step):
-        return max(1, min(triton.cdiv(words, per_step), triton.cdiv(264, triton.cdiv(n, block_n))))
-
+def _candidates(m: int):
+    """Block shapes ``(BLOCK_M, BLOCK_N, T, warps, split divisor)`` timed on a GPU, the default
+    first (M = 1: four rows per thread of one warp); SPLIT_K is derived from the compiled
+    kernel's occupancy (one wave), divided by the divisor. Every shape compiles for sm_90
+    within its limits (tests/kernels/test_kernel_resources.py)."""
     if m == 1:
-        for block_n, warps in ((128, 1), (256, 2), (256, 1), (512, 4)):
-            yield 1, block_n, 2, waves(block_n, 2), warps
-        yield 1, 128, 2, max(1, waves(128, 2) // 4), 1
+        yield from ((1, 128, 2, 1, 1), (1, 128, 2, 2, 1), (1, 256, 2, 4, 1), (1, 64, 2, 1, 1))
+        yield 1, 128, 2, 1, 4
         return
-    for block_n, tile in ((64, 16), (128, 16), (32, 16), (64, 32)):
-        yield MAX_ROWS, block_n, tile, waves(block_n, tile), 4
-    yield MAX_ROWS, 64, 16, max(1, waves(64, 16) // 4), 4
+    yield from ((MAX_ROWS, 64, 16, 4, 1), (MAX_ROWS, 32, 16, 4, 1), (MAX_ROWS, 128, 16, 8, 1))
+    yield MAX_ROWS, 64, 16, 4, 4
 
 
+def _config(x, ops, shape, asynchronous, fuse_outliers):
+    """The launch configuration of a block shape, SPLIT_K filling one wave of the device (None:
+    the shape cannot launch there)."""
+    n, words = ops["shape"][0], ops["segments"].words
+    block_m, block_n, tile, warps, divisor = shape
+    if INTERPRET:  # small blocks, one split: the interpreter runs programs one by one
+        return (1, 16, 2, 1, 1) if block_m == 1 else (MAX_ROWS, 16, 16, 1, 4)
+    programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(words, 2 if block_m == 1 else tile)
+    guess = (block_m, block_n, tile, split_for(programs, steps, 2 * device_limits(x.device).sms),
+             warps)  # fmt: skip
+    resident = resident_programs(
+        lambda: _launch(x, ops, None, guess, asynchronous, fuse_outliers, probe=True), x.device
+    )
+    if resident is None:
+        return None
+    return block_m, block_n, tile, max(1, split_for(programs, steps, resident) // divisor), warps
+
+
+#: |kernel - reference| <= TOL * max|reference| for a tuning candidate
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 _TUNED: dict[tuple, tuple[int, int, int, int, int]] = {}
+
+
+def _choose(x, ops, bias, asynchronous, fuse_outliers, tune):
+    shapes = list(_candidates(x.shape[0]))
+    if not (tune and TUNE and not INTERPRET):
+        shapes = shapes[:1]
+    configs = [_config(x, ops, s, asynchronous, fuse_outliers) for s in shapes]
+    configs = [c for c in configs if c is not None]
+    if len(shapes) == 1 and configs:
+        return configs[0]
+    expected = mixed_reference(x, ops["weight"], bias)
+    return fastest_config(
+        lambda c: _launch(x, ops, bias, c, asynchronous, fuse_outliers),
+        configs, expected, TOL[x.dtype],
+    )  # fmt: skip
 
 
 def mixed_gemv(
@@ -704,16 +738,9 @@ def mixed_gemv(
     if config is not None and config[0] > 1 and config[2] < 16:
         raise LowbitError("tiles of fewer than 16 words cannot feed tl.dot (BLOCK_M = 16)")
     x = x.contiguous()
-    words = ops["segments"].words
     if config is None:
         key = (m == 1, n, k, ops["segments"], x.dtype, x.device, asynchronous, fuse_outliers)
         config = _TUNED.get(key)
         if config is None:
-            config = _default_config(m, n, words)
-            if tune and TUNE and not INTERPRET:
-                config = fastest_config(
-                    lambda c: _launch(x, ops, bias, c, asynchronous, fuse_outliers),
-                    list(_candidates(m, n, words)),
-                )
-            _TUNED[key] = config
+            config = _TUNED[key] = _choose(x, ops, bias, asynchronous, fuse_outliers, tune)
     return _launch(x, ops, bias, config, asynchronous, fuse_outliers)

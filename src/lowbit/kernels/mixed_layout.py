@@ -48,6 +48,7 @@ def prepare_mixed(weight: MixedQuantized) -> dict:
         "shape": (n, k),
         "segments": seg,
         "g2": weight.g2,
+        "weight": weight,  # the reference a tuning candidate is checked against
     }
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.kernels.dispatch import WeightBackend, register_backend
+from lowbit.kernels.spqr_gemv import sparse_operands, spqr_dequantize_dense, spqr_gemv
 from lowbit.kernels.triton_support import fastest_config, input_refusal, interpreting
 
 __all__ = ["TritonSpQRBackend", "SMALL_M", "choose_sparse_format"]
@@ -67,8 +68,6 @@ def choose_sparse_format(layer, words, perm, device) -> str:
 
 def _profile(layer, words, perm, device) -> str:
     """The faster layout for a one-row product (timed like a launch configuration)."""
-    from lowbit.kernels.spqr_gemv import spqr_gemv
-
     x = torch.randn(1, layer.in_features, device=device, dtype=torch.float16)
     sparse = {kind: _convert(layer.outliers(), kind) for kind in ("csr", "ptcsr")}
     return fastest_config(
@@ -91,24 +90,28 @@ class TritonSpQRBackend(WeightBackend):
         perm = None if layer.perm is None else (layer.perm.to(torch.int32) & 0xFFFF)
         kind = choose_sparse_format(layer, words, perm, words.device)
         sparse = _convert(layer.outliers(), kind)
-        return {"words": words, "perm": perm, "sparse": sparse, "sparse_format": kind}
+        return {
+            "words": words,
+            "perm": perm,
+            "perm_long": None if perm is None else perm.long(),  # the prefill's gather index
+            "sparse": sparse,
+            "sparse_ops": sparse_operands(sparse),  # nnz read here, never per call
+            "sparse_format": kind,
+        }
 
     def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
-        return spqr_product(
-            x, prepared["words"], prepared["perm"], prepared["sparse"], bias, layer.out_features
-        )
+        return spqr_product(x, prepared, bias, layer.out_features)
 
 
-def spqr_product(x: Tensor, words, perm, sparse, bias, n: int) -> Tensor:
+def spqr_product(x: Tensor, prepared: dict, bias, n: int) -> Tensor:
     """``x [M, K] @ W'ᵀ + bias``: the fused kernel for M <= 16, decode + GEMM above."""
-    from lowbit.kernels.spqr_gemv import spqr_dequantize_dense, spqr_gemv
-
+    words, perm = prepared["words"], prepared["perm"]
     if x.shape[0] <= SMALL_M:
-        return spqr_gemv(x, words, perm, sparse, bias, out_features=n)  # [M, N]
+        return spqr_gemv(x, words, perm, prepared["sparse_ops"], bias, out_features=n)  # [M, N]
     weight = spqr_dequantize_dense(words, n, x.shape[1]).float()  # [N, K] stored order
-    rows, cols, values = sparse._coo()
+    rows, cols, values = prepared["sparse"]._coo()
     weight.index_put_((rows, cols), values, accumulate=True)  # D' + S' in fp32
-    xp = x if perm is None else x[:, perm.long()]  # [M, K] stored order
+    xp = x if perm is None else x[:, prepared["perm_long"]]  # [M, K] stored order
     return F.linear(xp, weight.to(x.dtype), bias)  # [M, N]
 
 

@@ -1,6 +1,7 @@
 """What the three Triton backends (integer, SpQR, 2/4/16) share: whether Triton is importable
 and running in its interpreter, which inputs their kernels take, how a launch configuration is
-chosen on the GPU, and the interpreter's bf16 rounding.
+chosen on the GPU, what a compiled kernel needs of an SM and how many of its blocks fit there,
+and the interpreter's bf16 rounding.
 
 Triton is optional (``pip install 'lowbit[triton]'``): without it this module still imports and
 the backends refuse every layer with a sentence instead of failing at import.
@@ -8,18 +9,37 @@ the backends refuse every layer with a sentence instead of failing at import.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+from lowbit.errors import LowbitError
 
 try:
     import triton
 except ImportError:  # the backends explain themselves in unsupported()
     triton = None
 
-__all__ = ["fastest_config", "interpreting", "input_refusal", "round_bf16", "triton"]
+__all__ = [
+    "Resources",
+    "SMLimits",
+    "SM90",
+    "blocks_per_sm",
+    "launch_refusal",
+    "resources_of",
+    "device_limits",
+    "resident_programs",
+    "split_for",
+    "fastest_config",
+    "interpreting",
+    "input_refusal",
+    "round_bf16",
+    "triton",
+]
 
 Config = TypeVar("Config")
 
@@ -46,19 +66,146 @@ def input_refusal(x: Tensor, weight: Tensor) -> str | None:
     return None
 
 
-def fastest_config(launch: Callable[[Config], object], configs: Sequence[Config]) -> Config:
-    """The configuration with the smallest ``triton.testing.do_bench`` time of ``launch(config)``
-    (the whole call); one the compiler rejects (registers, shared memory) is skipped."""
-    import triton.testing
+@dataclass(frozen=True)
+class Resources:
+    """What one compiled kernel needs per block (ptxas' resource line and Triton's metadata)."""
 
-    best, best_ms = configs[0], float("inf")
+    registers: int  # per thread
+    shared: int  # bytes per block, Triton's dynamic shared memory plus ptxas' static
+    spill: int  # bytes of local memory per thread (spill stores and the stack frame)
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """Per-SM limits of one architecture (the CUDA occupancy calculator's table)."""
+
+    registers: int = 65536
+    register_unit: int = 256  # registers are allocated per warp in units of this many
+    max_registers: int = 255  # per thread
+    shared: int = 233472  # bytes per SM
+    shared_per_block: int = 232448  # the largest opt-in allocation of one block
+    shared_reserved: int = 1024  # the driver's bytes per resident block
+    warps: int = 64
+    blocks: int = 32
+    sms: int = 132  # an H100 SXM
+
+
+#: sm_90 (H100): the target the compile tests and the default grids assume
+SM90 = SMLimits()
+
+
+def blocks_per_sm(res: Resources, limits: SMLimits = SM90) -> int:
+    """Resident blocks per SM of a kernel with resources ``res`` (0: it cannot launch)."""
+    per_warp = -(-res.registers * 32 // limits.register_unit) * limits.register_unit
+    by_registers = (limits.registers // max(per_warp, 1)) // res.num_warps
+    if res.shared > limits.shared_per_block:
+        return 0
+    by_shared = limits.shared // (res.shared + limits.shared_reserved)
+    return min(by_registers, by_shared, limits.warps // res.num_warps, limits.blocks)
+
+
+def launch_refusal(res: Resources, limits: SMLimits = SM90) -> str | None:
+    """Why a kernel with resources ``res`` must not be launched (a sentence), or None: shared
+    memory over the per-block limit, no block resident, or registers spilled to local memory."""
+    if res.shared > limits.shared_per_block:
+        return f"it needs {res.shared} bytes of shared memory per block, over {limits.shared_per_block}"
+    if blocks_per_sm(res, limits) == 0:
+        return f"{res.registers} registers x {32 * res.num_warps} threads do not fit one SM"
+    if res.spill:
+        return f"it spills {res.spill} bytes per thread to local memory"
+    return None
+
+
+def resources_of(compiled) -> Resources:
+    """The resources of a kernel Triton compiled and loaded on a GPU (``kernel.warmup`` or a
+    launch returns it)."""
+    compiled._init_handles()
+    return Resources(compiled.n_regs, compiled.metadata.shared, compiled.n_spills,
+                     compiled.metadata.num_warps)  # fmt: skip
+
+
+_LIMITS: dict[torch.device, SMLimits] = {}
+
+
+def device_limits(device: torch.device) -> SMLimits:
+    """The SM limits of a CUDA device from its properties (:data:`SM90` elsewhere)."""
+    if device.type != "cuda":
+        return SM90
+    if device not in _LIMITS:
+        props = torch.cuda.get_device_properties(device)
+        _LIMITS[device] = SMLimits(
+            registers=getattr(props, "regs_per_multiprocessor", SM90.registers),
+            shared=getattr(props, "shared_memory_per_multiprocessor", SM90.shared),
+            shared_per_block=getattr(props, "shared_memory_per_block_optin", SM90.shared_per_block),
+            warps=getattr(props, "max_threads_per_multi_processor", 32 * SM90.warps) // 32,
+            sms=props.multi_processor_count,
+        )
+    return _LIMITS[device]
+
+
+def resident_programs(probe: Callable[[], object], device: torch.device) -> int | None:
+    """Programs of one compiled kernel that run at once on ``device`` (blocks per SM x SMs),
+    or None when it cannot launch there; ``probe()`` compiles it (``kernel.warmup``)."""
+    from triton.runtime.errors import OutOfResources
+
+    limits = device_limits(device)
+    try:
+        res = resources_of(probe())
+    except OutOfResources:
+        return None
+    if launch_refusal(res, limits) is not None:
+        return None
+    return blocks_per_sm(res, limits) * limits.sms
+
+
+def split_for(programs: int, units: int, resident: int) -> int:
+    """SPLIT_K for a grid of ``programs`` x SPLIT_K over ``units`` of K: the most splits that
+    keep the grid within one wave of ``resident`` programs (no tail wave), at least 1, at most
+    ``units``."""
+    return max(1, min(units, resident // max(programs, 1)))
+
+
+class ConfigMismatch(LowbitError):
+    """A launch configuration computed something other than the reference."""
+
+
+def fastest_config(
+    launch: Callable[[Config], Tensor],
+    configs: Sequence[Config],
+    expected: Tensor | None = None,
+    tolerance: float = 0.0,
+) -> Config:
+    """The configuration with the smallest ``triton.testing.do_bench`` time of ``launch(config)``
+    (the whole call), among those that launch and, when ``expected`` is given, whose output is
+    within ``tolerance * max|expected|`` of it (checked once, before timing).
+
+    A configuration the GPU refuses for its resources (Triton's ``OutOfResources``) is skipped,
+    one that computes something else is skipped with a warning; every other error (a sticky
+    CUDA error above all) propagates. Raises :class:`LowbitError` when none is left.
+    """
+    import triton.testing
+    from triton.runtime.errors import OutOfResources
+
+    best, best_ms, refused = None, float("inf"), []
     for config in configs:
         try:
-            ms = triton.testing.do_bench(lambda c=config: launch(c), warmup=5, rep=20)
-        except Exception:  # noqa: BLE001 - any compile or launch failure rules the config out
+            out = launch(config)
+        except OutOfResources as err:
+            refused.append(f"{config}: {err}")
             continue
+        if expected is not None:
+            err = (out.float() - expected.float()).abs().max()
+            if not err <= tolerance * expected.float().abs().max():
+                warnings.warn(f"launch configuration {config} is off the reference by {err:.3g}",
+                              stacklevel=2)  # fmt: skip
+                refused.append(f"{config}: off the reference by {err:.3g}")
+                continue
+        ms = triton.testing.do_bench(lambda c=config: launch(c), warmup=5, rep=20)
         if ms < best_ms:
             best, best_ms = config, ms
+    if best is None:
+        raise LowbitError(f"no launch configuration runs here ({'; '.join(refused)})")
     return best
 
 
