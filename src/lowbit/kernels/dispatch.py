@@ -85,7 +85,9 @@ class WeightBackend:
     format_kind: ClassVar[str] = "int"
 
     def unsupported(self, layer, x: Tensor) -> str | None:
-        """Why this backend cannot run ``layer`` on ``x`` (a sentence), or None if it can."""
+        """Why this backend cannot run ``layer`` on ``x`` (a sentence), or None if it can; it
+        may depend on ``x``'s device and dtype only (the choice is cached per layer, device
+        and dtype by :func:`packed_matmul`)."""
         return None
 
     def prepare(self, layer) -> dict[str, Tensor]:
@@ -176,20 +178,36 @@ def choose(layer, x: Tensor) -> WeightBackend:
 
 def packed_matmul(layer, x: Tensor) -> Tensor:
     """``x [..., K] @ Wᵀ + b -> [..., N]`` with the layer's backend; prepared layouts are cached
-    on the layer per backend and device (they follow the canonical buffers, not replace them)."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise LowbitError(f"packed linears take fp16, bf16 or fp32 inputs, not {x.dtype}")
+    on the layer per backend and device (they follow the canonical buffers, not replace them).
+
+    The choice of backend and its prepared layout are looked up once per layer, backend
+    setting, device and dtype (and again when the layer's buffers change): a call in a decode
+    step is one tuple comparison and the backend's product."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+    key = (layer.backend, x2d.device, x2d.dtype, layer.storage_key())
+    plan = layer.__dict__.get("_plan")
+    if plan is None or plan[0] != key or layer.__dict__.get("_prepared") is not plan[3]:
+        plan = layer.__dict__["_plan"] = _plan(layer, x2d, key)
+    backend, prepared = plan[1], plan[2]
+    bias = layer.bias
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    out = backend.matmul(layer, x2d, prepared, bias)  # [M, N]
+    return out if len(lead) == 1 else out.reshape(*lead, out.shape[-1])
+
+
+def _plan(layer, x2d: Tensor, key: tuple) -> tuple:
+    """``(key, backend, prepared layout, the layer's prepared cache)`` for inputs like ``x2d``."""
+    if x2d.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise LowbitError(f"packed linears take fp16, bf16 or fp32 inputs, not {x2d.dtype}")
     backend = choose(layer, x2d)
-    key = (backend.name, x2d.device, layer.storage_key())
+    prepared_key = (backend.name, x2d.device, key[3])
     cache: dict[Any, dict[str, Tensor]] = layer.__dict__.setdefault("_prepared", {})
-    if key not in cache:
+    if prepared_key not in cache:
         cache.clear()  # one prepared layout per layer: a new device or backend replaces it
-        cache[key] = backend.prepare(layer)
-    bias = None if layer.bias is None else layer.bias.to(x.dtype)
-    out = backend.matmul(layer, x2d, cache[key], bias)  # [M, N]
-    return out.reshape(*lead, out.shape[-1])
+        cache[prepared_key] = backend.prepare(layer)
+    return key, backend, cache[prepared_key], cache
 
 
 #: live packed linears by handle, for the compiled path's custom op

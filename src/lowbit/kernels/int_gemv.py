@@ -150,9 +150,9 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
     block_m, block_n, split_k, num_warps = config
     n_tiles = words.shape[1] // tile
-    per_split = triton.cdiv(n_tiles, split_k)
-    split_k = triton.cdiv(n_tiles, per_split)  # no empty splits
-    grid = (triton.cdiv(n, block_n), split_k)
+    per_split = -(-n_tiles // split_k)
+    split_k = -(-n_tiles // per_split)  # no empty splits
+    grid = (-(-n // block_n), split_k)
     out, partials, counters = split_buffers(x, split_k, n, grid[0])
     compiled = _int_gemv_kernel.run(
         x, words, scale, words if zero is None else zero, x if bias is None else bias, out,
@@ -223,6 +223,7 @@ def int_gemv(
     tile: int,
     config: tuple[int, int, int, int] | None = None,
     tune: bool = True,
+    check: bool = True,
 ) -> Tensor:
     """``x @ Wᵀ + bias`` for M <= 16 with ``W`` in the tiled int32 layout.
 
@@ -232,16 +233,21 @@ def int_gemv(
             :func:`lowbit.kernels.int_layout.check_operands`.
         config: ``(BLOCK_M, BLOCK_N, SPLIT_K, num_warps)`` to force one launch configuration.
         tune: on a GPU, time the candidate configurations once per shape and keep the fastest.
+        check: validate the operands (False: the caller built them, as the backend does).
 
     Returns:
         ``[M, N]`` in ``x``'s dtype (fp32 accumulation).
     """
-    m, n, k = check_operands(x, words, scale, zero, bias, bits, group_size, tile)
+    if check:
+        m, n, k = check_operands(x, words, scale, zero, bias, bits, group_size, tile)
+    else:
+        m, n, k = x.shape[0], words.shape[0], x.shape[1]
     if not 1 <= m <= MAX_ROWS:
         raise LowbitError(f"int_gemv takes 1 to {MAX_ROWS} rows, not {m}")
     if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
         raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     args = (x, words, scale, zero, bias, bits, group_size, tile)
     if config is None:
         key = (m == 1, n, k, bits, group_size, tile, zero is None, x.dtype, x.device)

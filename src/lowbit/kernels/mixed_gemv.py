@@ -591,6 +591,24 @@ def outlier_spmv(x: Tensor, ops: dict) -> Tensor:
 # ----------------------------------------------------------------------------- launch
 
 
+def _static_operands(ops: dict) -> tuple:
+    """The weight's kernel arguments that no call changes (tensors, strides, the outlier loop's
+    trip count), computed on the first launch and kept in ``ops``."""
+    static = ops.get("launch_static")
+    if static is None:
+        tensors = (
+            ops["primary"], ops["secondary"], ops["stats2"], ops["stats4"], ops["second2"],
+            ops["second4"], ops["col2"], ops["col4"], ops["row_ptr"], ops["col_val"],
+        )  # fmt: skip
+        strides = (
+            ops["primary"].stride(0), max(1, ops["secondary"].stride(0)),
+            max(1, ops["stats2"].stride(0)), max(1, ops["stats4"].stride(0)),
+            ops["second2"].stride(0), ops["second4"].stride(0),
+        )  # fmt: skip
+        static = ops["launch_static"] = (tensors, strides, _nnz_bound(ops["max_row_nnz"]))
+    return static
+
+
 def _launch(x, ops, bias, config, asynchronous, fuse_outliers, probe=False):
     """One launch (the product ``[M, N]``; unfused outliers add a second), or with ``probe``
     the compiled kernel only."""
@@ -599,27 +617,19 @@ def _launch(x, ops, bias, config, asynchronous, fuse_outliers, probe=False):
     seg = ops["segments"]
     block_m, block_n, tile, split_k, num_warps = config
     per_step = 2 if block_m == 1 else tile  # words per loop iteration
-    steps = [triton.cdiv(c, per_step) for c in (seg.ua, seg.ub, seg.uc)]
+    steps = [-(-c // per_step) for c in (seg.ua, seg.ub, seg.uc)]
     split_k = max(1, min(split_k, max(steps)))
-    per_split = [triton.cdiv(t, split_k) for t in steps]
+    per_split = [-(-t // split_k) for t in steps]
     fuse = fuse_outliers and ops["max_row_nnz"] > 0
     separate = not fuse_outliers and ops["max_row_nnz"] > 0  # a second launch adds them
-    grid = (triton.cdiv(n, block_n), split_k)
+    grid = (-(-n // block_n), split_k)
     out, partials, counters = split_buffers(
         x, split_k, n, grid[0], torch.float32 if separate else None
     )  # [M, N], [S, M, N], [tiles]
-    tensors = (
-        ops["primary"], ops["secondary"], ops["stats2"], ops["stats4"], ops["second2"],
-        ops["second4"], ops["col2"], ops["col4"], ops["row_ptr"], ops["col_val"],
-    )  # fmt: skip
-    strides = (
-        ops["primary"].stride(0), max(1, ops["secondary"].stride(0)),
-        max(1, ops["stats2"].stride(0)), max(1, ops["stats4"].stride(0)),
-        ops["second2"].stride(0), ops["second4"].stride(0),
-    )  # fmt: skip
+    tensors, strides, nnz_bound = _static_operands(ops)
     common = dict(
         UA=seg.ua, UB=seg.ub, UC=seg.uc, G2=ops["g2"], BLOCK_N=block_n, ASYNC=asynchronous,
-        FUSE_OUTLIERS=fuse, MAX_ROW_NNZ=_nnz_bound(ops["max_row_nnz"]), SPLIT_K=split_k,
+        FUSE_OUTLIERS=fuse, MAX_ROW_NNZ=nnz_bound, SPLIT_K=split_k,
         HAS_BIAS=bias is not None, INTERPRET=INTERPRET, num_warps=num_warps, grid=grid,
         warmup=probe,
     )  # fmt: skip
@@ -706,6 +716,7 @@ def mixed_gemv(
     fuse_outliers: bool = True,
     config: tuple[int, int, int, int, int] | None = None,
     tune: bool = True,
+    check: bool = True,
 ) -> Tensor:
     """``x @ Wᵀ + bias`` for M <= 16 with ``W`` from :func:`prepare_mixed`'s operands.
 
@@ -719,11 +730,33 @@ def mixed_gemv(
             BLOCK_M 1 (M = 1, ``T`` ignored: two words per step) or 16 (``T`` words per tile,
             a power of two of at least 16, the dot's depth).
         tune: on a GPU, time a few configurations once per shape and keep the fastest.
+        check: validate the input and bias (False: the caller did, as the backend does).
 
     Returns:
         ``[M, N]`` in x's dtype (fp32 accumulation).
     """
     n, k = ops["shape"]
+    m = x.shape[0]
+    if check:
+        _check(x, ops, bias, n, k)
+    elif not 1 <= m <= MAX_ROWS:
+        raise LowbitError(f"mixed_gemv takes 1 to {MAX_ROWS} rows, not {m}")
+    if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
+        raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
+    if config is not None and config[0] > 1 and config[2] < 16:
+        raise LowbitError("tiles of fewer than 16 words cannot feed tl.dot (BLOCK_M = 16)")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if config is None:
+        key = (m == 1, n, k, ops["segments"], x.dtype, x.device, asynchronous, fuse_outliers)
+        config = _TUNED.get(key)
+        if config is None:
+            config = _TUNED[key] = _choose(x, ops, bias, asynchronous, fuse_outliers, tune)
+    return _launch(x, ops, bias, config, asynchronous, fuse_outliers)
+
+
+def _check(x: Tensor, ops: dict, bias: Tensor | None, n: int, k: int) -> None:
+    """Refuse, in a sentence, an input or bias that does not fit the weight of ``ops``."""
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float16, torch.bfloat16):
         raise LowbitError(f"x must be [M, {k}] fp16 or bf16, got {tuple(x.shape)} {x.dtype}")
     m = x.shape[0]
@@ -733,14 +766,3 @@ def mixed_gemv(
         raise LowbitError(f"bias must be [{n}] {x.dtype}")
     if ops["primary"].device != x.device:
         raise LowbitError(f"the weight is on {ops['primary'].device} and x on {x.device}")
-    if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
-        raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
-    if config is not None and config[0] > 1 and config[2] < 16:
-        raise LowbitError("tiles of fewer than 16 words cannot feed tl.dot (BLOCK_M = 16)")
-    x = x.contiguous()
-    if config is None:
-        key = (m == 1, n, k, ops["segments"], x.dtype, x.device, asynchronous, fuse_outliers)
-        config = _TUNED.get(key)
-        if config is None:
-            config = _TUNED[key] = _choose(x, ops, bias, asynchronous, fuse_outliers, tune)
-    return _launch(x, ops, bias, config, asynchronous, fuse_outliers)

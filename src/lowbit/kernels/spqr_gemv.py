@@ -337,11 +337,11 @@ def _launch(x, words, perm, sparse, bias, n, config, probe=False):
     m, k = x.shape
     block_m, block_tr, block_g, split_k, num_warps = config
     n_groups = words.shape[1] // TILE
-    chunks = triton.cdiv(n_groups, block_g)
-    per_split = triton.cdiv(chunks, split_k)
-    split_k = triton.cdiv(chunks, per_split)  # no empty splits
+    chunks = -(-n_groups // block_g)
+    per_split = -(-chunks // split_k)
+    split_k = -(-chunks // per_split)  # no empty splits
     kind, sp_ptr, sp_val = sparse
-    grid = (triton.cdiv(n, 16 * block_tr), split_k)
+    grid = (-(-n // (16 * block_tr)), split_k)
     out, partials, counters = split_buffers(x, split_k, n, grid[0])
     compiled = _spqr_gemv_kernel.run(
         x, words, words if perm is None else perm,
@@ -391,6 +391,7 @@ def spqr_gemv(
     *,
     out_features: int,
     config: tuple[int, int, int, int, int] | None = None,
+    check: bool = True,
 ) -> Tensor:
     """``x @ W'ᵀ + bias`` for M <= 16, fused dense and sparse.
 
@@ -403,17 +404,22 @@ def spqr_gemv(
         bias: ``[N]`` in ``x``'s dtype, or None.
         out_features: N.
         config: ``(BLOCK_M, BLOCK_TR, BLOCK_G, SPLIT_K, num_warps)`` to force a launch.
+        check: validate the operands (False: the caller built them, as the backend does).
 
     Returns:
         ``[M, N]`` in ``x``'s dtype (fp32 accumulation).
     """
-    _require_triton()
-    m, _ = check_operands(x, words, perm, out_features)
+    if check:
+        _require_triton()
+        m, _ = check_operands(x, words, perm, out_features)
+    else:
+        m = x.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise LowbitError(f"spqr_gemv takes 1 to {MAX_ROWS} rows, not {m}")
     if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
         raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     sparse = outliers if isinstance(outliers, tuple) else sparse_operands(outliers)
     args = (x, words, perm, sparse, bias, out_features)
     if config is None:

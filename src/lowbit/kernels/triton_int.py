@@ -23,6 +23,12 @@ from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.int_layout import KERNEL_BITS, pack_tiles, tile_words
 from lowbit.kernels.triton_support import input_refusal
 
+try:  # without Triton the backend stays registered and says why it cannot run (unsupported)
+    from lowbit.kernels.int_gemm import int_gemm
+    from lowbit.kernels.int_gemv import int_gemv
+except ImportError:
+    int_gemm = int_gemv = None
+
 __all__ = ["TritonIntBackend", "SMALL_M"]
 
 #: largest M that takes the decode kernel
@@ -50,29 +56,19 @@ class TritonIntBackend(WeightBackend):
         n, k = layer.out_features, layer.in_features
         tile = tile_words(k, layer.bits, _group(layer))
         codes = unpack_bits(layer.qdata, layer.bits, n * k).view(n, k)  # [N, K] uint8
-        prepared = {
+        return {
             "words": pack_tiles(codes, layer.bits, tile),  # [N, W] int32
             "scale": layer.scale.t().contiguous(),  # [G, N]
+            "zero": None if layer.zero is None else layer.zero.t().contiguous(),  # [G, N] u8
+            "static": dict(bits=layer.bits, group_size=_group(layer), tile=tile),
         }
-        if layer.zero is not None:
-            prepared["zero"] = layer.zero.t().contiguous()  # [G, N] uint8
-        return prepared
 
-    def matmul(self, layer, x: Tensor, prepared: dict[str, Tensor], bias: Tensor | None) -> Tensor:
-        from lowbit.kernels.int_gemm import int_gemm
-        from lowbit.kernels.int_gemv import int_gemv
-
-        kernel = int_gemv if x.shape[0] <= SMALL_M else int_gemm
-        return kernel(
-            x,
-            prepared["words"],
-            prepared["scale"],
-            prepared.get("zero"),
-            bias,
-            bits=layer.bits,
-            group_size=_group(layer),
-            tile=tile_words(layer.in_features, layer.bits, _group(layer)),
-        )  # [M, N]
+    def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
+        if x.shape[0] <= SMALL_M:  # operands built by prepare: no shape checks per call
+            return int_gemv(x, prepared["words"], prepared["scale"], prepared["zero"], bias,
+                            **prepared["static"], check=False)  # fmt: skip
+        return int_gemm(x, prepared["words"], prepared["scale"], prepared["zero"], bias,
+                        **prepared["static"])  # [M, N]  # fmt: skip
 
 
 register_backend(TritonIntBackend())

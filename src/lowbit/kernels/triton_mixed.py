@@ -19,6 +19,11 @@ from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.mixed_layout import prepare_mixed
 from lowbit.kernels.triton_support import input_refusal
 
+try:  # without Triton the backend stays registered and says why it cannot run (unsupported)
+    from lowbit.kernels.mixed_gemv import mixed_gemv
+except ImportError:
+    mixed_gemv = None
+
 __all__ = ["TritonMixedBackend", "SMALL_M"]
 
 #: largest M that takes the GEMV kernel
@@ -38,10 +43,8 @@ class TritonMixedBackend(WeightBackend):
         return prepare_mixed(layer.quantized_weight)
 
     def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
-        if x.shape[0] <= SMALL_M:
-            from lowbit.kernels.mixed_gemv import mixed_gemv
-
-            return mixed_gemv(x, prepared, bias)  # [M, N]
+        if x.shape[0] <= SMALL_M:  # operands built by prepare: no checks per call
+            return mixed_gemv(x, prepared, bias, check=False)  # [M, N]
         return F.linear(x, layer.dequantize_weight(x.dtype), bias)
 
 

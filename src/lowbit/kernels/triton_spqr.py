@@ -107,7 +107,8 @@ def spqr_product(x: Tensor, prepared: dict, bias, n: int) -> Tensor:
     """``x [M, K] @ W'ᵀ + bias``: the fused kernel for M <= 16, decode + GEMM above."""
     words, perm = prepared["words"], prepared["perm"]
     if x.shape[0] <= SMALL_M:
-        return spqr_gemv(x, words, perm, prepared["sparse_ops"], bias, out_features=n)  # [M, N]
+        return spqr_gemv(x, words, perm, prepared["sparse_ops"], bias, out_features=n,
+                         check=False)  # [M, N], operands built by prepare  # fmt: skip
     weight = spqr_dequantize_dense(words, n, x.shape[1]).float()  # [N, K] stored order
     rows, cols, values = prepared["sparse"]._coo()
     weight.index_put_((rows, cols), values, accumulate=True)  # D' + S' in fp32
