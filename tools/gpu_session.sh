@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
-# The GPU checks of lowbit, in stages that each fit one 10-minute device call.
+# The GPU checks of lowbit, in stages that each fit one device call.
 #
 #   bash tools/gpu_session.sh STAGE [STAGE ...]
 #
+# Built around the lent device's limits: one command at most 10 minutes, about 30 minutes of
+# device time a session, and a fresh machine whenever it went idle. So: one or two stages per
+# call, the cheapest first, and Triton's compiled kernels kept in .triton-cache/ under the
+# repository (ignored by git) so that a later call on a fresh machine reuses them -- pass it
+# to the device tool's `carry` (carry: [".triton-cache"]; it stays far below the 64 MiB limit).
 # Run from the repository root on a CUDA machine whose Python ($PYTHON, default python3) has
-# torch, triton, transformers, safetensors, pytest, hypothesis and nvidia-ml-py (the lent
-# H100/H200 image does); lowbit runs from src/ without being installed. Tables and logs go to
-# $OUT when it is set (the device tool's folder that comes back), else to docs/results/gpu/.
-# Stages:
+# torch, triton, transformers, safetensors, pytest and hypothesis; lowbit runs from src/
+# without being installed. Tables and logs go to $OUT when it is set (the device tool's folder
+# that comes back), else to docs/results/gpu/.
 #
-#   tests         every `gpu` test (compiled Triton kernels, CUDA recipes, StaticCache +
-#                 inductor)
-#   gemv-int      bench_gemv, integer kernels at M = 1, 16, 2048 on 4096x4096 and 11008x4096
-#                 beside cuBLAS fp16 and torch's int4 kernel (first calls tune: several
-#                 compiles a shape)
-#   gemv-int-big  the same on 4096x11008, 14336x4096
-#   gemv-spqr     bench_gemv --formats spqr at M = 1, 16 on its six GPU shapes
-#   gemv-mixed    bench_gemv --mixed (async / sync / outliers apart / none) beside cuBLAS
-#                 fp16 and lowbit's 4-bit g128 and 2-bit g64 kernels
-#   decode        bench_decode on the 7B-shaped random Llama: fp16, W4 g128, 2/4/16 with the
-#                 Table 3 cost columns of Li et al., 2024, then SpQR 1 % and 0 %
-#   memory        bench_memory --device cuda --shape 7b
+# The plan, in order (measured minutes are not known yet: no GPU has run it):
 #
-# How many stages fit a session's device time is not measured yet (no GPU has run them);
-# `tests gemv-mixed decode` covers the 2/4/16 issue's targets. Each stage writes a log and a
-# table (decode: two of each) beside device.txt; the device tool returns at most 8 files.
+#   smoke       (~2 min) versions; every kernel compiled and launched once with tuning off
+#               against its torch reference, with the resources the driver loaded it with
+#               (tools/gpu_smoke.py). Stop here if anything fails.
+#   irregular   the kernel tests on irregular shapes (tests/kernels, compiled instead of
+#               interpreted) and every `gpu` test of tests/kernels
+#   int-4096    bench_gemv, 4-bit g128 at M = 1, 16, 2048 on 4096x4096 (tuning on)
+#   int-11008   the same on 11008x4096
+#   int-28672   the same on 28672x8192
+#   spqr        bench_gemv --formats spqr at M = 1, 16 on 4096x4096 and 11008x4096
+#   mixed       bench_gemv --mixed at M = 1, 16 on 4096x4096 and 11008x4096
+#   decode      bench_decode on the 7B-shaped random Llama: fp16, W4 g128, 2/4/16
+#   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
+#   tests       every `gpu` test of the repository
+#
+# A first call: `smoke irregular`; then `int-4096 int-11008`, `int-28672 spqr`, `mixed`,
+# `decode`, `decode-spqr`, each carrying .triton-cache. Whatever the GPU measures goes to
+# docs/results/ with the date and the device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="$PWD/.triton-cache"
 dest="${OUT:-docs/results/gpu}"
 stamp="$(date +%Y-%m-%d)"
-shapes6="4096x4096 11008x4096 4096x11008 14336x4096 8192x8192 28672x8192"
 status=0
 py="${PYTHON:-python3}"
 
@@ -41,7 +48,12 @@ run() {  # run NAME COMMAND...: the command's output to the screen and $dest/NAM
     "$@" 2>&1 | tee "$dest/$name.log" || status=1
 }
 
-stages="tests gemv-int gemv-int-big gemv-spqr gemv-mixed decode memory"
+gemv_int() {  # gemv_int NAME SHAPE: 4-bit g128 beside cuBLAS fp16 and torch's int4 kernel
+    run "$1" "$py" benchmarks/bench_gemv.py --device cuda --formats 4:128 --rows 1 16 2048 \
+        --shapes "$2" --out "$dest/${1}_$stamp.md"
+}
+
+stages="smoke irregular int-4096 int-11008 int-28672 spqr mixed decode decode-spqr tests"
 if [ $# -eq 0 ]; then
     echo "usage: bash tools/gpu_session.sh STAGE [STAGE ...], STAGE in: $stages" >&2
     exit 2
@@ -52,29 +64,31 @@ for stage in "$@"; do
         exit 2
     fi
 done
-mkdir -p "$dest"
+mkdir -p "$dest" "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
     | tee "$dest/device.txt"
 for stage in "$@"; do
     case "$stage" in
-    tests) run tests "$py" -m pytest -q -p no:cacheprovider -m gpu tests ;;
-    gemv-int) run gemv-int "$py" benchmarks/bench_gemv.py --device cuda \
-        --shapes 4096x4096 11008x4096 --out "$dest/kernels_gpu_$stamp.md" ;;
-    gemv-int-big) run gemv-int-big "$py" benchmarks/bench_gemv.py --device cuda \
-        --shapes 4096x11008 14336x4096 --out "$dest/kernels_gpu_big_$stamp.md" ;;
-    gemv-spqr) run gemv-spqr "$py" benchmarks/bench_gemv.py --device cuda --formats spqr \
-        --rows 1 16 --shapes $shapes6 --out "$dest/spqr_gemv_gpu_$stamp.md" ;;
-    gemv-mixed) run gemv-mixed "$py" benchmarks/bench_gemv.py --device cuda --mixed \
-        --rows 1 16 --formats 4:128 2:64 --shapes $shapes6 \
-        --out "$dest/mixed_gemv_gpu_$stamp.md" ;;
-    decode)
-        run decode-mixed "$py" benchmarks/bench_decode.py --device cuda --compile --cost \
-            --new-tokens 256 --rows fp16 "W4 g128 (GPTQ 4-bit format)" "2/4/16 mixed" \
-            --out "$dest/mixed_decode_gpu_$stamp.md"
-        run decode-spqr "$py" benchmarks/bench_decode.py --device cuda --compile \
-            --rows fp16 "SpQR w3 1%" "SpQR w3 0%" --out "$dest/spqr_decode_gpu_$stamp.md"
+    smoke)
+        "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', \
+torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$dest/device.txt"
+        LOWBIT_TRITON_TUNE=0 run smoke "$py" tools/gpu_smoke.py
         ;;
-    memory) run memory "$py" benchmarks/bench_memory.py --device cuda --shape 7b ;;
+    irregular) run irregular "$py" -m pytest -q -p no:cacheprovider tests/kernels ;;
+    int-4096) gemv_int int-4096 4096x4096 ;;
+    int-11008) gemv_int int-11008 11008x4096 ;;
+    int-28672) gemv_int int-28672 28672x8192 ;;
+    spqr) run spqr "$py" benchmarks/bench_gemv.py --device cuda --formats spqr --rows 1 16 \
+        --shapes 4096x4096 11008x4096 --out "$dest/spqr_gemv_$stamp.md" ;;
+    mixed) run mixed "$py" benchmarks/bench_gemv.py --device cuda --mixed --rows 1 16 \
+        --formats 4:128 --shapes 4096x4096 11008x4096 --out "$dest/mixed_gemv_$stamp.md" ;;
+    decode) run decode "$py" benchmarks/bench_decode.py --device cuda --compile --cost \
+        --new-tokens 128 --rows fp16 "W4 g128 (GPTQ 4-bit format)" "2/4/16 mixed" \
+        --out "$dest/decode_$stamp.md" ;;
+    decode-spqr) run decode-spqr "$py" benchmarks/bench_decode.py --device cuda --compile \
+        --new-tokens 128 --rows fp16 "SpQR w3 1%" "SpQR w3 0%" --out "$dest/decode_spqr_$stamp.md" ;;
+    tests) run tests "$py" -m pytest -q -p no:cacheprovider -m gpu tests ;;
     esac
 done
+du -sh "$TRITON_CACHE_DIR" | tee -a "$dest/device.txt"
 exit $status

@@ -113,21 +113,23 @@ def _int_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _launch(x, words, scale, zero, bias, bits, group_size, tile, config) -> Tensor:
+def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=False):
+    """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only."""
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
     block_m, block_n, num_warps, num_stages = config
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _int_gemm_kernel[grid](
+    compiled = _int_gemm_kernel.run(
         x, words, scale, words if zero is None else zero, x if bias is None else bias, out,
         m, n, k,
         x.stride(0), words.stride(0), scale.stride(0), 0 if zero is None else zero.stride(0),
         out.stride(0),
         BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
         HAS_BIAS=bias is not None, K_TILES=words.shape[1] // tile, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8,
-        INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, grid=grid,
+        warmup=probe,
     )  # fmt: skip
-    return out
+    return compiled if probe else out
 
 
 def _candidates():

@@ -1,0 +1,28 @@
+"""``tools/gpu_smoke.py``, the first stage of a GPU session, runs every kernel it launches on the
+GPU in Triton's interpreter here on a small weight: its calls still fit the kernels' wrappers
+(a broken smoke stage would cost a device call), and each product is within the tolerance the
+stage enforces."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import gpu_smoke  # noqa: E402
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(not triton.knobs.runtime.interpret, reason="the GPU runs the tool itself"),
+]
+
+
+def test_every_kernel_of_the_smoke_stage_runs_and_matches_its_reference():
+    rows = list(gpu_smoke.smoke_rows("cpu", n=40, k=256, prefill_rows=20))
+    assert len(rows) == 4 * 2 * 3 + 2 + 2  # int formats x dtypes x M, SpQR and 2/4/16 at M 1, 16
+    for name, _, compiled, err, dtype in rows:
+        assert compiled is None  # interpreted: nothing compiled
+        assert err <= gpu_smoke.TOL[str(dtype).removeprefix("torch.")], name

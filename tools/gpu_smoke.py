@@ -1,0 +1,128 @@
+"""First contact with a GPU: compile and launch every Triton kernel of lowbit once, with tuning
+off, check each product against its torch reference, and print the compiled kernel's resources
+as the driver loaded it (registers, shared memory, spills, blocks per SM, SPLIT_K the grid took).
+
+Meant as the first stage of ``tools/gpu_session.sh`` (about two minutes, most of it compiles):
+a kernel that does not launch or computes something else is found before any benchmark. Exits
+non-zero when any product is off its reference. ::
+
+    LOWBIT_TRITON_TUNE=0 python tools/gpu_smoke.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("LOWBIT_TRITON_TUNE", "0")
+
+# |kernel - reference| <= TOL * max|reference| (the interpreter tests' bounds)
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def _rel_err(got, want) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows: int = 512):
+    """``(name, config, compiled kernel or None, relative error, dtype)`` of one launch of each
+    kernel on an ``n x k`` weight with its default configuration (the compiled kernel is None
+    under Triton's interpreter)."""
+    import torch
+
+    from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize
+    from lowbit.algorithms.spqr import SpQRSpec
+    from lowbit.formats.intq import IntQuantized
+    from lowbit.kernels import int_gemm, int_gemv, mixed_gemv, spqr_gemv
+    from lowbit.kernels.int_layout import tiled_reference
+    from lowbit.kernels.mixed_layout import mixed_reference, prepare_mixed
+    from lowbit.nn.packed_linear import PackedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen) * 0.02
+    bias = (torch.randn(n, generator=gen) * 0.02).to(device)
+    for bits, group, symmetric in ((4, 128, True), (4, 128, False), (3, 128, True), (2, 64, False)):
+        q = IntQuantized.from_float(weight, bits, group_size=group, symmetric=symmetric,
+                                    scale_dtype=torch.float16)  # fmt: skip
+        layer = PackedLinear.from_quantized(q, backend="triton").to(device)
+        for dtype in (torch.float16, torch.bfloat16):
+            for m in (1, 16, prefill_rows):
+                x = torch.randn(m, k, generator=gen).to(device, dtype)
+                layer(x)  # prepares the layout
+                (prepared,) = layer.__dict__["_prepared"].values()
+                static = prepared["static"]
+                args = (x, prepared["words"], prepared["scale"], prepared["zero"], bias.to(dtype),
+                        bits, static["group_size"], static["tile"])  # fmt: skip
+                if m <= 16:  # the default block shape, SPLIT_K from its occupancy
+                    module = int_gemv
+                    n_tiles = prepared["words"].shape[1] // static["tile"]
+                    config = int_gemv._choose(args, m, n_tiles, tune=False)
+                else:
+                    module, config = int_gemm, next(int_gemm._candidates())
+                got = module._launch(*args, config)
+                compiled = module._launch(*args, config, probe=True)
+                sym = "sym" if symmetric else "asym"
+                yield (f"int W{bits} g{group} {sym} M={m} {str(dtype)[6:]}", config, compiled,
+                       _rel_err(got, tiled_reference(*args)), dtype)  # fmt: skip
+
+    spqr = SpQRSpec(outlier_fraction=0.01, tau=1e-12).rtn(weight)
+    spqr.perm = torch.randperm(k, generator=gen).to(torch.int16)
+    spqr = spqr.to(device)
+    words, perm = spqr.words(), (spqr.perm.to(torch.int32) & 0xFFFF)
+    sparse = spqr_gemv.sparse_operands(spqr.outliers)
+    for m in (1, 16):
+        x = torch.randn(m, k, generator=gen).to(device, torch.float16)
+        args = (x, words, perm, sparse, bias.half(), n)
+        config = spqr_gemv._choose(args, m, words.shape[1] // 16)
+        got = spqr_gemv._launch(*args, config)
+        compiled = spqr_gemv._launch(*args, config, probe=True)
+        err = _rel_err(got, spqr_gemv.spqr_reference(x, spqr, bias.half()))
+        yield f"spqr w3 1% M={m}", config, compiled, err, torch.float16
+
+    q = mixed_quantize(weight, None, MixedWeightSpec()).quantized.to(device)
+    ops = prepare_mixed(q)
+    for m in (1, 16):
+        x = torch.randn(m, k, generator=gen).to(device, torch.float16)
+        config = mixed_gemv._choose(x, ops, bias.half(), True, True, tune=False)
+        got = mixed_gemv._launch(x, ops, bias.half(), config, True, True)
+        compiled = mixed_gemv._launch(x, ops, bias.half(), config, True, True, probe=True)
+        err = _rel_err(got, mixed_reference(x, q, bias.half()))
+        yield f"mixed 2/4/16 M={m}", config, compiled, err, torch.float16
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_smoke needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    from lowbit.kernels.triton_support import (
+        blocks_per_sm,
+        device_limits,
+        launch_refusal,
+        resources_of,
+    )
+
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+          f"triton {triton.__version__}, CUDA {torch.version.cuda}", flush=True)  # fmt: skip
+    print("| kernel | config | registers | shared bytes | spill bytes | blocks/SM | launches | "
+          "err | check |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    limits = device_limits(torch.device("cuda"))
+    all_ok = True
+    for name, config, compiled, err, dtype in smoke_rows():
+        res = resources_of(compiled)
+        ok = err <= TOL[str(dtype).removeprefix("torch.")]
+        all_ok &= ok
+        print(f"| {name} | {config} | {res.registers} | {res.shared} | {res.spill} | "
+              f"{blocks_per_sm(res, limits)} | {launch_refusal(res, limits) or 'yes'} | "
+              f"{err:.1e} | {'ok' if ok else 'FAIL'} |", flush=True)  # fmt: skip
+    torch.cuda.synchronize()
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
