@@ -14,9 +14,15 @@ lowbit ``triton`` backend at W8/W4/W3 g128 and W2 g64, fp16 inputs; SpQR rows (`
 spqr`` alone): lowbit's fused SpQR kernel at 1% outliers with the outlier layout profiled, CSR,
 PTCSR, and without outliers, and Crnčević's own CUDA SpQR kernel (master's thesis, 2025) from
 the PyPI package ``spqr-quant`` on the same words when it imports (a benchmark dependency only:
-``pip install spqr-quant``; it compiles its extension with nvcc on first import); times from
-``triton.testing.do_bench_cudagraph``, i.e. GPU time without Python launch overhead, as decoding
-runs under CUDA graphs; ``--timer do_bench`` for plain ``do_bench``). The triton backend tunes
+``pip install spqr-quant``; it compiles its extension with nvcc on first import). Headline
+times (``µs``, ``× dense``) are GPU time with the L2 cache flushed before each call: the call is
+captured once in a CUDA graph (no Python launch overhead, as decoding runs under CUDA graphs;
+it also checks that every row can be captured), and 256 MB are written between replays, since
+an H100's 50 MB L2 would otherwise hold every 4-bit weight up to 8192². ``µs L2-hot`` is
+``triton.testing.do_bench_cudagraph`` replaying the same weight (``--timer do_bench``: plain
+``do_bench``). lowbit's 4-bit g128 kernel also runs in bf16 on the bf16 codes and scales torch's
+int4 kernel takes (``× torch int4``), and the launch configurations each kernel chose are listed
+under the table. The triton backend tunes
 a few launch configurations per shape on its first call: ~9 compiles of a few seconds per shape
 and format, so run two shapes per command under the 10-minute limit (Triton's cache makes
 reruns fast; ``LOWBIT_TRITON_TUNE=0`` skips tuning for a quick first pass)::
@@ -218,6 +224,49 @@ def int4_tinygemm(codes, scale, group, device):
     return (lambda x: op(x, w, group, scale_zero)), _bytes(w, scale_zero)
 
 
+#: bytes written between timed replays to evict the weights from L2 (an H100's is 50 MB)
+L2_FLUSH_BYTES = 256 << 20
+
+
+def cold_timer(fn, reps: int = 50) -> float:
+    """Seconds of one call of ``fn`` with the L2 cache flushed before it: ``fn`` captured once
+    in a CUDA graph (GPU time only, no Python launch overhead, and a check that the call can be
+    captured), then per replay a 256 MB buffer zeroed, the replay timed by CUDA events; median."""
+    import torch
+
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm (tuned and compiled before this)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]  # fmt: skip
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[len(times) // 2] * 1e-3
+
+
+def chosen_configs() -> list[str]:
+    """The launch configurations lowbit's kernels chose (tuned or default) so far, per key."""
+    from lowbit.kernels import int_gemm, int_gemv, mixed_gemv, spqr_gemv
+
+    lines = []
+    for module in (int_gemv, int_gemm, spqr_gemv, mixed_gemv):
+        for key, config in module._TUNED.items():
+            shown = tuple(str(v).replace("torch.", "") for v in key)
+            lines.append(f"- `{module.__name__.split('.')[-1]}` {shown}: {config}")
+    return lines
+
+
 def main() -> None:
     import torch
     import torch.nn.functional as F
@@ -259,8 +308,10 @@ def main() -> None:
             else triton.testing.do_bench
         )
 
-        def timer(fn):  # seconds
+        def timer(fn):  # seconds, L2-hot (the same weight replayed)
             return bench(fn) * 1e-3
+
+        headline_timer = cold_timer  # L2 flushed before each timed call
 
         dense_dtype, act_dtype, backends = torch.float16, torch.float16, ["triton"]
         dense_name = "cuBLAS fp16"
@@ -271,13 +322,16 @@ def main() -> None:
             t = Timer("fn()", globals={"fn": fn}, num_threads=args.threads)
             return min(t.blocked_autorange(min_run_time=args.seconds).times)
 
+        headline_timer = None  # one timer on the CPU
+
         dense_dtype, act_dtype = torch.float32, torch.bfloat16
         dense_name = "F.linear fp32"
         backends = [b for b in dispatch.backend_names() if b not in ("auto", "triton")]
 
     copy_bw = copy_bandwidth(device, timer)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    header = ["N x K", "M", "kernel", "µs", "weight GB/s", "% of copy", "GFLOP/s", "× dense", "err"]
+    header = ["N x K", "M", "kernel", "µs", "µs L2-hot", "weight GB/s", "% of copy", "GFLOP/s",
+              "× dense", "× torch int4", "err"]  # fmt: skip
     table = []
 
     for n, k in shapes:
@@ -297,8 +351,13 @@ def main() -> None:
         q4 = IntQuantized.from_float(weight, 4, group_size=g4, scale_dtype=torch.bfloat16)
         codes = (q4.codes().view(n, k).to(torch.int16) + 8).to(torch.uint8)  # [N, K]
         fn, nbytes = int4_tinygemm(codes, q4.scale, g4, device)
-        kernels.append((f"torch int4 g{g4} bf16", fn, nbytes, q4.dequantize(torch.float32),
+        int4_name = f"torch int4 g{g4} bf16"
+        kernels.append((int4_name, fn, nbytes, q4.dequantize(torch.float32),
                         torch.bfloat16, None))  # fmt: skip
+        if device == "cuda":  # bf16 beside bf16: the same codes and bf16 scales on lowbit's kernels
+            layer = PackedLinear.from_quantized(q4, backend="triton")
+            kernels.append((f"lowbit triton W4 g{g4} bf16", layer, None,
+                            q4.dequantize(torch.float32), torch.bfloat16, None))  # fmt: skip
         del q4, codes
         for bits, group in formats:
             group = _fitting_group(group, k) if group else None
@@ -318,7 +377,7 @@ def main() -> None:
 
         for m in rows_m:
             x32 = torch.randn(m, k, device=device)  # [M, K]
-            t_dense = None
+            t_dense = t_int4 = None
             for name, fn, nbytes, w_ref, dtype, max_m in kernels:
                 if max_m is not None and m > max_m:
                     continue
@@ -326,7 +385,8 @@ def main() -> None:
                 y_ref = x.float() @ w_ref.t()  # [M, N] fp32: same weight, same input
                 with torch.no_grad():
                     y = fn(x).float()  # prepares (and on the GPU tunes) outside the timing
-                    seconds = timer(lambda fn=fn, x=x: fn(x))
+                    hot = timer(lambda fn=fn, x=x: fn(x))
+                    seconds = headline_timer(lambda fn=fn, x=x: fn(x)) if headline_timer else hot
                 if nbytes is None and fn.backend == "triton":  # what the kernels read
                     (prepared,) = fn.__dict__["_prepared"].values()
                     nbytes = _bytes(*_tensors(prepared))
@@ -334,20 +394,36 @@ def main() -> None:
                     nbytes = fn.memory_bytes()
                 err = float((y - y_ref).abs().max() / y_ref.abs().max())
                 t_dense = t_dense or seconds
+                if name == int4_name:
+                    t_int4 = seconds
+                vs_int4 = f"{t_int4 / seconds:.2f}" if t_int4 and dtype == torch.bfloat16 else "-"
                 bw = nbytes / seconds
                 table.append([
-                    f"{n}x{k}", m, name, f"{seconds * 1e6:.1f}", f"{bw / 1e9:.1f}",
+                    f"{n}x{k}", m, name, f"{seconds * 1e6:.1f}",
+                    f"{hot * 1e6:.1f}" if headline_timer else "-", f"{bw / 1e9:.1f}",
                     f"{100 * bw / copy_bw:.0f}%", f"{2 * m * n * k / seconds / 1e9:.0f}",
-                    f"{t_dense / seconds:.2f}", f"{err:.1e}",
+                    f"{t_dense / seconds:.2f}", vs_int4, f"{err:.1e}",
                 ])  # fmt: skip
                 print(" | ".join(map(str, table[-1])), flush=True)
+        for line in chosen_configs():
+            print(line, flush=True)
 
     load_after = os.getloadavg()[0]
     dense_note = "fp16 cuBLAS" if device == "cuda" else "fp32 F.linear"
     text = (
         f"{stamp(command_line())} Copy bandwidth {copy_bw / 1e9:.1f} GB/s (device-to-device, "
         f"read + write). Load average (1 min) {load_before:.2f} before, {load_after:.2f} after. "
-        f"× dense = time of {dense_note} / time.\n\n{markdown_table(header, table)}\n"
+        f"× dense = time of {dense_note} / time; × torch int4 = its time / time, bf16 rows. "
+        + (
+            "µs: L2 flushed before each call (256 MB written between CUDA-graph replays); "
+            "µs L2-hot: the same weight replayed (do_bench_cudagraph)."
+            if headline_timer
+            else ""
+        )
+        + f"\n\n{markdown_table(header, table)}\n"
+        + "\nLaunch configurations chosen:\n\n"
+        + "\n".join(chosen_configs())
+        + "\n"
     )
     print(text)
     if args.out:
