@@ -82,26 +82,29 @@ def kernel_variants(arch: int = 90):
     from lowbit.kernels import int_gemm, int_gemv, mixed_gemv, spqr_gemv
 
     seen = set()
-    for m in (1, 16):
-        for block_m, block_n, warps, _ in int_gemv._candidates(m):
-            if ("gemv", block_m, block_n, warps) in seen:
-                continue
-            seen.add(("gemv", block_m, block_n, warps))
-            config = f"BLOCK_M {block_m} BLOCK_N {block_n} warps {warps}"
-            yield (
-                "int decode",
-                config,
-                "4-bit fp16 split 4",
-                lambda a=(4, block_m, block_n, warps): compile_decode_kernel(*a, arch, split_k=4),
-            )
-            yield (
-                "int decode",
-                config,
-                "3-bit bf16 asym split 4 bias",
-                lambda a=(3, block_m, block_n, warps): compile_decode_kernel(
-                    *a, arch, dtype="bf16", split_k=4, has_bias=True, symmetric=False
-                ),
-            )
+    for bits in (2, 3, 4, 8):
+        for m in (1, 16):
+            for block_m, block_n, warps, _ in int_gemv._candidates(m, bits):
+                if (bits, block_m, block_n, warps) in seen:
+                    continue
+                seen.add((bits, block_m, block_n, warps))
+                config = f"BLOCK_M {block_m} BLOCK_N {block_n} warps {warps}"
+                shape = (bits, block_m, block_n, warps)
+                if block_m == 1:  # the symmetric GEMV decodes differently (codes in place)
+                    yield (
+                        "int decode",
+                        config,
+                        f"{bits}-bit fp16 sym split 4",
+                        lambda a=shape: compile_decode_kernel(*a, arch, split_k=4),
+                    )
+                yield (
+                    "int decode",
+                    config,
+                    f"{bits}-bit bf16 asym split 4 bias",
+                    lambda a=shape: compile_decode_kernel(
+                        *a, arch, dtype="bf16", split_k=4, has_bias=True, symmetric=False
+                    ),
+                )
     for block_m, block_n, warps, stages in int_gemm._candidates():
         config = f"BLOCK {block_m}x{block_n} warps {warps} stages {stages}"
         yield (

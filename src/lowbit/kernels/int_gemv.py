@@ -75,6 +75,7 @@ def _int_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     PPW: tl.constexpr = 32 // BITS  # codes per word
+    HALF: tl.constexpr = PPW // 2  # codes in a word's lower half (at most 16 bits)
     TILE_K: tl.constexpr = PPW * TILE_WORDS  # codes per tile
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
     MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) as f32 = 2**23 + code
@@ -99,6 +100,7 @@ def _int_gemv_kernel(
         w_mask = mask_n[:, None] & ((t * TILE_WORDS + offs_w) < K_TILES * TILE_WORDS)[None, :]
         words = tl.load(w_ptrs, mask=w_mask, other=0)  # [BLOCK_N, TILE_WORDS] int32
         words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
+        upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1, sym)
         for j in tl.static_range(PPW):
             k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
             offs_k = k0 + offs_w  # [TILE_WORDS]
@@ -108,7 +110,24 @@ def _int_gemv_kernel(
             else:
                 zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
                 offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
-            if BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
+            if BLOCK_M == 1 and SYMMETRIC:
+                # the code masked in place, not shifted down: (src & (mask << s)) | MAGIC is
+                # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + zero * 2**s
+                # it is (code - zero) * 2**s, and x is scaled by 2**-s (exact): the product
+                # is (code - zero) * x bit for bit, at one LOP3, one FADD, one FFMA per code
+                if j < HALF:
+                    src = words
+                else:
+                    src = upper
+                codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | MAGIC  # [BLOCK_N, TILE_WORDS]
+                q = (
+                    codes.to(tl.float32, bitcast=True)
+                    - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
+                )  # (code - zero) * 2**s, exact
+                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                x = x * (1.0 / (1 << ((j % HALF) * BITS)))  # x * 2**-s, exact
+                acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
+            elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
                 # the same trick in fp16, two codes per instruction: bits (code | 0x6400) are
                 # 1024 + code, and 1024 + zero is exact in fp16 (integers up to 2048)
                 codes16 = (((words >> (j * BITS)) & CODE_MASK) | 0x6400).to(tl.uint16)
@@ -117,10 +136,10 @@ def _int_gemv_kernel(
             else:
                 codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
                 q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
-            if BLOCK_M == 1:
-                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
-            else:
+                if BLOCK_M == 1:  # (zero points: shifted down, fewer registers per row)
+                    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                    acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
+            if BLOCK_M > 1:
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
                 x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
                 if INTERPRET:  # the interpreter's bf16 dot is wrong: exact fp32 operands
@@ -168,13 +187,15 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
     return compiled if probe else out
 
 
-def _candidates(m: int):
+def _candidates(m: int, bits: int = 4):
     """Block shapes ``(BLOCK_M, BLOCK_N, warps, split divisor)`` timed on a GPU, the default
     first; SPLIT_K is derived from the compiled kernel's occupancy (one wave), divided by the
     divisor (fewer, longer splits: less fp32 partial traffic at 16 rows). Every shape compiles
-    for sm_90 within its limits (tests/kernels/test_kernel_resources.py)."""
+    for sm_90 within its limits at its width (tests/kernels/test_kernel_resources.py: at 2 bits
+    with zero points, 128 rows at M = 1 spill)."""
     if m == 1:
-        yield from ((1, 128, 4, 1), (1, 64, 4, 1), (MAX_ROWS, 128, 4, 1), (MAX_ROWS, 64, 4, 1))
+        gemv = ((1, 64, 4, 1),) if bits == 2 else ((1, 128, 4, 1), (1, 64, 4, 1))
+        yield from (*gemv, (MAX_ROWS, 128, 4, 1), (MAX_ROWS, 64, 4, 1))
     else:
         yield from ((MAX_ROWS, 128, 4, 1), (MAX_ROWS, 64, 4, 1), (MAX_ROWS, 128, 4, 4))
 
@@ -200,7 +221,7 @@ _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
 def _choose(args, m: int, n_tiles: int, tune: bool) -> tuple[int, int, int, int]:
-    shapes = list(_candidates(m))
+    shapes = list(_candidates(m, args[5]))
     if not (tune and TUNE and not INTERPRET):
         shapes = shapes[:1]
     configs = [c for c in (_config(args, s, n_tiles) for s in shapes) if c is not None]
