@@ -155,22 +155,29 @@ def main() -> None:
     if args.spqr:
         spqr_table(args.arch)
         return
-    print(
-        "| kernel | bits | x | BLOCK_M | BLOCK_N | warps | loop instrs | per code | most frequent |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    runs = [("decode", compile_decode_kernel, bm, bn, w, "fp16")
-            for bm, bn, w in ((1, 64, 4), (1, 128, 4), (16, 64, 4), (16, 128, 4))]  # fmt: skip
-    runs += [("decode", compile_decode_kernel, 16, 128, 4, "bf16")]
-    runs += [("prefill", compile_prefill_kernel, 128, 128, 8, dt) for dt in ("fp16", "bf16")]
+    print("| kernel | bits | x | zeros | BLOCK_M | BLOCK_N | warps | loop instrs | per code | "
+          "barriers per tile | most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    runs = [("decode", bm, bn, w, "fp16", sym)
+            for bm, bn, w in ((1, 64, 4), (1, 128, 4)) for sym in (True, False)]  # fmt: skip
+    runs += [("decode", 16, bn, 4, "fp16", True) for bn in (64, 128)]
+    runs += [("decode", 16, 128, 4, "bf16", True)]
+    runs += [("prefill", 128, 128, 8, dt, True) for dt in ("fp16", "bf16")]  # 2 stages: it fits
     for bits in args.bits:
-        for name, compile_fn, block_m, block_n, warps, dtype in runs:
-            kernel = compile_fn(bits, block_m, block_n, warps, args.arch, dtype)
+        for name, block_m, block_n, warps, dtype, sym in runs:
+            if name == "decode":
+                kernel = compile_decode_kernel(bits, block_m, block_n, warps, args.arch, dtype,
+                                               symmetric=sym)  # fmt: skip
+            else:
+                kernel = compile_prefill_kernel(bits, block_m, block_n, warps, args.arch, dtype,
+                                                num_stages=2)  # fmt: skip
             ops = loop_instructions(kernel.asm["cubin"])
             codes_per_thread = block_n * 32 * (32 // bits) / (32 * warps)  # one tile
+            barriers = sum(op == "BAR" for op in ops)
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
-            print(f"| {name} | {bits} | {dtype} | {block_m} | {block_n} | {warps} | {len(ops)} | "
-                  f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
+            print(f"| {name} | {bits} | {dtype} | {'no' if sym else 'yes'} | {block_m} | "
+                  f"{block_n} | {warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | "
+                  f"{barriers} | {top} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
