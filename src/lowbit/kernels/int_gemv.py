@@ -110,7 +110,7 @@ def _int_gemv_kernel(
             else:
                 zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
                 offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
-            if BLOCK_M == 1 and SYMMETRIC:
+            if BLOCK_M == 1 and SYMMETRIC and BITS < 8:  # (8 bits: a byte extract is cheaper)
                 # the code masked in place, not shifted down: (src & (mask << s)) | MAGIC is
                 # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + zero * 2**s
                 # it is (code - zero) * 2**s, and x is scaled by 2**-s (exact): the product
