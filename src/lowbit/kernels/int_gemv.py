@@ -206,8 +206,8 @@ def _config(args, shape, n_tiles: int):
     x, words = args[0], args[1]
     block_m, block_n, warps, divisor = shape
     programs = triton.cdiv(words.shape[0], block_n)
-    if INTERPRET:  # nothing to fill: one split, the interpreter runs programs one by one
-        return block_m, block_n, 1, warps
+    if INTERPRET:  # small blocks, one split: the interpreter runs programs one by one
+        return block_m, 32, 1, warps
     guess = (block_m, block_n, split_for(programs, n_tiles, 2 * device_limits(x.device).sms), warps)
     resident = resident_programs(lambda: _launch(*args, guess, probe=True), x.device)
     if resident is None:

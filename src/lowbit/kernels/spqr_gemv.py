@@ -400,7 +400,8 @@ def spqr_gemv(
         words: ``[ceil(N / 16), ceil(K / 16) * 16]`` int64 packed words.
         perm: ``[K]`` int32 input permutation (stored column ``j`` reads ``x[:, perm[j]]``) or
             None (:meth:`SpQRQuantized.perm_index` as int32; the containers keep 16 bits).
-        outliers: CSR or PTCSR with Crnčević's ``col_val`` words (stored column order), or None.
+        outliers: CSR or PTCSR with Crnčević's ``col_val`` words (stored column order), or
+            None, or their :func:`sparse_operands` computed once (no ``nnz`` read per call).
         bias: ``[N]`` in ``x``'s dtype, or None.
         out_features: N.
         config: ``(BLOCK_M, BLOCK_TR, BLOCK_G, SPLIT_K, num_warps)`` to force a launch.
