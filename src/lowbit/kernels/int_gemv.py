@@ -65,6 +65,19 @@ TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
+def _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, group, stride_sg, stride_zg,
+                 offs_n, mask_n, FOLD_ZERO: tl.constexpr):  # fmt: skip
+    """``acc + s * acc_group`` for one group (``[BLOCK_N, ...]``); with ``FOLD_ZERO`` the group
+    summed ``code * x`` and ``x_group`` holds its ``sum x`` per column:
+    ``acc + s * (acc_group - z * x_group)``."""
+    scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
+    if FOLD_ZERO:
+        zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
+        acc_group -= zero.to(tl.float32)[:, None] * x_group[None, :]
+    return acc + acc_group * scale.to(tl.float32)[:, None]
+
+
+@triton.jit
 def _int_gemv_kernel(
     x_ptr, words_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
@@ -91,6 +104,9 @@ def _int_gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_group = tl.zeros_like(acc)  # the current group's sum of (code - zero) * x, unscaled
+    # M = 1 below 8 bits with zero points: the group's sum of code * x and, per column, of x;
+    # the zeros are applied once per group, s * (sum code * x - z * sum x)
+    x_group = tl.zeros((TILE_WORDS,), dtype=tl.float32)
     # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
     # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked
     for i in range(TILES_PER_SPLIT):
@@ -100,21 +116,24 @@ def _int_gemv_kernel(
         w_mask = mask_n[:, None] & ((t * TILE_WORDS + offs_w) < K_TILES * TILE_WORDS)[None, :]
         words = tl.load(w_ptrs, mask=w_mask, other=0)  # [BLOCK_N, TILE_WORDS] int32
         words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
-        upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1, sym)
+        upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1)
         for j in tl.static_range(PPW):
             k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
             offs_k = k0 + offs_w  # [TILE_WORDS]
             group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
             if SYMMETRIC:
                 offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+            elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_group)
+                offset = tl.full((BLOCK_N,), 8388608.0, tl.float32)
             else:
                 zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
                 offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
-            if BLOCK_M == 1 and SYMMETRIC and BITS < 8:  # (8 bits: a byte extract is cheaper)
+            if BLOCK_M == 1 and BITS < 8:  # (8 bits: a byte extract is cheaper)
                 # the code masked in place, not shifted down: (src & (mask << s)) | MAGIC is
-                # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + zero * 2**s
-                # it is (code - zero) * 2**s, and x is scaled by 2**-s (exact): the product
-                # is (code - zero) * x bit for bit, at one LOP3, one FADD, one FFMA per code
+                # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + 8 * 2**s
+                # (symmetric) or 2**23 (zeros: folded per group) it is (code - 8) * 2**s or
+                # code * 2**s, and x is scaled by 2**-s (exact): the same product as with the
+                # code shifted down, at one LOP3, one FADD, one FFMA per code
                 if j < HALF:
                     src = words
                 else:
@@ -125,6 +144,8 @@ def _int_gemv_kernel(
                     - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
                 )  # (code - zero) * 2**s, exact
                 x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                if not SYMMETRIC:
+                    x_group += x  # [TILE_WORDS]
                 x = x * (1.0 / (1 << ((j % HALF) * BITS)))  # x * 2**-s, exact
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
             elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
@@ -147,13 +168,16 @@ def _int_gemv_kernel(
                 else:  # |code - zero| <= 255: exact in fp16 and bf16
                     acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
             if (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
-                scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
-                acc += acc_group * scale.to(tl.float32)[:, None]
+                acc = _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, group,
+                                   stride_sg, stride_zg, offs_n, mask_n,
+                                   not SYMMETRIC and BLOCK_M == 1 and BITS < 8)  # fmt: skip
                 acc_group = tl.zeros_like(acc)
+                x_group = tl.zeros_like(x_group)
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
-    scale = tl.load(scale_ptr + (last // GROUP_SIZE) * stride_sg + offs_n, mask=mask_n, other=0.0)
-    acc += acc_group * scale.to(tl.float32)[:, None]
+    acc = _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, last // GROUP_SIZE,
+                       stride_sg, stride_zg, offs_n, mask_n,
+                       not SYMMETRIC and BLOCK_M == 1 and BITS < 8)  # fmt: skip
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
