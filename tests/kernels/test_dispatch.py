@@ -22,7 +22,7 @@ class _Counting(dispatch.WeightBackend):
     name = "counting"
 
     def __init__(self):
-        self.prepared = 0
+        self.prepared = self.multiplied = 0
 
     def unsupported(self, layer, x):
         return f"it takes at most 4 rows, not {x.shape[0]}" if x.shape[0] > 4 else None
@@ -32,6 +32,7 @@ class _Counting(dispatch.WeightBackend):
         return {"weight": layer.dequantize_weight()}
 
     def matmul(self, layer, x, prepared, bias):
+        self.multiplied += 1
         return torch.nn.functional.linear(x, prepared["weight"].to(x.dtype), bias)
 
 
@@ -55,6 +56,26 @@ def test_auto_takes_the_first_backend_that_fits_and_prepares_once(counting):
     assert dispatch.choose(layer, small).name == "counting"
     assert dispatch.choose(layer, large.reshape(-1, 64)).name == "reference"  # refused: M = 10
     assert torch.equal(layer(large), reference(large))
+    assert counting.multiplied == 2  # M = 10 went to the reference backend
+    layer(small)  # back to M = 3: the counting backend again
+    assert counting.multiplied == 3
+    assert counting.prepared == 2  # one layout per layer: the reference's run replaced it
+
+
+def test_the_choice_follows_the_backend_setting_dtype_and_buffers(counting):
+    layer = _layer("counting")
+    x = torch.randn(2, 64)
+    layer(x)
+    layer.backend = "reference"
+    layer(x)
+    assert counting.multiplied == 1  # the new setting took over at once
+    layer.backend = "counting"
+    layer(x)
+    layer(x.bfloat16())  # another dtype: chosen again, the same layout
+    assert counting.multiplied == 3 and counting.prepared == 2
+    layer.__dict__.pop("_prepared")  # what a layout change (set_sparse_format) does
+    layer(x)
+    assert counting.prepared == 3
 
 
 def test_a_forced_backend_that_cannot_run_says_why(counting):

@@ -86,8 +86,8 @@ class WeightBackend:
 
     def unsupported(self, layer, x: Tensor) -> str | None:
         """Why this backend cannot run ``layer`` on ``x`` (a sentence), or None if it can; it
-        may depend on ``x``'s device and dtype only (the choice is cached per layer, device
-        and dtype by :func:`packed_matmul`)."""
+        may depend on ``x``'s device, dtype and row count (:func:`packed_matmul` keeps the
+        choice while those stay)."""
         return None
 
     def prepare(self, layer) -> dict[str, Tensor]:
@@ -180,12 +180,12 @@ def packed_matmul(layer, x: Tensor) -> Tensor:
     """``x [..., K] @ Wᵀ + b -> [..., N]`` with the layer's backend; prepared layouts are cached
     on the layer per backend and device (they follow the canonical buffers, not replace them).
 
-    The choice of backend and its prepared layout are looked up once per layer, backend
-    setting, device and dtype (and again when the layer's buffers change): a call in a decode
-    step is one tuple comparison and the backend's product."""
+    The choice of backend and its prepared layout are looked up again only when the layer's
+    backend setting, the input's device, dtype or row count, or the layer's buffers change: a
+    call in a decode step is one tuple comparison and the backend's product."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])  # [M, K]
-    key = (layer.backend, x2d.device, x2d.dtype, layer.storage_key())
+    key = (layer.backend, x2d.device, x2d.dtype, x2d.shape[0], layer.storage_key())
     plan = layer.__dict__.get("_plan")
     if plan is None or plan[0] != key or layer.__dict__.get("_prepared") is not plan[3]:
         plan = layer.__dict__["_plan"] = _plan(layer, x2d, key)
@@ -202,7 +202,7 @@ def _plan(layer, x2d: Tensor, key: tuple) -> tuple:
     if x2d.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise LowbitError(f"packed linears take fp16, bf16 or fp32 inputs, not {x2d.dtype}")
     backend = choose(layer, x2d)
-    prepared_key = (backend.name, x2d.device, key[3])
+    prepared_key = (backend.name, x2d.device, key[4])
     cache: dict[Any, dict[str, Tensor]] = layer.__dict__.setdefault("_prepared", {})
     if prepared_key not in cache:
         cache.clear()  # one prepared layout per layer: a new device or backend replaces it
