@@ -366,6 +366,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_arg(demo_parser)
     _add_eval_args(demo_parser, for_demo=True)
 
+    report_parser = commands.add_parser(
+        "report",
+        help="plot lowbit eval --json results in one self-contained HTML page",
+        description="Read one or more lowbit eval --json files and write --out, a new "
+        "directory: index.html (figures embedded) and each figure as a PNG: ppl and KL against "
+        "bits per weight with the Pareto front, KV-cache bytes against context length.",
+    )
+    report_parser.add_argument(
+        "results", nargs="+", metavar="JSON", help="lowbit eval --json files"
+    )
+    report_parser.add_argument("--out", required=True, help="the directory to write")
+
     generate_parser = commands.add_parser(
         "generate",
         help="generate text from a prompt (or hold a chat), quantized with a recipe or not",
@@ -699,6 +711,16 @@ def report(rows: list[dict], args) -> None:
         print(f"wrote {args.json}")
 
 
+def run_report(args) -> None:
+    try:
+        from lowbit.eval.report import write_report
+    except ImportError as err:  # matplotlib is the extra `report`
+        raise LowbitError(
+            f"lowbit report needs matplotlib: pip install 'lowbit[report]' ({err})"
+        ) from err
+    print(f"wrote {write_report(args.results, args.out)}")
+
+
 def factor_pow2(n: int) -> str:
     """576 -> '2^6 x 9'."""
     m = 0
@@ -956,6 +978,8 @@ def _run(args) -> None:
         run_generate(args)
     elif args.command == "recipes":
         run_recipes()
+    elif args.command == "report":
+        run_report(args)
 
 
 if __name__ == "__main__":
