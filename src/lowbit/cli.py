@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
         "KV cache) and call lm_eval.simple_evaluate. --tasks local runs the offline task "
         "lowbit_pydoc_cloze (multiple-choice cloze over CPython's pydoc text).",
     )
-    lm_eval_parser.add_argument("--model", required=True, help="a lowbit save directory or model")
+    _add_model_arg(lm_eval_parser)
     lm_eval_parser.add_argument("--tasks", default="local", help="comma-separated lm-eval tasks")
     lm_eval_parser.add_argument("--limit", type=int, default=None, help="items per task")
     lm_eval_parser.add_argument("--items", type=int, default=200, help="items of the local task")

@@ -40,7 +40,7 @@ def register() -> None:
         """``--model lowbit --model_args path=DIR[,chunk=N]``: lm-eval's ``hf`` scoring on a
         model lowbit loads."""
 
-        def __init__(self, path: str, chunk: int = 128, **kwargs) -> None:
+        def __init__(self, path: str | None = None, chunk: int = 128, **kwargs) -> None:
             from lowbit.api import load_model
             from lowbit.models.run import prepare_run
 
