@@ -366,6 +366,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_arg(demo_parser)
     _add_eval_args(demo_parser, for_demo=True)
 
+    report_parser = commands.add_parser(
+        "report",
+        help="plot lowbit eval --json results in one self-contained HTML page",
+        description="Read one or more lowbit eval --json files and write --out, a new "
+        "directory: index.html (figures embedded) and each figure as a PNG: ppl and KL against "
+        "bits per weight with the Pareto front, KV-cache bytes against context length.",
+    )
+    report_parser.add_argument(
+        "results", nargs="+", metavar="JSON", help="lowbit eval --json files"
+    )
+    report_parser.add_argument("--out", required=True, help="the directory to write")
+
+    lm_eval_parser = commands.add_parser(
+        "lm-eval",
+        help="run lm-evaluation-harness tasks on a model (lm-eval's model type lowbit)",
+        description="Register lm-eval's model type lowbit (lm-eval's hf scoring on a model "
+        "lowbit loads: a saved quantized directory runs with its activation quantizers and "
+        "KV cache) and call lm_eval.simple_evaluate. --tasks local runs the offline task "
+        "lowbit_pydoc_cloze (multiple-choice cloze over CPython's pydoc text).",
+    )
+    _add_model_arg(lm_eval_parser)
+    lm_eval_parser.add_argument("--tasks", default="local", help="comma-separated lm-eval tasks")
+    lm_eval_parser.add_argument("--limit", type=int, default=None, help="items per task")
+    lm_eval_parser.add_argument("--items", type=int, default=200, help="items of the local task")
+    lm_eval_parser.add_argument("--batch-size", type=int, default=8)
+    lm_eval_parser.add_argument("--chunk", type=int, default=128,
+                                help="tokens fed at a time through a quantized KV cache")  # fmt: skip
+    lm_eval_parser.add_argument("--json", default=None, metavar="FILE", help="write the results")
+
     generate_parser = commands.add_parser(
         "generate",
         help="generate text from a prompt (or hold a chat), quantized with a recipe or not",
@@ -699,6 +728,46 @@ def report(rows: list[dict], args) -> None:
         print(f"wrote {args.json}")
 
 
+def run_report(args) -> None:
+    try:
+        from lowbit.eval.report import write_report
+    except ImportError as err:  # matplotlib is the extra `report`
+        raise LowbitError(
+            f"lowbit report needs matplotlib: pip install 'lowbit[report]' ({err})"
+        ) from err
+    print(f"wrote {write_report(args.results, args.out)}")
+
+
+def run_lm_eval(args) -> None:
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise LowbitError(
+            f"lowbit lm-eval needs lm-eval: pip install 'lowbit[lm-eval]' ({err})"
+        ) from err
+    from lowbit.eval.harness import TASK_NAME, register, write_cloze_task
+
+    register()
+    tasks = [TASK_NAME if t == "local" else t for t in args.tasks.split(",") if t]
+    with tempfile.TemporaryDirectory() as directory:
+        manager = TaskManager(include_path=str(write_cloze_task(directory, args.items)))
+        unknown = [t for t in tasks if t not in manager.all_tasks]
+        if unknown:
+            raise LowbitError(f"lm-eval has no task {', '.join(unknown)}")
+        results = lm_eval.simple_evaluate(
+            model="lowbit", model_args={"path": args.model, "chunk": args.chunk},
+            tasks=tasks, task_manager=manager, limit=args.limit, batch_size=args.batch_size,
+            device=str(resolve_device("auto")),
+        )  # fmt: skip
+    for task, values in results["results"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
+        print(f"{task}: {shown}")
+    if args.json:
+        write_json_atomic(args.json, results["results"])
+        print(f"wrote {args.json}")
+
+
 def factor_pow2(n: int) -> str:
     """576 -> '2^6 x 9'."""
     m = 0
@@ -956,6 +1025,10 @@ def _run(args) -> None:
         run_generate(args)
     elif args.command == "recipes":
         run_recipes()
+    elif args.command == "report":
+        run_report(args)
+    elif args.command == "lm-eval":
+        run_lm_eval(args)
 
 
 if __name__ == "__main__":
