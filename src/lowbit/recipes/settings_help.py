@@ -50,6 +50,9 @@ SETTINGS: dict[str, str] = {
     "random orthogonal",
     "seed": "seed of the rotation's random signs or matrix",
     "online_fp16": "compute the online Hadamards in fp16 instead of fp32",
+    "online": "add the online Hadamards before down_proj and o_proj (false: the residual "
+    "rotation alone, a standard graph that GGUF files can hold)",
+    "gguf_type": "llama.cpp block type of the weights: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1 or IQ4_NL",
     # KV caches (kv-int, kivi, kvquant, quarot)
     "bits": "key and value bits, 2-8",
     "k_bits": "key bits, 2-8; 16 = keys in float",
