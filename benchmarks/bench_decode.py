@@ -9,12 +9,20 @@ fails says so and keeps its eager figures. Peak memory: on CPU the process's res
 sampled during decoding (after ``malloc_trim``, so quantization's freed memory is not counted),
 on GPU ``torch.cuda.max_memory_allocated`` during decoding.
 
-CPU rows: the embedded SmolLM2-135M in transformers fp32 and bf16; lowbit W8 per channel and
-W4/W3/W2 g64 RTN-packed on each CPU backend that runs the format, on the bf16 model (the
-torch-cpu kernels take bf16 activations) and W4 on the fp32 model (torch-cpu's exact path); and
-llama.cpp on the same GGUF file (Q4_1) with the same threads, through ``llama-cpp-python`` built
-from source in its own virtual environment (``--llama-cpp-venv``, created when missing, ~5
-minutes; a benchmark dependency only).
+CPU rows (``--shape smollm2``, the default): the embedded SmolLM2-135M in transformers fp32 and
+bf16; lowbit W8 per channel and W4/W3/W2 g64 RTN-packed on each CPU backend that runs the
+format, on the bf16 model (the torch-cpu kernels take bf16 activations; 2 and 3 bits run on the
+int4 kernel) and W4 on the fp32 model (torch-cpu's exact path); SpQR and 2/4/16 decoded once
+for the run; every lowbit row prepared as ``lowbit generate`` runs (:mod:`lowbit.models.run`); and llama.cpp on the same GGUF
+file (Q4_1) with the same threads, through ``llama-cpp-python`` built from source in its own
+virtual environment (``--llama-cpp-venv``, created when missing, ~5 minutes; a benchmark
+dependency only). ``--shape 1b``: the same rows on a random-weight Llama of about 1B parameters
+(hidden 2048, 16 layers, intermediate 5632, 32 heads, vocab 49152, untied head; 2.0 GB in
+bf16), where reading the weights dominates a decode step. ``--readme``: the README's own
+commands timed as a user runs them (``lowbit quantize`` then ``lowbit generate``, each a new
+process), the float model beside the saved W4 model, tokens/s as ``lowbit generate`` prints.
+"model MB" is what the model holds in memory while decoding (parameters, buffers and the
+kernels' prepared layouts: :func:`lowbit.eval.memory.memory_in_use`); "peak MB" the process.
 
 GPU rows (``--device cuda``): a 7B-shaped random-weight Llama (hidden 4096, intermediate 11008,
 32 layers, 32 heads, vocab 32000) in fp16 against lowbit W8/W4/W3/W2 with ``auto`` backends,
@@ -65,6 +73,8 @@ CPU_ROWS = {
     "transformers bf16": ("bfloat16", None, None),
     "W8 per-channel, torch-cpu": ("bfloat16", (8, None), "torch-cpu"),
     "W4 g64, torch-cpu": ("bfloat16", (4, 64), "torch-cpu"),
+    "W3 g64, torch-cpu": ("bfloat16", (3, 64), "torch-cpu"),
+    "W2 g64, torch-cpu": ("bfloat16", (2, 64), "torch-cpu"),
     "W4 g64, fp32 model, torch-cpu": ("float32", (4, 64), "torch-cpu"),
     "W3 g64, reference": ("bfloat16", (3, 64), "reference"),
     "W2 g64, reference": ("bfloat16", (2, 64), "reference"),
@@ -90,19 +100,25 @@ SEVEN_B = dict(
     hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
 )  # fmt: skip
+ONE_B = dict(
+    hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=32, vocab_size=49152, max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)  # fmt: skip
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
 
 # -- one row, in a child process ------------------------------------------------------------------
-def build_model(device: str, dtype_name: str, quant, backend):
+def build_model(device: str, dtype_name: str, quant, backend, shape: str = "smollm2"):
     import torch
 
     import lowbit
+    from lowbit.models.run import prepare_run
     from lowbit.nn.packed_linear import set_backend
     from lowbit.recipes.rtn import RTNRecipe
 
     dtype = getattr(torch, dtype_name)
-    if device == "cpu":
+    if device == "cpu" and shape == "smollm2":
         from lowbit.api import load_model
 
         loaded = load_model(None, dtype=dtype)
@@ -111,7 +127,7 @@ def build_model(device: str, dtype_name: str, quant, backend):
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         torch.manual_seed(0)
-        config = LlamaConfig(**SEVEN_B)
+        config = LlamaConfig(**(ONE_B if shape == "1b" else SEVEN_B))
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = None
@@ -129,6 +145,8 @@ def build_model(device: str, dtype_name: str, quant, backend):
             recipe = RTNRecipe(w_bits=bits, w_group=group)
         lowbit.quantize(model, recipe, progress=False, packed=True)
         set_backend(model, backend)
+    if device == "cpu":
+        prepare_run(model)  # as lowbit generate runs it: decoded SpQR/2-4-16, shared inputs
     return model, tokenizer
 
 
@@ -266,9 +284,11 @@ def run_row(args) -> dict:
     import torch
     from transformers import StaticCache
 
+    from lowbit.eval.memory import memory_in_use
+
     torch.set_num_threads(args.threads)
     dtype_name, quant, backend = (CPU_ROWS if args.device == "cpu" else GPU_ROWS)[args.row]
-    model, tokenizer = build_model(args.device, dtype_name, quant, backend)
+    model, tokenizer = build_model(args.device, dtype_name, quant, backend, args.shape)
     gc.collect()
     if args.device == "cpu":
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -300,6 +320,7 @@ def run_row(args) -> dict:
                 "tokens_per_s": batch * new_tokens / seconds,
                 "new_tokens": new_tokens,
                 "peak_mb": memory,
+                "model_mb": memory_in_use(model) / 2**20,
                 "first_tokens": tokens[:8],
             }
             if meter is not None and meter.joules is not None:
@@ -377,7 +398,7 @@ def child(args, row: str, compiled: bool) -> dict:
     argv = [sys.executable, __file__, "--row", row, "--device", args.device,
             "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
             "--reference-tokens", str(args.reference_tokens),
-            "--prompt-tokens", str(args.prompt_tokens),
+            "--prompt-tokens", str(args.prompt_tokens), "--shape", args.shape,
             "--batches", *map(str, args.batches)]  # fmt: skip
     if compiled:
         argv.append("--compiled")
@@ -399,30 +420,40 @@ def usd_per_million(got: dict, gpu_hour_usd: float, kwh_usd: float) -> float | N
 
 
 def table(results: list[dict], batches: list[int], cost: tuple[float, float] | None = None) -> str:
-    """Speeds against the dense row (transformers fp32 on the CPU, fp16 on the GPU) of the
-    same compile setting (eager when that one is missing); with ``cost`` (``$/GPU-hour``,
-    ``$/kWh``) the power, energy and cost columns."""
-    dense = [r for r in results if r["row"] in ("transformers fp32", "fp16")]
-    dense_name = dense[0]["row"].removeprefix("transformers ") if dense else "dense"
+    """Speeds as ratios to the dense rows (transformers fp32 and bf16 on the CPU, fp16 on the
+    GPU) of the same compile setting (eager when that one is missing); model and peak memory;
+    with ``cost`` (``$/GPU-hour``, ``$/kWh``) the power, energy and cost columns."""
+    dense_names = [n for n in ("transformers fp32", "transformers bf16", "fp16")
+                   if any(r["row"] == n for r in results)]  # fmt: skip
+    short = {n: n.removeprefix("transformers ") for n in dense_names}
     header = ["row", "compile"]
     for b in batches:
-        header += [f"tok/s B={b}", f"x {dense_name} B={b}", f"peak MB B={b}"]
+        header += [f"tok/s B={b}", *(f"x {short[n]} B={b}" for n in dense_names),
+                   f"model MB B={b}", f"peak MB B={b}"]  # fmt: skip
         if cost is not None:
             header += [f"W B={b}", f"J/token B={b}", f"$/Mtok B={b}"]
+
+    def base(name: str, compiled: bool) -> dict | None:
+        rows = [r for r in results if r["row"] == name and r["batches"]]
+        return next((r for r in rows if r["compile"] == compiled), None) or next(
+            (r for r in rows if not r["compile"]), None
+        )
+
     lines = []
     for r in results:
-        base = next((d for d in dense if d["compile"] == r["compile"] and d["batches"]), None)
-        base = base or next((d for d in dense if not d["compile"]), None)
         cells = [r["row"], "yes" if r["compile"] else "no"]
         for b in batches:
             got = r["batches"].get(b) or r["batches"].get(str(b))
-            ref = base and (base["batches"].get(b) or base["batches"].get(str(b)))
             if got is None:
-                cells += ["—"] * (6 if cost is not None else 3)
+                cells += ["—"] * (3 + len(dense_names) + (3 if cost is not None else 0))
                 continue
-            ratio = got["tokens_per_s"] / ref["tokens_per_s"] if ref else None
-            cells += [f"{got['tokens_per_s']:.1f}", "—" if ratio is None else f"{ratio:.2f}",
-                      f"{got['peak_mb']:.0f}"]  # fmt: skip
+            cells.append(f"{got['tokens_per_s']:.1f}")
+            for name in dense_names:
+                ref = base(name, r["compile"])
+                ref = ref and (ref["batches"].get(b) or ref["batches"].get(str(b)))
+                cells.append(f"{got['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "—")
+            model_mb = got.get("model_mb")
+            cells += ["—" if model_mb is None else f"{model_mb:.0f}", f"{got['peak_mb']:.0f}"]
             if cost is not None:
                 usd = usd_per_million(got, *cost)
                 cells += [
@@ -436,6 +467,46 @@ def table(results: list[dict], batches: list[int], cost: tuple[float, float] | N
     return markdown_table(header, lines)
 
 
+# -- the README's commands, as a user runs them ---------------------------------------------------
+README_QUANTIZE = ["quantize", "--recipe", "w4a16-g64-gptq", "--calib-samples", "8",
+                   "--calib-seqlen", "512", "--no-progress"]  # fmt: skip
+README_PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+def run_readme(args) -> str:
+    """``lowbit quantize`` (the README's recipe) then ``lowbit generate`` on the float model and
+    on the saved one, each a new process with ``--threads`` threads; tokens/s as the command
+    prints them (decode, prefill apart), seconds as the user waits (load included)."""
+    import re
+    import tempfile
+
+    lowbit = [sys.executable, "-m", "lowbit"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = str(Path(tmp) / "smollm2-w4")
+        start = time.perf_counter()
+        subprocess.run([*lowbit, *README_QUANTIZE, "--out", saved], check=True, env=env,
+                       capture_output=True)  # fmt: skip
+        quantize_s = time.perf_counter() - start
+        for label, model in (("float model (fp32)", []), ("saved W4 g64 GPTQ", ["--model", saved])):
+            argv = [*lowbit, "generate", *model, "--prompt", README_PROMPT,
+                    "--max-new-tokens", str(args.readme_tokens)]  # fmt: skip
+            start = time.perf_counter()
+            out = subprocess.run(argv, check=True, env=env, capture_output=True, text=True)
+            seconds = time.perf_counter() - start
+            found = re.search(r"(\d+) new tokens;.*decode ([\d.]+) tokens/s in (\w+)", out.stderr)
+            rows.append([label, found.group(3), found.group(1), found.group(2), f"{seconds:.1f}"])
+    ratio = float(rows[1][3]) / float(rows[0][3])
+    header = ["lowbit generate", "runs in", "new tokens", "decode tok/s", "command s"]
+    return (
+        f"README path: `lowbit {' '.join(README_QUANTIZE)} --out DIR` took {quantize_s:.0f} s; "
+        f"then `lowbit generate [--model DIR] --prompt {README_PROMPT!r} --max-new-tokens "
+        f"{args.readme_tokens}`: the saved W4 model decodes at {ratio:.2f}x the float "
+        f"model.\n\n{markdown_table(header, rows)}\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -444,6 +515,18 @@ def main() -> None:
     parser.add_argument("--reference-tokens", type=int, default=8,
                         help="steps for reference-backend rows (they are slow)")  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument(
+        "--shape",
+        default="smollm2",
+        choices=["smollm2", "1b"],
+        help="CPU model: the embedded SmolLM2 or a random 1B-shaped Llama",
+    )
+    parser.add_argument(
+        "--readme",
+        action="store_true",
+        help="also time the README's quantize + generate commands (CPU)",
+    )
+    parser.add_argument("--readme-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rows", nargs="+", default=None, help="row labels (default: all)")
     parser.add_argument("--compile", action="store_true", help="also run each row compiled")
@@ -481,9 +564,10 @@ def main() -> None:
         for compiled in modes:
             results.append(child(args, row, compiled))
             print(json.dumps(results[-1]), flush=True)
-    if args.device == "cpu" and not args.no_llama_cpp:
+    if args.device == "cpu" and args.shape == "smollm2" and not args.no_llama_cpp:
         results.append(run_llama_cpp(args))
         print(json.dumps(results[-1]), flush=True)
+    readme = run_readme(args) if args.readme and args.device == "cpu" else ""
     cost = (args.gpu_hour_usd, args.kwh_usd) if args.cost else None
     prices = (
         f" Cost: ${args.gpu_hour_usd:.3f} per GPU-hour and ${args.kwh_usd:.3f} per kWh."
@@ -492,6 +576,7 @@ def main() -> None:
     text = (
         f"{stamp(command_line())} Load average (1 min) {load_before:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after.{prices}\n\n{table(results, args.batches, cost)}\n"
+        + (f"\n{readme}" if readme else "")
     )
     print(text)
     if args.out:

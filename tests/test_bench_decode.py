@@ -77,4 +77,5 @@ def test_cost_per_million_tokens_and_the_table(bench):
     text = bench.table(results, [1], cost=(0.685, 0.09))
     assert "| $/Mtok B=1 |" in text
     row = next(line for line in text.splitlines() if line.startswith("| 2/4/16 mixed"))
-    assert row.split(" | ")[2:] == ["50.0", "2.00", "100", "400", "8.00", "4.006 |"]
+    # tok/s, x fp16, model MB (not measured here), peak MB, W, J/token, $/Mtok
+    assert row.split(" | ")[2:] == ["50.0", "2.00", "—", "100", "400", "8.00", "4.006 |"]

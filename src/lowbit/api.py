@@ -134,15 +134,18 @@ def _matches(name: str, pattern: str) -> bool:
 def load_model(
     spec: str | os.PathLike | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
 ) -> loader.LoadedModel:
     """A model and its tokenizer from any spec :func:`lowbit.models.loader.load_model` takes,
     or from a directory saved by :func:`lowbit.save` (quantized, packed, verified; ``source``
-    ``"lowbit"``; ``dtype`` is then the dtype of its float parameters)."""
+    ``"lowbit"``). ``dtype``: the dtype the model runs in; None is float32 for a float model
+    and, for a saved one, the dtype it records (:func:`lowbit.io.checkpoint.run_dtype`)."""
     path = None if spec is None else Path(spec).expanduser()
     if path is None or not (path.is_dir() and is_lowbit_checkpoint(path)):
-        return loader.load_model(spec, dtype=dtype, trust_remote_code=trust_remote_code)
+        return loader.load_model(
+            spec, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code
+        )
     from transformers import AutoTokenizer
 
     model = load(path, dtype=dtype)

@@ -178,6 +178,31 @@ def _add_device_arg(parser: argparse.ArgumentParser, help: str = DEVICE_HELP) ->
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N", help=help)
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_HELP = (
+    "the dtype the model runs in: auto is the one a saved lowbit model records (bfloat16 when "
+    "it was quantized in float32: torch's packed CPU kernels take bf16 activations) and float32 "
+    "for a float model; float32 on a packed model is the exact path, several times slower on "
+    "the CPU (default: auto)"
+)
+SAVE_DTYPE_HELP = (
+    "the dtype the saved model runs in when it loads (its config's dtype; the stored tensors "
+    "keep theirs, so --dtype float32 at load time is still exact): auto is bfloat16 for a "
+    "float32 model (default: auto)"
+)
+
+
+def _add_dtype_arg(parser: argparse.ArgumentParser, help: str = DTYPE_HELP) -> None:
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help=help)
+
+
+def resolve_dtype(name: str):
+    """The torch dtype ``--dtype NAME`` means; None for auto."""
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
+
+
 def resolve_device(name: str):
     """The torch device ``--device NAME`` means; a CUDA device this machine lacks is a sentence."""
     import torch
@@ -261,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_backend_arg(eval_parser)
     _add_device_arg(eval_parser)
+    _add_dtype_arg(eval_parser)
     _add_eval_args(eval_parser)
     eval_parser.add_argument(
         "--engine",
@@ -304,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, metavar="DIR", help="directory to write (new or empty)"
     )
     _add_device_arg(quantize_parser, help=CALIBRATION_DEVICE_HELP)
+    _add_dtype_arg(quantize_parser, help=SAVE_DTYPE_HELP)
     quantize_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     export_parser = commands.add_parser(
@@ -354,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_arg(info_parser)
     _add_device_arg(info_parser)
+    _add_dtype_arg(info_parser)
 
     commands.add_parser("recipes", help="list methods, their settings and defaults, and presets")
 
@@ -436,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibration_args(generate_parser)
     _add_backend_arg(generate_parser)
     _add_device_arg(generate_parser)
+    _add_dtype_arg(generate_parser)
     generate_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return parser
 
@@ -597,6 +626,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         kv_context=args.kv_context,
         backend=getattr(args, "backend", "auto"),  # demo has no --backend
         device=resolve_device(args.device),
+        dtype=resolve_dtype(getattr(args, "dtype", "auto")),  # demo has no --dtype
         resume_dir=args.resume_dir,
         trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress,
@@ -613,6 +643,11 @@ def run_eval_llama_cpp(args) -> dict:
         raise LowbitError("--engine llama.cpp needs --model FILE.gguf")
     if args.chunk is not None:
         raise LowbitError("--chunk feeds lowbit's KV caches; llama.cpp keeps its own")
+    if args.dtype != "auto" or args.backend != "auto":
+        raise LowbitError(
+            "--dtype and --backend choose how lowbit runs a model; llama.cpp runs the file as "
+            "its types say"
+        )
     if args.threads < 1:
         raise LowbitError(f"--threads must be at least 1, not {args.threads}")
     if args.json:
@@ -623,6 +658,7 @@ def run_eval_llama_cpp(args) -> dict:
     )  # fmt: skip
     # the table's other columns: llama.cpp's F16 cache, no quantization time
     row.update(kv_bytes_per_token=float("nan"), kv_context=args.kv_context, quantize_seconds=0.0)
+    row["dtype"] = "llama.cpp, the file's own types"
     return row
 
 
@@ -631,7 +667,7 @@ def run_quantize(args) -> None:
     from lowbit.atomic import check_target
     from lowbit.data import load_corpus
     from lowbit.eval.memory import memory_report
-    from lowbit.io.checkpoint import save
+    from lowbit.io.checkpoint import run_dtype, save
     from lowbit.models.adapter import adapter_for
 
     ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
@@ -654,17 +690,21 @@ def run_quantize(args) -> None:
         packed=True, resume_dir=args.resume_dir, device=device,
     )  # fmt: skip
     seconds = time.perf_counter() - start
-    save(model, out, tokenizer=loaded.tokenizer)
+    dtype = run_dtype(model, resolve_dtype(args.dtype) or "auto")
+    save(model, out, tokenizer=loaded.tokenizer, dtype=dtype)
     memory = memory_report(model, adapter_for(model))
     print(
         f"wrote {out}: {label}, {memory.bits_per_weight:.3f} bits per weight, "
-        f"{memory.model_bytes / 1e6:.1f} MB, quantized in {seconds:.1f} s"
+        f"{memory.model_bytes / 1e6:.1f} MB, quantized in {seconds:.1f} s; runs in "
+        f"{str(dtype).removeprefix('torch.')}"
     )
 
 
 def run_export_gguf(args) -> None:
     """``lowbit export --format gguf``: quantize with --recipe (gguf, rotate+gguf) or take a
     saved model, then write one GGUF file."""
+    import torch
+
     from lowbit.api import load_model, quantize
     from lowbit.data import load_corpus
     from lowbit.io.gguf import check_gguf_recipe, export_gguf, gguf_type_of
@@ -686,7 +726,8 @@ def run_export_gguf(args) -> None:
     calib_corpus = None
     if recipe is not None and recipe.needs_calibration:
         calib_corpus = load_corpus(args.calib, part="calibration")
-    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    # float32: a saved model's float tensors as they are stored, not the dtype it runs in
+    loaded = load_model(args.model, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
     model = loaded.model
     saved = getattr(model, "lowbit_recipe", None)
     if recipe is None and saved is None:
@@ -726,6 +767,8 @@ def run_export(args) -> None:
         return
     if args.type is not None:
         raise LowbitError("--type is a gguf setting; it needs --format gguf")
+    import torch
+
     from lowbit.api import load_model, quantize
     from lowbit.atomic import check_target
     from lowbit.data import load_corpus
@@ -749,7 +792,8 @@ def run_export(args) -> None:
     check_target(out, "export to")  # before the long work
     needs_calib = recipe is not None and recipe.needs_calibration
     calib_corpus = load_corpus(args.calib, part="calibration") if needs_calib else None
-    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    # float32: a saved model's float tensors as they are stored, not the dtype it runs in
+    loaded = load_model(args.model, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
     model = loaded.model
     saved = getattr(model, "lowbit_recipe", None)
     if recipe is None and saved is None:
@@ -775,7 +819,8 @@ def run_export(args) -> None:
 def report(rows: list[dict], args) -> None:
     first = rows[0]
     print(
-        f"model: {first['model']}\ndataset: {first['dataset']}, {first['windows']} windows x "
+        f"model: {first['model']} (runs in {first['dtype']})\n"
+        f"dataset: {first['dataset']}, {first['windows']} windows x "
         f"{first['seqlen']} tokens; KV bytes/token at context {first['kv_context']} "
         "(unquantized caches counted in fp16)"
     )
@@ -800,7 +845,9 @@ def run_info(args) -> None:
     from lowbit.models.adapter import adapter_for
 
     device = resolve_device(args.device)
-    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    loaded = load_model(
+        args.model, dtype=resolve_dtype(args.dtype), trust_remote_code=args.trust_remote_code
+    )
     loaded.model.to(device)
     adapter = adapter_for(loaded.model)
     recipe = getattr(loaded.model, "lowbit_recipe", None)
@@ -827,8 +874,10 @@ def run_info(args) -> None:
     print(f"tied embeddings: {'yes' if adapter.tied_embeddings else 'no'}")
     print(f"max context: {adapter.max_context}")
     print(f"device: {device}")
+    print(f"dtype: {str(loaded.model.dtype).removeprefix('torch.')}")
     if recipe is not None:  # a saved lowbit model
-        from lowbit.eval.memory import memory_report
+        from lowbit.eval.memory import memory_in_use, memory_report
+        from lowbit.models.run import prepare_run
 
         memory = memory_report(loaded.model, adapter)
         settings = " ".join(f"{k}={v}" for k, v in recipe.settings().items())
@@ -837,6 +886,20 @@ def run_info(args) -> None:
             f"bits per weight: {memory.bits_per_weight:.3f}; model: "
             f"{memory.model_bytes / 1e6:.1f} MB; KV cache: {memory.kv_bytes_per_token:.1f} "
             f"bytes per token at context {memory.kv_context}"
+        )
+        run = prepare_run(loaded.model)
+        if run.decoded:
+            print(
+                f"run: {run.decoded} layers without a packed CPU kernel run from their weight "
+                f"decoded to {str(loaded.model.dtype).removeprefix('torch.')}, which replaces "
+                "their packed buffers in memory"
+            )
+        if run.shared:
+            print(f"run: {run.shared} groups of projections of one input (q/k/v, gate/up) "
+                  "multiplied in one kernel call each")  # fmt: skip
+        print(
+            f"in memory: {memory_in_use(loaded.model) / 1e6:.1f} MB of weights and buffers "
+            "(a CPU kernel's layout of the packed weights is added at the first call)"
         )
 
 
@@ -867,6 +930,7 @@ def run_generate(args) -> None:
     from lowbit.data import load_corpus
     from lowbit.eval.run import check_backend, use_backend
     from lowbit.generate import check_sampling, check_text, generate
+    from lowbit.models.run import prepare_run
 
     recipe = None
     if args.recipe is not None:
@@ -889,7 +953,9 @@ def run_generate(args) -> None:
     needs_calib = quantizes and recipe.needs_calibration
     calib_corpus = load_corpus(args.calib, part="calibration") if needs_calib else None
 
-    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    loaded = load_model(
+        args.model, dtype=resolve_dtype(args.dtype), trust_remote_code=args.trust_remote_code
+    )
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.chat and not getattr(tokenizer, "chat_template", None):
         raise LowbitError(
@@ -911,6 +977,7 @@ def run_generate(args) -> None:
             resume_dir=args.resume_dir,
         )  # fmt: skip
     use_backend(model, args.backend)
+    prepare_run(model)  # what eval measures: lowbit.models.run
     torch.manual_seed(args.seed)
 
     def emit(text: str) -> None:
@@ -927,8 +994,8 @@ def run_generate(args) -> None:
         speed = "-" if result.tokens_per_second is None else f"{result.tokens_per_second:.1f}"
         print(
             f"lowbit: {len(result.new_tokens)} new tokens; prefill {result.prefill_seconds:.2f} s "
-            f"({result.prompt_tokens} prompt tokens); decode {speed} tokens/s; "
-            f"KV cache: {result.cache_type}",
+            f"({result.prompt_tokens} prompt tokens); decode {speed} tokens/s in "
+            f"{str(model.dtype).removeprefix('torch.')}; KV cache: {result.cache_type}",
             file=sys.stderr,
         )
         return result

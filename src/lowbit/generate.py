@@ -19,6 +19,7 @@ import torch
 from transformers import TextStreamer
 
 from lowbit.errors import LowbitError
+from lowbit.models.compat import CACHE_KWARG
 
 
 @dataclass
@@ -229,7 +230,7 @@ def generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 generation_config=config,
-                past_key_values=cache,
+                **{CACHE_KWARG: cache},
                 streamer=timed,
             )
     finally:
@@ -251,6 +252,12 @@ def generate(
         tokens_per_second=(len(times) - 1) / decode if decode > 0 else None,
         peak_memory_bytes=peak,
         peak_memory_kind=kind,
-        cache=out.past_key_values if out.past_key_values is not None else cache,
+        cache=_returned_cache(out, cache),
         streamed="".join(timed.pieces),
     )
+
+
+def _returned_cache(out, given):
+    """The cache ``generate`` returned (under this transformers' name for it), else ``given``."""
+    returned = getattr(out, CACHE_KWARG, None)
+    return returned if returned is not None else given

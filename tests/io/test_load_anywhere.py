@@ -62,10 +62,10 @@ CHILD = textwrap.dedent(
 
     def load(way, directory):
         if way == "lowbit.load":
-            return lowbit.load(directory)
+            return lowbit.load(directory, dtype=torch.float32)
         if way == "from_pretrained":
-            return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-        return lowbit.load_model(directory).model
+            return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        return lowbit.load_model(directory, dtype=torch.float32).model
 
     def check(way, directory, expected_path):
         expected = load_file(expected_path)

@@ -73,3 +73,20 @@ def test_saved_recipe_settings_are_checked_by_their_annotations():
             recipe_from_dict(bad)
     rotate = get_recipe("rotate").to_dict()
     assert recipe_from_dict(rotate).seed == 0  # a Count: 0 is a valid seed
+
+
+def test_every_preset_is_found_in_a_new_process():
+    """Presets a recipe module defines (SpQR's, 2/4/16's, KVQuant's ladder) register when that
+    module is imported; get_recipe finds them in a process that has imported nothing else."""
+    import subprocess
+    import sys
+
+    list_recipes()  # here: every recipe module, so every preset
+    names = sorted(PRESETS)
+    code = (
+        "import sys; from lowbit.recipes.registry import get_recipe\n"
+        "for name in sys.argv[1:]: get_recipe(name)\n"
+    )
+    assert {"mixed-2-4-16", "spqr-w3-1pct", "kvquant-ladder-nuq"} <= set(names)
+    done = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-500:]

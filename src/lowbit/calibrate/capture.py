@@ -117,7 +117,10 @@ def capture_first_block_inputs(
         hidden[index] = x[0].to(offload_device, hidden.dtype)
         if not kwargs:
             kept = {k: v for k, v in block_kwargs.items() if k != "hidden_states"}
-            kept.update(past_key_values=None, use_cache=False)
+            # no KV cache, under this transformers' name for it (5.24: cache, earlier:
+            # past_key_values); adding the other name would warn
+            kept.update({k: None for k in ("cache", "past_key_values") if k in kept})
+            kept["use_cache"] = False
             kwargs.update(_to(kept, device))
         raise _Captured
 

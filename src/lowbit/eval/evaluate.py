@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from lowbit.models.compat import CACHE_KWARG
+
 
 @dataclass
 class EvalResult:
@@ -49,8 +51,8 @@ def window_logits(model: torch.nn.Module, window: torch.Tensor, chunk: int | Non
     past = cache() if cache is not None else DynamicCache()
     pieces = []
     for start in range(0, ids.shape[1], chunk):
-        out = model(ids[:, start : start + chunk], past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(ids[:, start : start + chunk], use_cache=True, **{CACHE_KWARG: past})
+        past = getattr(out, CACHE_KWARG)
         pieces.append(out.logits[0].float())
     return torch.cat(pieces, dim=0)
 

@@ -76,6 +76,21 @@ def model_storage_bytes(model: torch.nn.Module) -> int:
     return bits // 8
 
 
+def memory_in_use(model: torch.nn.Module) -> int:
+    """Bytes the model holds in memory now: parameters, buffers (persistent or not) and the
+    layouts backends prepared from packed weights (kernel copies, decoded weights), each
+    storage once. What a run costs beside its activations and KV cache."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        for prepared in module.__dict__.get("_prepared", {}).values():
+            tensors += [t for t in prepared.values() if isinstance(t, torch.Tensor)]
+        group = module.__dict__.get("shared_input")  # lowbit.nn.shared_input
+        if group is not None:
+            tensors += group.prepared_tensors()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def parameter_count(model: torch.nn.Module) -> int:
     """Parameters of the model as its float original has them, each shared tensor once.
 

@@ -75,6 +75,7 @@ def evaluate_recipes(
     kv_context: int = 2048,
     backend: str = "auto",
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
     resume_dir: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
@@ -101,6 +102,8 @@ def evaluate_recipes(
         kv_context: context length at which KV-cache bytes per token are stated.
         backend: how packed linears multiply (``auto``, ``reference``, ``torch-cpu``, ...).
         device: where the model runs (None: the CPU, where it loads).
+        dtype: the dtype the model runs in (None: float32 for a float model, the recorded one
+            for a saved lowbit model: :func:`lowbit.load_model`); each row says which.
         resume_dir: block checkpoints of a GPTQ run (one GPTQ recipe at most).
         trust_remote_code: passed to transformers.
         progress: show progress bars.
@@ -109,13 +112,14 @@ def evaluate_recipes(
         One dict per recipe: ``model``, ``recipe`` (its ``to_dict()``), ``label``, ``dataset``,
         ``seqlen``, ``windows``, ``tokens``, ``ppl``, ``kl``, ``top1``, ``bits_per_weight``,
         ``model_bytes``, ``kv_bytes_per_token``, ``kv_context``, ``calibration``, ``chunk``,
-        ``backend``, ``quantize_seconds``, ``eval_seconds``, ``seconds``.
+        ``backend``, ``dtype``, ``quantize_seconds``, ``eval_seconds``, ``seconds``.
     """
     from lowbit.api import load_model, quantize
     from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
     from lowbit.eval.memory import memory_report
     from lowbit.models.adapter import adapter_for
+    from lowbit.models.run import prepare_run
 
     labelled = _labelled(recipes)
     if not labelled:
@@ -136,7 +140,7 @@ def evaluate_recipes(
     if any(r.needs_calibration for _, r in labelled):
         calib_corpus = load_corpus(calib, part="calibration")
 
-    loaded = load_model(model, trust_remote_code=trust_remote_code)
+    loaded = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     base, tokenizer = loaded.model.to(device), loaded.tokenizer  # loaded on the CPU
     adapter = adapter_for(base)
     if adapter.max_context and seqlen > adapter.max_context:
@@ -176,6 +180,7 @@ def evaluate_recipes(
             )  # fmt: skip
         quantize_seconds = time.perf_counter() - start
         use_backend(candidate, backend)
+        prepare_run(candidate)  # what generate runs: lowbit.models.run
         result = evaluate(
             candidate, ids, reference=reference, chunk=chunk, progress=progress, desc=label[:30]
         )
@@ -208,6 +213,7 @@ def evaluate_recipes(
                 "calibration": used_calibration,
                 "chunk": chunk,
                 "backend": backend,
+                "dtype": str(candidate.dtype).removeprefix("torch."),
                 "quantize_seconds": quantize_seconds,
                 "eval_seconds": result.seconds,
                 "seconds": quantize_seconds + result.seconds,

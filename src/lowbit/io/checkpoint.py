@@ -43,11 +43,15 @@ from lowbit.io.rebuild import (
     skeleton,
 )
 from lowbit.models.loader import quiet_transformers
+from lowbit.nn.decoded_linear import check_not_decoded
 from lowbit.nn.packed_linear import packed_format_for, unpack_model
 from lowbit.nn.quant_linear import FakeQuantLinear
 from lowbit.version import __version__
 
-__all__ = ["save", "check_save_target", "load", "describe", "checkpoint_tensors"]
+__all__ = ["save", "check_save_target", "load", "describe", "checkpoint_tensors", "run_dtype"]
+
+#: the dtypes a saved model can be told to run in
+RUN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
@@ -57,6 +61,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
         raise LowbitError(
             "this model was not quantized by lowbit (lowbit.quantize); nothing to save"
         )
+    check_not_decoded(model, "save")
     modules = {}
     for fqn, module in model.named_modules():
         spec = module_spec(module)
@@ -104,21 +109,44 @@ def check_save_target(target: Path) -> None:
     check_target(target, "save to")
 
 
-def saved_config(model: nn.Module) -> dict[str, Any]:
-    """``model.config`` as a JSON dict as it will read back, with the dtype the model's float
-    tensors have now (``model.to(torch.bfloat16)`` does not update the config)."""
+def run_dtype(model: nn.Module, dtype: torch.dtype | str = "auto") -> torch.dtype:
+    """The dtype a saved model runs in when it loads (its config's ``dtype``).
+
+    ``"auto"`` is bf16 for a float32 model: torch's packed CPU kernels (int4, int8) and lowbit's
+    GPU kernels take bf16 or fp16 activations, and fp32 inputs take the exact path, several
+    times slower (:mod:`lowbit.kernels.torch_cpu`). A bf16 or fp16 model keeps its dtype.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if model.dtype == torch.float32 else model.dtype
+    if dtype not in RUN_DTYPES:
+        raise LowbitError(f"a saved model runs in bfloat16, float16 or float32, not {dtype}")
+    return dtype
+
+
+def saved_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+    """``model.config`` as a JSON dict as it will read back, with ``dtype`` as the dtype the
+    model loads in (the stored tensors keep their own)."""
     config = json.loads(json.dumps(model.config.to_dict()))
-    config["dtype"] = str(model.dtype).removeprefix("torch.")
+    config["dtype"] = str(dtype).removeprefix("torch.")
     return config
 
 
-def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> Path:
+def save(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    tokenizer=None,
+    dtype: torch.dtype | str = "auto",
+) -> Path:
     """Write ``model`` (quantized by lowbit, either face) as a checkpoint directory.
 
     Args:
         model: a model ``lowbit.quantize`` returned (or one loaded from a checkpoint).
         directory: where to write; must not exist or be empty.
         tokenizer: saved beside the model when given.
+        dtype: the dtype the model runs in when loaded (:func:`run_dtype`; ``"auto"``: bf16
+            for a float32 model). The float tensors are stored as they are, so ``load(...,
+            dtype=torch.float32)`` still gives the exact float32 model.
 
     Returns:
         The directory's path.
@@ -127,12 +155,13 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> P
 
     target = Path(directory).expanduser()
     check_save_target(target)
+    dtype = run_dtype(model, dtype)
     qconfig = describe(model)
     tensors = checkpoint_tensors(model)
     _check_rebuilds(model.config, qconfig, tensors)
     with atomic_directory(target, verb="save to") as tmp:  # whole or not at all
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        config = saved_config(model)
+        config = saved_config(model, dtype)
         config["quantization_config"] = qconfig
         qconfig["checksums"] = {
             WEIGHTS_NAME: file_sha256(tmp / WEIGHTS_NAME),
@@ -175,7 +204,9 @@ def load(
     Args:
         directory: a directory written by :func:`save` (``lowbit quantize --out``).
         device: where to put the model (None: CPU).
-        dtype: float dtype for the unquantized parameters (None: as saved).
+        dtype: the dtype the model runs in (its float parameters and activations; the packed
+            buffers keep theirs). None: the one the checkpoint records (bf16 for a model
+            quantized in float32, :func:`run_dtype`); ``torch.float32`` for the exact path.
         packed: keep weights packed (True) or expand them to the simulated face (False).
         verify: check the files (keys, shapes, dtypes, checksum) before loading.
 

@@ -273,9 +273,11 @@ def plan_export(model: nn.Module) -> ExportPlan:
     """Check that compressed-tensors can hold ``model`` and say how; LowbitError if not."""
     from lowbit.models.adapter import adapter_for
     from lowbit.nn.act_quant import ActivationQuantizer
+    from lowbit.nn.decoded_linear import check_not_decoded
     from lowbit.nn.packed_linear import PackedLinearBase
     from lowbit.nn.quant_linear import FakeQuantLinear
 
+    check_not_decoded(model, "export")
     adapter = adapter_for(model)
     schemes: dict[str, LayerScheme] = {}
     float_linears: list[str] = []
@@ -475,7 +477,7 @@ def export_compressed_tensors(
     plan = plan_export(model)
     tensors = export_tensors(model, plan)
     _check_keys(model, plan, tensors)
-    config = saved_config(model)
+    config = saved_config(model, model.dtype)
     config.pop("quantization_config", None)
     config["quantization_config"] = compressed_tensors_config(plan)
     if not config.get("architectures"):

@@ -147,7 +147,10 @@ def restructure(model: nn.Module, qconfig: dict[str, Any]) -> None:
             raise LowbitError(
                 f"the checkpoint names a module {fqn!r} this model does not have"
             ) from err
-        replace_module(model, fqn, build_module(modules[fqn]))
+        module = build_module(modules[fqn])
+        if hasattr(module, "weight_dtype"):  # dequantized weights come in the dtype it runs in
+            module.weight_dtype = model.dtype
+        replace_module(model, fqn, module)
     for fqn in modules:
         module = model.get_submodule(fqn)
         if hasattr(module, "in_features"):

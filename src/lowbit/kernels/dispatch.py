@@ -96,6 +96,16 @@ class WeightBackend:
         """``x [M, K] @ Wᵀ + bias -> [M, N]`` in ``x``'s dtype (bias ``[N]`` in that dtype)."""
         raise NotImplementedError
 
+    def prepare_group(self, layers: list) -> dict[str, Any] | None:
+        """One layout for layers that share their input (q/k/v, gate/up), multiplied in one
+        call by :meth:`matmul_group`; None where this backend cannot (the default)."""
+        return None
+
+    def matmul_group(self, layers: list, x: Tensor, prepared: dict[str, Any]) -> list[Tensor]:
+        """``[x @ W_iᵀ + b_i for each layer]`` (``[M, N_i]`` each) in one call; None where
+        this input takes another path (then each layer multiplies on its own)."""
+        return None
+
 
 class ReferenceBackend(WeightBackend):
     """Dequantize the whole weight in fp32, cast to the input's dtype, ``F.linear``."""

@@ -29,6 +29,9 @@ class TorchCPUDecodedBackend(WeightBackend):
     """Decode once into bf16/fp16, then BLAS; the reference's arithmetic, bit for bit."""
 
     name = "torch-cpu"
+    #: the product is by the whole decoded weight (:func:`lowbit.nn.decoded_linear.decode_for_run`
+    #: swaps such layers for that weight alone, releasing the packed buffers, for a run)
+    decodes_whole_weight = True
 
     def unsupported(self, layer, x: Tensor) -> str | None:
         if x.device.type != "cpu":

@@ -101,7 +101,7 @@ def token_rotation(head_dim: int, device: torch.device | str | None = None) -> T
 
 def uniform_codebook(bits: int, device: torch.device | str | None = None) -> Tensor:
     """``2**bits`` evenly spaced levels on ``[-1, 1]`` (min-max integer quantization)."""
-    return torch.linspace(-1.0, 1.0, 2**bits, device=device)
+    return torch.linspace(-1.0, 1.0, 2**bits, device=device, dtype=torch.float32)
 
 
 def _check_settings(bits: int, num_heads: int, head_dim: int, outlier_fraction: float) -> None:

@@ -37,9 +37,10 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lowbit.errors import LowbitError
+from lowbit.nn.spec import StoredFloatBuffers
 from lowbit.registry import Registry
 from lowbit.settings import check_fields, field_annotations
 
@@ -135,9 +136,10 @@ KV_QUANTIZERS: Registry[str, type[KVQuantizer]] = Registry(
 register_kv_quantizer = KV_QUANTIZERS.register
 
 
-class KVQuantizer(nn.Module):
+class KVQuantizer(StoredFloatBuffers):
     """Quantizes one layer's keys or values. Subclasses set ``kind`` and implement ``quantize``,
-    ``bits_per_element`` and ``settings``; calibrated state goes in buffers.
+    ``bits_per_element`` and ``settings``; calibrated state goes in buffers, which keep their
+    dtype when the model's is cast (:class:`~lowbit.nn.spec.StoredFloatBuffers`).
 
     Attributes:
         token_group: the cache calls ``quantize`` with a multiple of this many tokens.

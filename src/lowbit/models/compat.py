@@ -10,9 +10,19 @@ cache under either name, or it silently runs without one.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Any
 
-__all__ = ["pop_attention_cache"]
+__all__ = ["pop_attention_cache", "CACHE_KWARG"]
+
+
+def _cache_kwarg() -> str:
+    major, minor = (int(part) for part in version("transformers").split(".")[:2])
+    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
+
+
+#: the name under which this transformers' models (and ``generate``) take a KV cache
+CACHE_KWARG = _cache_kwarg()
 
 
 def pop_attention_cache(kwargs: dict[str, Any]) -> Any:

@@ -67,7 +67,7 @@ class MixedLinear(PackedLinearBase):
         bias: bool = False,
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
         device: torch.device | str | None = None,
     ):
         super().__init__()
@@ -108,7 +108,7 @@ class MixedLinear(PackedLinearBase):
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_dtype: torch.dtype | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
     ) -> MixedLinear:
         """The packed layer of a mixed weight container (its tensors copied)."""
         out_features, in_features = weight.shape

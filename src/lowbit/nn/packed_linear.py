@@ -35,7 +35,7 @@ from lowbit.formats.intq import IntQuantized
 from lowbit.formats.packing import packed_words_per_row
 from lowbit.kernels.dispatch import backend_names, packed_matmul, register_layer
 from lowbit.nn.quant_linear import FakeQuantLinear, replace_module
-from lowbit.nn.spec import MODULES, Rebuildable, register_module
+from lowbit.nn.spec import MODULES, Rebuildable, StoredFloatBuffers, register_module
 from lowbit.settings import dtype_from_name, dtype_name
 
 __all__ = [
@@ -51,8 +51,11 @@ __all__ = [
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class PackedLinearBase(Rebuildable, nn.Module):
+class PackedLinearBase(Rebuildable, StoredFloatBuffers):
     """y = act_quantizer(input_transform(x)) @ Wᵀ + b, W held packed by a subclass.
+
+    Casting the model's dtype casts the bias and the modules in front, never the packed
+    buffers (:class:`~lowbit.nn.spec.StoredFloatBuffers`).
 
     Subclasses set ``format_kind`` (the key backends are registered under), ``container_type``
     (the weight container they pack, with ``dequantize``, ``storage_bits``, ``to``) and
@@ -98,16 +101,12 @@ class PackedLinearBase(Rebuildable, nn.Module):
         self._handle = register_layer(self)
 
     def _apply(self, fn, recurse: bool = True):
-        """``module.to(dtype)``, ``.half()``, ``.bfloat16()`` cast the bias and the modules in
-        front, never the packed buffers: their float parts (fp16 scales) are stored data, and
-        rounding them to the model's dtype would change the quantized weight. The buffers
-        still follow device moves."""
-        stored = {n: b for n, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        """The packed buffers keep their dtype (:class:`StoredFloatBuffers`); ``weight_dtype``
+        follows a cast of the model, as a float weight would (``fn`` of an empty tensor)."""
         result = super()._apply(fn, recurse)
-        for name, before in stored.items():
-            after = self._buffers[name]
-            if after.dtype != before.dtype:
-                self._buffers[name] = before.to(after.device)  # [same shape], stored dtype
+        probe = fn(torch.empty(0, dtype=self.weight_dtype))
+        if isinstance(probe, Tensor) and probe.dtype.is_floating_point:
+            self.weight_dtype = probe.dtype
         return result
 
     # -- what a format provides -------------------------------------------------------------------
@@ -120,7 +119,7 @@ class PackedLinearBase(Rebuildable, nn.Module):
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_dtype: torch.dtype | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
     ) -> PackedLinearBase:
         """The packed layer of a weight container (its tensors copied into buffers)."""
         raise NotImplementedError
@@ -171,7 +170,7 @@ class PackedLinearBase(Rebuildable, nn.Module):
             spec["out_features"],
             weight_dtype=dtype_from_name(spec["weight_dtype"]),
             bias=spec["bias"],
-            backend=spec.get("backend", "reference"),
+            backend=spec.get("backend", "auto"),
             **cls.format_kwargs(fields),
         )
 
@@ -186,6 +185,9 @@ class PackedLinearBase(Rebuildable, nn.Module):
             x = self.act_quantizer(x)
         if torch.compiler.is_compiling():  # one opaque node (lowbit.kernels.dispatch)
             return torch.ops.lowbit.packed_matmul(x, self._handle, self.out_features)
+        group = self.__dict__.get("shared_input")  # lowbit.nn.shared_input
+        if group is not None:
+            return group(self, x)  # [..., out], computed with its siblings'
         return packed_matmul(self, x)  # [..., out]
 
     @property
@@ -242,7 +244,9 @@ class PackedLinear(PackedLinearBase):
         input_transform, act_quantizer: modules applied to the input first (as on
             ``FakeQuantLinear``), or None.
         backend: how the product is computed: a name from
-            :func:`lowbit.kernels.dispatch.backend_names` (``"reference"``, ``"auto"``, ...).
+            :func:`lowbit.kernels.dispatch.backend_names`; ``"auto"`` (the default) picks the
+            fastest that runs the layer on the input's device and dtype, ``"reference"`` is the
+            oracle.
 
     Buffers are allocated empty (zeros); :meth:`from_quantized` or ``load_state_dict`` fill them.
     """
@@ -266,7 +270,7 @@ class PackedLinear(PackedLinearBase):
         bias: bool = False,
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
         device: torch.device | str | None = None,
     ):
         super().__init__()
@@ -304,7 +308,7 @@ class PackedLinear(PackedLinearBase):
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_dtype: torch.dtype | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
     ) -> PackedLinear:
         """The packed layer of a 2-d weight container (as RTN and GPTQ produce)."""
         if len(weight.shape) != 2 or weight.axis not in (-1, 1):

@@ -23,7 +23,14 @@ from lowbit.errors import LowbitError
 from lowbit.registry import Registry
 from lowbit.settings import check_fields
 
-__all__ = ["Rebuildable", "MODULES", "register_module", "spec_name", "build_module"]
+__all__ = [
+    "Rebuildable",
+    "StoredFloatBuffers",
+    "MODULES",
+    "register_module",
+    "spec_name",
+    "build_module",
+]
 
 
 class Rebuildable:
@@ -51,6 +58,25 @@ class Rebuildable:
     def from_spec(cls, spec: dict[str, Any]) -> nn.Module:
         """An empty module of this structure (fields checked against :meth:`spec_schema`)."""
         raise NotImplementedError
+
+
+class StoredFloatBuffers(nn.Module):
+    """A module whose float buffers are stored data (fp16 scales, codebooks, ranges).
+
+    ``model.to(dtype)``, ``.half()``, ``.bfloat16()`` and transformers' ``dtype=`` at load time
+    cast the model's parameters; rounding these buffers too would change what was quantized, so
+    they keep their dtype (buffers are created with an explicit dtype, never the default one).
+    Device moves still apply.
+    """
+
+    def _apply(self, fn, recurse: bool = True):
+        stored = {n: b for n, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        result = super()._apply(fn, recurse)
+        for name, before in stored.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)  # [same shape], stored dtype
+        return result
 
 
 def spec_name(cls: type) -> str:

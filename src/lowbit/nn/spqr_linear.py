@@ -67,7 +67,7 @@ class SpQRLinear(PackedLinearBase):
         bias: bool = False,
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
         device: torch.device | str | None = None,
     ):
         super().__init__()
@@ -107,7 +107,7 @@ class SpQRLinear(PackedLinearBase):
         input_transform: nn.Module | None = None,
         act_quantizer: nn.Module | None = None,
         weight_dtype: torch.dtype | None = None,
-        backend: str = "reference",
+        backend: str = "auto",
     ) -> SpQRLinear:
         """The packed layer of an SpQR weight (3-bit codes and statistics, 16 x 16 tiles)."""
         words = weight.words()  # refuses formats the packed layout cannot hold

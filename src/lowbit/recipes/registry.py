@@ -77,6 +77,8 @@ def get_recipe(name: str, **settings: Any) -> Recipe:
         recipe = ComposedRecipe([get_recipe(part) for part in name.split(SEPARATOR)])
         recipe.validate()
         return recipe.with_settings(**settings) if settings else recipe
+    if name not in RECIPES and name not in PRESETS:
+        list_recipes()  # a recipe module registers its own presets (spqr-w3-1pct) on import
     if name in RECIPES:
         recipe = RECIPES.get(name)()
     elif name in PRESETS:
