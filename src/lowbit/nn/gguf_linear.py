@@ -1,7 +1,8 @@
 """The packed face of a weight on a llama.cpp block grid: :class:`GGUFLinear`.
 
 Its buffers are :class:`~lowbit.formats.gguf_blocks.GGUFQuantized`'s tensors (one code byte per
-weight, fp16 scales, fp16 minimums for the affine types), so a saved lowbit model keeps the
+weight, fp16 scales, fp16 minimums for the affine types, int8 sub-block scales and minimums for
+the K types), so a saved lowbit model keeps the
 exact blocks ``lowbit export --format gguf`` writes. On the CPU it runs through the
 ``reference`` backend (decode, then ``F.linear``); llama.cpp is the fast path for these grids.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.formats.gguf_blocks import BLOCK, GGUFQuantized, block_type
+from lowbit.formats.gguf_blocks import GGUFQuantized, block_type
 from lowbit.nn.packed_linear import PackedLinearBase
 from lowbit.nn.spec import register_module
 
@@ -24,7 +25,8 @@ class GGUFLinear(PackedLinearBase):
 
     Args:
         in_features, out_features: the weight is ``[out_features, in_features]``.
-        type_name: the llama.cpp block type (Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL).
+        type_name: the llama.cpp type (Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K, Q4_K,
+            Q3_K, Q2_K).
         (the others as :class:`~lowbit.nn.packed_linear.PackedLinear`'s)
     """
 
@@ -53,15 +55,18 @@ class GGUFLinear(PackedLinearBase):
             device=device,
         )  # fmt: skip
         self.type_name = kind.name
-        blocks = in_features // BLOCK
-        self.register_buffer(
-            "codes", torch.zeros(out_features, in_features, dtype=torch.uint8, device=device)
-        )  # [out, in]
-        self.register_buffer(
-            "scale", torch.zeros(out_features, blocks, dtype=torch.float16, device=device)
-        )  # [out, in / 32]
-        minimum = torch.zeros(out_features, blocks, dtype=torch.float16, device=device)
-        self.register_buffer("minimum", minimum if kind.affine else None)  # [out, in / 32]
+        blocks = in_features // kind.block
+        subs = in_features // kind.sub if kind.super_block else 0
+
+        def buffer(name: str, cols: int, dtype: torch.dtype, present: bool) -> None:
+            value = torch.zeros(out_features, cols, dtype=dtype, device=device)
+            self.register_buffer(name, value if present else None)
+
+        buffer("codes", in_features, torch.uint8, True)  # [out, in]
+        buffer("scale", blocks, torch.float16, True)  # [out, in / block]
+        buffer("minimum", blocks, torch.float16, kind.affine)  # [out, in / block]
+        buffer("sub_scale", subs, torch.int8, kind.super_block)  # [out, in / sub]
+        buffer("sub_min", subs, torch.int8, kind.super_block and kind.affine)  # [out, in / sub]
 
     @classmethod
     def from_quantized(
@@ -75,17 +80,19 @@ class GGUFLinear(PackedLinearBase):
             input_transform=input_transform, act_quantizer=act_quantizer, backend=backend,
             device=weight.codes.device,
         )  # fmt: skip
-        layer.codes.copy_(weight.codes)
-        layer.scale.copy_(weight.scale)
-        if weight.minimum is not None:
-            layer.minimum.copy_(weight.minimum)
+        for name in ("codes", "scale", "minimum", "sub_scale", "sub_min"):
+            value = getattr(weight, name)
+            if value is not None:
+                getattr(layer, name).copy_(value)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return layer
 
     @property
     def quantized_weight(self) -> GGUFQuantized:
-        return GGUFQuantized(self.type_name, self.codes, self.scale, self.minimum)
+        return GGUFQuantized(
+            self.type_name, self.codes, self.scale, self.minimum, self.sub_scale, self.sub_min
+        )
 
     def format_spec(self) -> dict:
         return {"type_name": self.type_name}
