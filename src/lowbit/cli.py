@@ -365,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--type",
         default=None,
         metavar="TYPE",
-        help="gguf: the llama.cpp block type (Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL); sets the "
-        "gguf recipe's gguf_type",
+        help="gguf: llama.cpp's file type (Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "
+        "Q5_K_S, Q4_K_M, Q4_K_S, Q3_K_L, Q3_K_M, Q3_K_S, Q2_K): each linear on the type "
+        "llama.cpp's quantizer gives it; sets the gguf recipe's gguf_type",
     )
     export_parser.add_argument(
         "--out",
@@ -707,7 +708,8 @@ def run_export_gguf(args) -> None:
 
     from lowbit.api import load_model, quantize
     from lowbit.data import load_corpus
-    from lowbit.io.gguf import check_gguf_recipe, export_gguf, gguf_type_of
+    from lowbit.formats.gguf_mix import file_type
+    from lowbit.io.gguf import check_gguf_recipe, export_gguf, gguf_settings_of
     from lowbit.models.loader import embedded_gguf_path
 
     settings = parse_settings(args.set)
@@ -747,18 +749,20 @@ def run_export_gguf(args) -> None:
             model, recipe, calibration=calibration, progress=not args.no_progress,
             resume_dir=args.resume_dir,
         )  # fmt: skip
-    elif args.type is not None and gguf_type_of(saved.to_dict()) != args.type.upper():
-        raise LowbitError(
-            f"{loaded.name} holds {gguf_type_of(saved.to_dict())} weights, not {args.type}; "
-            "drop --type or quantize it again"
-        )
+    elif args.type is not None:
+        held = gguf_settings_of(saved.to_dict())
+        if held is not None and held[0] != file_type(args.type):
+            raise LowbitError(
+                f"{loaded.name} holds {held[0]} weights, not {args.type}; drop --type or "
+                "quantize it again"
+            )
     source = None
     if loaded.source == "embedded":
         source = embedded_gguf_path()
     elif loaded.source == "gguf":
         source = Path(loaded.name)
-    file_type = export_gguf(model, out, tokenizer=loaded.tokenizer, source_gguf=source)
-    print(f"wrote {args.out}: {model.lowbit_recipe.method}, {file_type}")
+    ftype = export_gguf(model, out, tokenizer=loaded.tokenizer, source_gguf=source)
+    print(f"wrote {args.out}: {model.lowbit_recipe.method}, {ftype}")
 
 
 def run_export(args) -> None:

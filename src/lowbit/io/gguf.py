@@ -1,14 +1,14 @@
 """Export a model quantized onto llama.cpp's block grids as a GGUF file llama.cpp loads.
 
-Every block linear must hold a :class:`~lowbit.formats.gguf_blocks.GGUFQuantized` weight (the
-``gguf`` recipe): its blocks are written as they are (raw tensors, ``gguf.GGUFWriter``), so
-the file holds exactly the weights lowbit evaluated. What lowbit leaves in float is written as
-llama.cpp's own quantizer would type it: the output matrix (the embedding when tied) on Q8_0
-(llama.cpp's Q6_K needs rows that are a multiple of 256; its fallback for other rows is Q8_0,
-and Q6_K is not one of the grids here), an untied embedding on the file's type, both rounded by
-lowbit's RTN; norms and biases in F32. Llama and Mistral take llama.cpp's ``llama``
-architecture (q and k rows permuted into its RoPE pairing, which moves whole rows and so keeps
-every block), Qwen2 and Qwen3 their own.
+Every block linear the ``gguf`` recipe quantized holds a
+:class:`~lowbit.formats.gguf_blocks.GGUFQuantized` weight: its blocks are written as they are
+(raw tensors, ``gguf.GGUFWriter``), so the file holds exactly the weights lowbit evaluated. What
+lowbit leaves in float is written as llama.cpp's own quantizer types it in a file of the
+recipe's file type (:mod:`lowbit.formats.gguf_mix`): the output matrix (the embedding when tied:
+Q6_K, or Q8_0 on rows 256 does not divide), an untied embedding, both rounded by lowbit's RTN; a
+linear whose rows no block divides in F16; norms and biases in F32. Llama and Mistral take
+llama.cpp's ``llama`` architecture (q and k rows permuted into its RoPE pairing, which moves
+whole rows and so keeps every block), Qwen2 and Qwen3 their own.
 
 The tokenizer comes from the GGUF file the model was read from (every ``tokenizer.*`` field,
 pre-tokenizer and chat template included), or from a Hugging Face byte-level BPE tokenizer.
@@ -17,7 +17,6 @@ pre-tokenizer and chat template included), or from a Hugging Face byte-level BPE
 from __future__ import annotations
 
 import os
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -28,21 +27,13 @@ from lowbit.algorithms.gguf_spec import GGUFWeightSpec
 from lowbit.atomic import atomic_file
 from lowbit.errors import LowbitError
 from lowbit.formats.gguf_blocks import GGUFQuantized
+from lowbit.formats.gguf_mix import FILE_TYPES, file_type, tensor_type
 from lowbit.models.adapter import adapter_for
+from lowbit.recipes.gguf import GGUF_LINEAR_NAMES
 
-__all__ = ["export_gguf", "check_gguf_recipe", "gguf_tensors", "gguf_type_of"]
+__all__ = ["export_gguf", "check_gguf_recipe", "gguf_tensors", "gguf_settings_of"]
 
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_LINEAR_NAMES = {
-    "q_proj": "attn_q",
-    "k_proj": "attn_k",
-    "v_proj": "attn_v",
-    "o_proj": "attn_output",
-    "gate_proj": "ffn_gate",
-    "up_proj": "ffn_up",
-    "down_proj": "ffn_down",
-}
-_FILE_TYPES = {"F32": 0, "Q8_0": 7, "Q5_0": 8, "Q4_0": 2, "Q5_1": 9, "Q4_1": 3, "IQ4_NL": 25}
 
 
 def check_gguf_recipe(recipe: dict) -> None:
@@ -72,12 +63,13 @@ def check_gguf_recipe(recipe: dict) -> None:
         )
 
 
-def gguf_type_of(recipe: dict) -> str | None:
-    """The ``gguf_type`` a recipe's ``to_dict()`` sets, or None."""
+def gguf_settings_of(recipe: dict) -> tuple[str, bool] | None:
+    """``(file type, pure)`` of the ``gguf`` part of a recipe's ``to_dict()``, or None."""
     parts = recipe.get("parts") if recipe.get("method") == "compose" else [recipe]
     for part in parts:
         if part.get("method") == "gguf":
-            return str((part.get("settings") or {}).get("gguf_type", "Q4_0")).upper()
+            settings = part.get("settings") or {}
+            return file_type(settings.get("gguf_type", "Q4_0")), bool(settings.get("pure", False))
     return None
 
 
@@ -119,16 +111,23 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[tuple[str, np.ndarray, str
     quantized linear (the float model, what llama.cpp's own quantizer reads) is written in F32."""
     adapter = adapter_for(model)
     as_float = all(_is_float(m) for b in adapter.blocks() for m in b.linears().values())
+    recipe = getattr(model, "lowbit_recipe", None)
+    settings = None if recipe is None else gguf_settings_of(recipe.to_dict())
+    if as_float:
+        settings = ("F32", False)
+    elif settings is None:
+        raise LowbitError("the model was not quantized by the gguf recipe; a GGUF file needs it")
+    ftype, pure = settings
     permute = _ARCH[adapter.family] == "llama"
     tensors: list[tuple[str, np.ndarray, str]] = []
-    types = Counter()
     for block in adapter.blocks():
         i = block.index
         tensors.append((f"blk.{i}.attn_norm.weight", _f32(block.input_norm.weight), "F32"))
         tensors.append((f"blk.{i}.ffn_norm.weight", _f32(block.post_attention_norm.weight), "F32"))
         for short, module in block.linears().items():
-            if as_float:
-                rows, type_name = _f32(module.weight), "F32"  # [out, in]
+            if _is_float(module):  # the float model, or rows no block divides
+                type_name = "F32" if as_float else "F16"
+                rows = _f32(module.weight)  # [out, in]
             else:
                 weight = _linear_weight(module, f"{adapter.block_prefix(i)}.{short}")
                 rows, type_name = weight.to_blocks(), weight.type_name  # [out, bytes per row]
@@ -137,39 +136,41 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[tuple[str, np.ndarray, str
                 heads = adapter.num_heads if short == "q_proj" else adapter.num_kv_heads
                 rows = _rope_permute(rows, heads)
                 bias = None if bias is None else _rope_permute(bias, heads)
-            name = f"blk.{i}.{_LINEAR_NAMES[short]}"
+            name = f"blk.{i}.{GGUF_LINEAR_NAMES[short]}"
             tensors.append((f"{name}.weight", rows, type_name))
-            types[type_name] += 1
             if bias is not None:
                 tensors.append((f"{name}.bias", bias, "F32"))
         for norm, gguf_name in ((block.q_norm, "attn_q_norm"), (block.k_norm, "attn_k_norm")):
             if norm is not None:
                 tensors.append((f"blk.{i}.{gguf_name}.weight", _f32(norm.weight), "F32"))
-    file_type = types.most_common(1)[0][0]
     # what lowbit left in float, typed as llama.cpp types it (module docstring), by RTN
-    out_type = "F32" if as_float else "Q8_0"
-    embed_type = out_type if adapter.tied_embeddings else file_type
+    tied = adapter.tied_embeddings
+    width = adapter.hidden_size
+    embed_type = tensor_type(ftype, "token_embd", width=width, tied=tied, pure=pure)
     tensors.insert(
         0, ("token_embd.weight", _rows(adapter.embed_tokens.weight, embed_type), embed_type)
     )
     tensors.append(("output_norm.weight", _f32(adapter.final_norm.weight), "F32"))
-    if not adapter.tied_embeddings:
+    if not tied:
+        out_type = tensor_type(ftype, "output", width=width, tied=tied, pure=pure)
         tensors.append(("output.weight", _rows(adapter.lm_head.weight, out_type), out_type))
-    return file_type, tensors
+    return ftype, tensors
 
 
 def _rows(weight: torch.Tensor, type_name: str) -> np.ndarray:
-    """A float matrix as the file stores it: F32, or lowbit's RTN onto ``type_name``."""
-    if type_name == "F32":
+    """A float matrix as the file stores it: F32, F16, or lowbit's RTN onto ``type_name``."""
+    if type_name in ("F32", "F16"):
         return _f32(weight)
-    return GGUFWeightSpec(type_name).rtn(weight.detach().float().cpu()).to_blocks()
+    # 3 candidates per end, not 11: the output matrix has vocabulary-many rows (49152 x 576
+    # for SmolLM2: 8 s instead of 59), and it is on 6 or 8 bits
+    return GGUFWeightSpec(type_name).rtn(weight.detach().float().cpu(), steps=3).to_blocks()
 
 
-def _metadata(writer, model: nn.Module, file_type: str, name: str) -> None:
+def _metadata(writer, model: nn.Module, ftype: str, name: str) -> None:
     adapter = adapter_for(model)
     config = model.config
     writer.add_name(name)
-    writer.add_file_type(_FILE_TYPES[file_type])
+    writer.add_file_type(FILE_TYPES[ftype][0])
     writer.add_quantization_version(2)
     writer.add_context_length(adapter.max_context)
     writer.add_embedding_length(adapter.hidden_size)
@@ -264,24 +265,25 @@ def export_gguf(
         name: ``general.name``.
 
     Returns:
-        The file type name (the type most block linears have).
+        The file type name (the recipe's ``gguf_type``; F32 for a float model).
     """
     import gguf
 
-    file_type, tensors = gguf_tensors(model)
+    ftype, tensors = gguf_tensors(model)
     arch = _ARCH[adapter_for(model).family]
     if source_gguf is None and tokenizer is None:
         raise LowbitError("a GGUF file needs a tokenizer: pass tokenizer= or source_gguf=")
     with atomic_file(out, verb="export to") as path:
         writer = gguf.GGUFWriter(path, arch)
-        _metadata(writer, model, file_type, name)
+        _metadata(writer, model, ftype, name)
         if source_gguf is not None:
             _copy_tokenizer_fields(writer, Path(source_gguf))
         else:
             _hf_tokenizer_fields(writer, tokenizer, "default")
         for tensor_name, array, type_name in tensors:
-            if type_name == "F32":
-                writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
+            if type_name in ("F32", "F16"):
+                dtype = np.float32 if type_name == "F32" else np.float16
+                writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=dtype))
             else:
                 qtype = gguf.GGMLQuantizationType[type_name]
                 writer.add_tensor(tensor_name, np.ascontiguousarray(array), raw_dtype=qtype)
@@ -289,4 +291,4 @@ def export_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    return file_type
+    return ftype
