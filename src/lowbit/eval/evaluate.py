@@ -36,8 +36,12 @@ def window_logits(model: torch.nn.Module, window: torch.Tensor, chunk: int | Non
     be anywhere).
 
     With ``chunk`` the window is fed in pieces of that many tokens through the model's KV
-    cache, so later tokens attend to cached (possibly quantized) earlier ones.
+    cache, so later tokens attend to cached (possibly quantized) earlier ones. A model run by
+    another engine (:class:`lowbit.eval.llama_cpp.LlamaCppModel`) gives its own logits.
     """
+    engine = getattr(model, "window_logits", None)
+    if engine is not None:
+        return engine(window)  # [S, V]
     ids = window.to(_input_device(model)).unsqueeze(0)  # [1, S]
     if chunk is None or chunk >= ids.shape[1]:
         return model(ids, use_cache=False).logits[0].float()

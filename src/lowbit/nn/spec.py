@@ -92,6 +92,7 @@ MODULES: Registry[str, type[Rebuildable]] = Registry(
         "PackedLinear": "lowbit.nn.packed_linear",
         "SpQRLinear": "lowbit.nn.spqr_linear",
         "MixedLinear": "lowbit.nn.mixed_linear",
+        "GGUFLinear": "lowbit.nn.gguf_linear",
         "FloatLinear": "lowbit.nn.quant_linear",
         "ActivationQuantizer": "lowbit.nn.act_quant",
         "OnlineHadamard": "lowbit.transforms.hadamard",

@@ -32,6 +32,7 @@ RECIPES: Registry[str, type[Recipe]] = Registry(
         "ksort-bfp": "lowbit.recipes.ksort_bfp",
         "spqr": "lowbit.recipes.spqr",
         "mixed": "lowbit.recipes.mixed",
+        "gguf": "lowbit.recipes.gguf",
     },
 )
 

@@ -37,6 +37,7 @@ class RotateRecipe(Recipe):
     rotation: Literal["hadamard", "random"] = "hadamard"
     seed: Count = 0
     online_fp16: bool = False
+    online: bool = True
 
     def validate(self) -> None:
         if self.rotation not in ("hadamard", "random"):
@@ -49,4 +50,5 @@ class RotateRecipe(Recipe):
             rotation=self.rotation,
             seed=self.seed,
             online_dtype=torch.float16 if self.online_fp16 else torch.float32,
+            online=self.online,
         )

@@ -50,6 +50,13 @@ SETTINGS: dict[str, str] = {
     "random orthogonal",
     "seed": "seed of the rotation's random signs or matrix",
     "online_fp16": "compute the online Hadamards in fp16 instead of fp32",
+    "online": "add the online Hadamards before down_proj and o_proj (false: the residual "
+    "rotation alone, a standard graph that GGUF files can hold)",
+    "gguf_type": "llama.cpp file type: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "
+    "Q5_K_S, Q4_K_M, Q4_K_S, Q3_K_L, Q3_K_M, Q3_K_S or Q2_K; each linear gets the type "
+    "llama.cpp's quantizer gives it in such a file (its mix and its fallbacks)",
+    "pure": "every linear on the file type's default type (llama-quantize --pure), fallbacks "
+    "for rows a 256-weight block does not divide still applied",
     # KV caches (kv-int, kivi, kvquant, quarot)
     "bits": "key and value bits, 2-8",
     "k_bits": "key bits, 2-8; 16 = keys in float",

@@ -423,6 +423,7 @@ def rotate_model(
     seed: int = 0,
     online_dtype: torch.dtype | None = None,
     o_proj_hadamard: str = "auto",
+    online: bool = True,
 ) -> RotationReport:
     """QuaRot's function-preserving rewrite, in place: fuse norms, untie, rotate, go online.
 
@@ -439,6 +440,9 @@ def rotate_model(
         online_dtype: compute dtype of the online Hadamards (None: the activations' dtype;
             the paper's Table 10 compares float16 and float32).
         o_proj_hadamard: "auto", "factorized", "full" or "per_head" (see the module docstring).
+        online: add the online Hadamards; False leaves a standard graph (the residual rotation
+            with norms fused alone), which is what weight-only formats of other engines
+            (GGUF) can hold.
 
     Returns:
         A RotationReport.
@@ -465,7 +469,7 @@ def rotate_model(
     ):
         raise LowbitError(f"online_dtype must be a floating torch dtype, got {online_dtype!r}")
     _check_plain_linears(adapter)
-    if not has_hadamard(adapter.intermediate_size):
+    if online and not has_hadamard(adapter.intermediate_size):
         raise LowbitError(
             f"intermediate size {adapter.intermediate_size} has no known Hadamard construction, "
             "so the online down_proj transform cannot be built"
@@ -475,7 +479,7 @@ def rotate_model(
     norms_fused = fuse_norms(model)
     if q is not None:
         rotate_residual(model, q)
-    layers = _add_online_hadamards(model, adapter, o_path, online_dtype)
+    layers = _add_online_hadamards(model, adapter, o_path, online_dtype) if online else []
 
     if rotation == "hadamard":
         residual = f"randomized Hadamard {_describe_hadamard(adapter.hidden_size)}"

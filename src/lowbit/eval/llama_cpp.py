@@ -1,0 +1,142 @@
+"""Measure a GGUF file through llama.cpp itself (llama-cpp-python, the ``gguf`` extra).
+
+:class:`LlamaCppModel` gives llama.cpp's own logits for lowbit's windows, so
+:func:`~lowbit.eval.evaluate.evaluate` computes perplexity, KL and top-1 against the float
+model in transformers exactly as for a lowbit model. :func:`decode_speed` times llama.cpp's
+decode steps; :func:`gguf_size` counts the file's bytes and the bits per weight of its block
+linears (every block's scales included, as llama.cpp stores them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowbit.errors import LowbitError
+
+__all__ = ["LlamaCppModel", "decode_speed", "evaluate_gguf", "gguf_size"]
+
+
+def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise LowbitError(
+            "--engine llama.cpp needs llama-cpp-python: pip install 'lowbit[gguf]'"
+        ) from None
+    if not Path(path).is_file():
+        raise LowbitError(f"{path} is not a file")
+    try:
+        return Llama(
+            str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True,
+            verbose=False,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as err:
+        raise LowbitError(f"llama.cpp cannot load {path}: {err}") from None
+
+
+class LlamaCppModel:
+    """A GGUF file run by llama.cpp, as :func:`~lowbit.eval.evaluate.evaluate` reads a model."""
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int, threads: int = 2):
+        self.path = Path(path)
+        self.llm = _llama(path, n_ctx, threads)
+
+    def window_logits(self, window: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's logits of one window: [S] -> [S, V] fp32 on the CPU."""
+        self.llm.reset()  # a fresh KV cache: every window starts at position 0
+        self.llm.eval(window.tolist())
+        return torch.from_numpy(np.array(self.llm.scores[: window.numel()], dtype=np.float32))
+
+
+def gguf_size(path: str | os.PathLike) -> tuple[int, float]:
+    """``(file bytes, bits per weight of the block linears)``."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    bits = weights = 0
+    for tensor in reader.tensors:
+        if (
+            tensor.name.startswith("blk.")
+            and tensor.name.endswith(".weight")
+            and "norm" not in tensor.name
+        ):
+            bits += int(tensor.n_bytes) * 8
+            weights += int(tensor.n_elements)
+    return Path(path).stat().st_size, bits / max(weights, 1)
+
+
+def decode_speed(path: str | os.PathLike, threads: int = 2, new_tokens: int = 64) -> float:
+    """llama.cpp's decode tokens/s at batch 1: greedy steps after an 8-token prompt."""
+    llm = _llama(path, n_ctx=new_tokens + 16, threads=threads)
+    prompt = llm.tokenize(b"The quick brown fox jumps over the", add_bos=True)[:8]
+    llm.eval(prompt)
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    llm.eval([token])  # one warm-up step
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval([token])
+    return new_tokens / (time.perf_counter() - start)
+
+
+def evaluate_gguf(
+    path: str | os.PathLike,
+    *,
+    reference: str | os.PathLike | None = None,
+    dataset: str = "pydoc",
+    seqlen: int = 2048,
+    windows: int | None = None,
+    threads: int = 2,
+    progress: bool = True,
+    float_reference: Any = None,
+) -> dict[str, Any]:
+    """Perplexity, KL and top-1 of llama.cpp's logits on lowbit's windows.
+
+    Args:
+        path: the GGUF file.
+        reference: the float model (any spec :func:`lowbit.load_model` takes; None: the
+            embedded model); its tokenizer cuts the windows.
+        dataset, seqlen, windows: as ``lowbit eval``.
+        threads: llama.cpp's threads.
+        float_reference: a :class:`~lowbit.eval.evaluate.FloatReference` to reuse (a table of
+            files on one model runs the float model once); its model's tokenizer is
+            ``float_reference.tokenizer``.
+
+    Returns:
+        A row as ``lowbit eval`` prints it (``file_bytes``, ``bits_per_weight`` added).
+    """
+    from lowbit.api import load_model
+    from lowbit.data import eval_windows, load_corpus, tokenize
+    from lowbit.eval.evaluate import FloatReference, evaluate
+
+    corpus = load_corpus(dataset, part="eval")
+    if float_reference is None:
+        loaded = load_model(reference)
+        float_reference = FloatReference(loaded.model)
+        float_reference.tokenizer = loaded.tokenizer
+    ids = eval_windows(tokenize(float_reference.tokenizer, corpus.text), seqlen, windows)  # [N, S]
+    engine = LlamaCppModel(path, n_ctx=seqlen, threads=threads)
+    result = evaluate(
+        engine, ids, reference=float_reference, progress=progress, desc=Path(path).name[:30]
+    )
+    file_bytes, bits = gguf_size(path)
+    return {
+        "model": str(path),
+        "label": f"{Path(path).name} (llama.cpp)",
+        "dataset": corpus.name,
+        "seqlen": seqlen,
+        "windows": result.windows,
+        "tokens": result.tokens,
+        "ppl": result.ppl,
+        "kl": result.kl,
+        "top1": result.top1,
+        "bits_per_weight": bits,
+        "model_bytes": file_bytes,
+        "eval_seconds": result.seconds,
+    }

@@ -1,0 +1,294 @@
+"""Export a model quantized onto llama.cpp's block grids as a GGUF file llama.cpp loads.
+
+Every block linear the ``gguf`` recipe quantized holds a
+:class:`~lowbit.formats.gguf_blocks.GGUFQuantized` weight: its blocks are written as they are
+(raw tensors, ``gguf.GGUFWriter``), so the file holds exactly the weights lowbit evaluated. What
+lowbit leaves in float is written as llama.cpp's own quantizer types it in a file of the
+recipe's file type (:mod:`lowbit.formats.gguf_mix`): the output matrix (the embedding when tied:
+Q6_K, or Q8_0 on rows 256 does not divide), an untied embedding, both rounded by lowbit's RTN; a
+linear whose rows no block divides in F16; norms and biases in F32. Llama and Mistral take
+llama.cpp's ``llama`` architecture (q and k rows permuted into its RoPE pairing, which moves
+whole rows and so keeps every block), Qwen2 and Qwen3 their own.
+
+The tokenizer comes from the GGUF file the model was read from (every ``tokenizer.*`` field,
+pre-tokenizer and chat template included), or from a Hugging Face byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from lowbit.algorithms.gguf_spec import GGUFWeightSpec
+from lowbit.atomic import atomic_file
+from lowbit.errors import LowbitError
+from lowbit.formats.gguf_blocks import GGUFQuantized
+from lowbit.formats.gguf_mix import FILE_TYPES, file_type, tensor_type
+from lowbit.models.adapter import adapter_for
+from lowbit.recipes.gguf import GGUF_LINEAR_NAMES
+
+__all__ = ["export_gguf", "check_gguf_recipe", "gguf_tensors", "gguf_settings_of"]
+
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def check_gguf_recipe(recipe: dict) -> None:
+    """Refuse, before any model loads, a recipe that has no GGUF form (one sentence)."""
+    parts = recipe.get("parts") if recipe.get("method") == "compose" else [recipe]
+    methods = [part.get("method") for part in parts]
+    for part in parts:
+        method = part.get("method")
+        if method == "gguf":
+            continue
+        if method == "rotate" and (part.get("settings") or {}).get("online") is False:
+            continue
+        if method == "rotate":
+            raise LowbitError(
+                "rotate adds online Hadamards that a GGUF file cannot hold; use rotate with "
+                "--set online=false (the residual rotation alone) in front of gguf"
+            )
+        raise LowbitError(
+            f"recipe {'+'.join(methods)} has no GGUF form: {method} is not one of llama.cpp's "
+            "block grids; quantize with the gguf recipe (optionally rotate+gguf with "
+            "online=false)"
+        )
+    if "gguf" not in methods:
+        raise LowbitError(
+            f"recipe {'+'.join(methods)} leaves the block linears in float; a GGUF export needs "
+            "the gguf recipe (e.g. --recipe gguf --set gguf_type=Q4_0)"
+        )
+
+
+def gguf_settings_of(recipe: dict) -> tuple[str, bool] | None:
+    """``(file type, pure)`` of the ``gguf`` part of a recipe's ``to_dict()``, or None."""
+    parts = recipe.get("parts") if recipe.get("method") == "compose" else [recipe]
+    for part in parts:
+        if part.get("method") == "gguf":
+            settings = part.get("settings") or {}
+            return file_type(settings.get("gguf_type", "Q4_0")), bool(settings.get("pure", False))
+    return None
+
+
+def _linear_weight(module: nn.Module, name: str) -> GGUFQuantized:
+    weight = getattr(module, "quantized_weight", None)
+    if not isinstance(weight, GGUFQuantized):
+        raise LowbitError(
+            f"{name} is not on a llama.cpp block grid ({type(module).__name__}); quantize with "
+            "the gguf recipe before exporting to GGUF"
+        )
+    if getattr(module, "input_transform", None) is not None:
+        raise LowbitError(
+            f"{name} has an online transform a GGUF file cannot hold; rotate with online=false"
+        )
+    if getattr(module, "act_quantizer", None) is not None:
+        raise LowbitError(f"{name} quantizes its activations, which a GGUF file cannot hold")
+    return weight
+
+
+def _rope_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows [heads * head_dim, ...] from transformers' half-split RoPE pairing into llama.cpp's
+    interleaved one (within each head, row ``i`` of the first half pairs with ``i`` of the
+    second; llama.cpp wants them adjacent)."""
+    shape = rows.shape
+    return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def _is_float(module: nn.Module) -> bool:
+    return type(module) is nn.Linear
+
+
+def gguf_tensors(model: nn.Module) -> tuple[str, list[tuple[str, np.ndarray, str]]]:
+    """The file's tensors: ``(file type name, [(gguf name, array, type name)])``; arrays of
+    quantized tensors are llama.cpp's bytes ``[rows, bytes per row]`` uint8. A model with no
+    quantized linear (the float model, what llama.cpp's own quantizer reads) is written in F32."""
+    adapter = adapter_for(model)
+    as_float = all(_is_float(m) for b in adapter.blocks() for m in b.linears().values())
+    recipe = getattr(model, "lowbit_recipe", None)
+    settings = None if recipe is None else gguf_settings_of(recipe.to_dict())
+    if as_float:
+        settings = ("F32", False)
+    elif settings is None:
+        raise LowbitError("the model was not quantized by the gguf recipe; a GGUF file needs it")
+    ftype, pure = settings
+    permute = _ARCH[adapter.family] == "llama"
+    tensors: list[tuple[str, np.ndarray, str]] = []
+    for block in adapter.blocks():
+        i = block.index
+        tensors.append((f"blk.{i}.attn_norm.weight", _f32(block.input_norm.weight), "F32"))
+        tensors.append((f"blk.{i}.ffn_norm.weight", _f32(block.post_attention_norm.weight), "F32"))
+        for short, module in block.linears().items():
+            if _is_float(module):  # the float model, or rows no block divides
+                type_name = "F32" if as_float else "F16"
+                rows = _f32(module.weight)  # [out, in]
+            else:
+                weight = _linear_weight(module, f"{adapter.block_prefix(i)}.{short}")
+                rows, type_name = weight.to_blocks(), weight.type_name  # [out, bytes per row]
+            bias = None if module.bias is None else _f32(module.bias)
+            if permute and short in ("q_proj", "k_proj"):
+                heads = adapter.num_heads if short == "q_proj" else adapter.num_kv_heads
+                rows = _rope_permute(rows, heads)
+                bias = None if bias is None else _rope_permute(bias, heads)
+            name = f"blk.{i}.{GGUF_LINEAR_NAMES[short]}"
+            tensors.append((f"{name}.weight", rows, type_name))
+            if bias is not None:
+                tensors.append((f"{name}.bias", bias, "F32"))
+        for norm, gguf_name in ((block.q_norm, "attn_q_norm"), (block.k_norm, "attn_k_norm")):
+            if norm is not None:
+                tensors.append((f"blk.{i}.{gguf_name}.weight", _f32(norm.weight), "F32"))
+    # what lowbit left in float, typed as llama.cpp types it (module docstring), by RTN
+    tied = adapter.tied_embeddings
+    width = adapter.hidden_size
+    embed_type = tensor_type(ftype, "token_embd", width=width, tied=tied, pure=pure)
+    tensors.insert(
+        0, ("token_embd.weight", _rows(adapter.embed_tokens.weight, embed_type), embed_type)
+    )
+    tensors.append(("output_norm.weight", _f32(adapter.final_norm.weight), "F32"))
+    if not tied:
+        out_type = tensor_type(ftype, "output", width=width, tied=tied, pure=pure)
+        tensors.append(("output.weight", _rows(adapter.lm_head.weight, out_type), out_type))
+    return ftype, tensors
+
+
+def _rows(weight: torch.Tensor, type_name: str) -> np.ndarray:
+    """A float matrix as the file stores it: F32, F16, or lowbit's RTN onto ``type_name``."""
+    if type_name in ("F32", "F16"):
+        return _f32(weight)
+    # 3 candidates per end, not 11: the output matrix has vocabulary-many rows (49152 x 576
+    # for SmolLM2: 8 s instead of 59), and it is on 6 or 8 bits
+    return GGUFWeightSpec(type_name).rtn(weight.detach().float().cpu(), steps=3).to_blocks()
+
+
+def _metadata(writer, model: nn.Module, ftype: str, name: str) -> None:
+    adapter = adapter_for(model)
+    config = model.config
+    writer.add_name(name)
+    writer.add_file_type(FILE_TYPES[ftype][0])
+    writer.add_quantization_version(2)
+    writer.add_context_length(adapter.max_context)
+    writer.add_embedding_length(adapter.hidden_size)
+    writer.add_block_count(adapter.num_layers)
+    writer.add_feed_forward_length(adapter.intermediate_size)
+    writer.add_head_count(adapter.num_heads)
+    writer.add_head_count_kv(adapter.num_kv_heads)
+    writer.add_layer_norm_rms_eps(adapter.rms_norm_eps)
+    writer.add_key_length(adapter.head_dim)
+    writer.add_value_length(adapter.head_dim)
+    writer.add_rope_dimension_count(adapter.head_dim)
+    writer.add_vocab_size(adapter.vocab_size)
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is not None:
+        writer.add_rope_freq_base(float(theta))
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise LowbitError(
+            f"RoPE scaling {rope.get('rope_type')!r} is not written to GGUF by lowbit yet"
+        )
+
+
+def _copy_tokenizer_fields(writer, source: Path) -> None:
+    """Every ``tokenizer.*`` field of the GGUF file the model came from."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, field.contents(), kind)
+
+
+def _hf_tokenizer_fields(writer, tokenizer, pre: str) -> None:
+    """A Hugging Face byte-level BPE tokenizer as llama.cpp's ``gpt2`` model."""
+    import json
+
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        raise LowbitError(
+            f"lowbit writes byte-level BPE tokenizers to GGUF; this one is {model.get('type')!r}"
+        )
+    vocab = model["vocab"]
+    size = max(len(tokenizer), max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [5] * size  # unused
+    for token, index in vocab.items():
+        tokens[index], types[index] = token, 1  # normal
+    for added in data.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = 3 if added.get("special") else 4  # control / user-defined
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for attr, add in (
+        ("bos_token_id", writer.add_bos_token_id),
+        ("eos_token_id", writer.add_eos_token_id),
+        ("pad_token_id", writer.add_pad_token_id),
+    ):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            add(int(value))
+    writer.add_add_bos_token(False)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        writer.add_chat_template(template)
+
+
+def export_gguf(
+    model: nn.Module,
+    out: str | os.PathLike,
+    *,
+    tokenizer=None,
+    source_gguf: str | os.PathLike | None = None,
+    name: str = "lowbit",
+) -> str:
+    """Write ``model`` (its block linears on a GGUF grid) as one GGUF file, atomically.
+
+    Args:
+        model: a Llama, Mistral, Qwen2 or Qwen3 causal LM quantized by the ``gguf`` recipe.
+        out: the file to write.
+        tokenizer: a Hugging Face tokenizer (byte-level BPE), used when ``source_gguf`` is None.
+        source_gguf: the GGUF file the model was read from: its tokenizer fields are copied.
+        name: ``general.name``.
+
+    Returns:
+        The file type name (the recipe's ``gguf_type``; F32 for a float model).
+    """
+    import gguf
+
+    ftype, tensors = gguf_tensors(model)
+    arch = _ARCH[adapter_for(model).family]
+    if source_gguf is None and tokenizer is None:
+        raise LowbitError("a GGUF file needs a tokenizer: pass tokenizer= or source_gguf=")
+    with atomic_file(out, verb="export to") as path:
+        writer = gguf.GGUFWriter(path, arch)
+        _metadata(writer, model, ftype, name)
+        if source_gguf is not None:
+            _copy_tokenizer_fields(writer, Path(source_gguf))
+        else:
+            _hf_tokenizer_fields(writer, tokenizer, "default")
+        for tensor_name, array, type_name in tensors:
+            if type_name in ("F32", "F16"):
+                dtype = np.float32 if type_name == "F32" else np.float16
+                writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=dtype))
+            else:
+                qtype = gguf.GGMLQuantizationType[type_name]
+                writer.add_tensor(tensor_name, np.ascontiguousarray(array), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return ftype
