@@ -730,12 +730,30 @@ def run_quantize(args) -> None:
     )
 
 
+def _quantize_for_export(args, loaded, recipe, saved, calib_corpus) -> None:
+    """``export --recipe``: quantize the loaded float model in place (calibrating on
+    ``calib_corpus`` when the recipe needs it); a model that is already quantized is refused."""
+    from lowbit.api import quantize
+
+    if saved is not None:
+        raise LowbitError(
+            f"{loaded.name} is already quantized ({saved.method}); export it without --recipe"
+        )
+    calibration = None
+    if calib_corpus is not None:
+        calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
+    quantize(
+        loaded.model, recipe, calibration=calibration, progress=not args.no_progress,
+        resume_dir=args.resume_dir,
+    )  # fmt: skip
+
+
 def run_export_gguf(args) -> None:
     """``lowbit export --format gguf``: quantize with --recipe (gguf, rotate+gguf) or take a
     saved model, then write one GGUF file."""
     import torch
 
-    from lowbit.api import load_model, quantize
+    from lowbit.api import load_model
     from lowbit.data import load_corpus
     from lowbit.formats.gguf_mix import file_type
     from lowbit.io.gguf import check_gguf_recipe, export_gguf, gguf_settings_of
@@ -767,17 +785,7 @@ def run_export_gguf(args) -> None:
             "lowbit quantize saved with it"
         )
     if recipe is not None:
-        if saved is not None:
-            raise LowbitError(
-                f"{loaded.name} is already quantized ({saved.method}); export it without --recipe"
-            )
-        calibration = None
-        if calib_corpus is not None:
-            calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
-        quantize(
-            model, recipe, calibration=calibration, progress=not args.no_progress,
-            resume_dir=args.resume_dir,
-        )  # fmt: skip
+        _quantize_for_export(args, loaded, recipe, saved, calib_corpus)
     elif args.type is not None:
         held = gguf_settings_of(saved.to_dict())
         if held is not None and held[0] != file_type(args.type):
@@ -802,7 +810,7 @@ def run_export(args) -> None:
         raise LowbitError("--type is a gguf setting; it needs --format gguf")
     import torch
 
-    from lowbit.api import load_model, quantize
+    from lowbit.api import load_model
     from lowbit.atomic import check_target
     from lowbit.data import load_corpus
     from lowbit.io.compressed_tensors import (
@@ -834,17 +842,7 @@ def run_export(args) -> None:
             f"{loaded.name} is not quantized; give --recipe, or a model lowbit quantize saved"
         )
     if recipe is not None:
-        if saved is not None:
-            raise LowbitError(
-                f"{loaded.name} is already quantized ({saved.method}); export it without --recipe"
-            )
-        calibration = None
-        if calib_corpus is not None:
-            calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
-        quantize(
-            model, recipe, calibration=calibration, progress=not args.no_progress,
-            resume_dir=args.resume_dir,
-        )  # fmt: skip
+        _quantize_for_export(args, loaded, recipe, saved, calib_corpus)
     export_compressed_tensors(model, out, tokenizer=loaded.tokenizer)
     print(f"wrote {out}: {model.lowbit_recipe.method} as {args.format}")
 
