@@ -35,6 +35,7 @@ def quantize(
     packed: bool = False,
     resume_dir: str | Path | None = None,
     device: torch.device | str | None = None,
+    on_transformed: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """Quantize ``model`` in place with ``recipe`` and return it.
 
@@ -60,6 +61,9 @@ def quantize(
             pass): None = where the model's decoder blocks are. A model on the CPU calibrated
             with ``device="cuda"`` has one block and its captured activations on the GPU at a
             time and stays on the CPU. Calibration token ids may be on any device.
+        on_transformed: called with ``model`` when a rotation (``rotate``, ``quarot``) has
+            changed its bases and nothing is quantized yet: the float model in the quantized
+            model's bases, for comparing the two layer by layer.
 
     The recipe is recorded on the model as ``model.lowbit_recipe``.
     """
@@ -94,6 +98,7 @@ def quantize(
         progress=progress,
         resume_dir=resume_dir,
         device=device,
+        on_transformed=on_transformed,
     )
     for pattern, values in context.overrides.items():
         recipe.for_layer(**values)  # reject unknown settings before any work is done

@@ -63,8 +63,11 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_calibration_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -> None:
-    """Where calibration samples come from, for methods that calibrate."""
+def _add_calibration_args(
+    parser: argparse.ArgumentParser, *, for_demo: bool = False, resume: bool = True
+) -> None:
+    """Where calibration samples come from, for methods that calibrate (``resume``: and
+    ``--resume-dir``, for commands that keep what they quantize)."""
     parser.add_argument(
         "--calib",
         default="pydoc",
@@ -100,6 +103,8 @@ def _add_calibration_args(parser: argparse.ArgumentParser, *, for_demo: bool = F
         default=0,
         help="seed for calibration sampling (and for sampling tokens in generate)",
     )
+    if not resume:
+        return
     parser.add_argument(
         "--resume-dir",
         default=None,
@@ -400,14 +405,54 @@ def build_parser() -> argparse.ArgumentParser:
     report_parser = commands.add_parser(
         "report",
         help="plot lowbit eval --json results in one self-contained HTML page",
-        description="Read one or more lowbit eval --json files and write --out, a new "
-        "directory: index.html (figures embedded) and each figure as a PNG: ppl and KL against "
-        "bits per weight with the Pareto front, KV-cache bytes against context length.",
+        description="Write --out, a new directory: index.html (figures embedded) and each "
+        "figure as a PNG. From lowbit eval --json files (nothing re-evaluated): ppl and KL "
+        "against bits per weight with the Pareto front, KV-cache bytes against context length. "
+        "With --layer-error: each recipe quantizes --model and every block's and linear's "
+        "output is compared with the float model's on --dataset. With --channels: per-channel "
+        "magnitudes of activations before and after the rotation and of keys before and after "
+        "K-sort.",
     )
     report_parser.add_argument(
-        "results", nargs="+", metavar="JSON", help="lowbit eval --json files"
+        "results", nargs="*", metavar="JSON", help="lowbit eval --json files"
     )
     report_parser.add_argument("--out", required=True, help="the directory to write")
+    report_parser.add_argument(
+        "--layer-error",
+        nargs="+",
+        default=[],
+        metavar="RECIPE",
+        help="recipes whose per-block and per-linear output error against float to plot",
+    )
+    report_parser.add_argument(
+        "--channels",
+        action="store_true",
+        help="plot activation and key channel magnitudes before and after rotation and K-sort",
+    )
+    report_parser.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the block --channels measures (default: the middle one)",
+    )
+    _add_model_arg(report_parser)
+    report_parser.add_argument(
+        "--dataset",
+        default="pydoc",
+        metavar="NAME|PATH",
+        help="text the model runs on for --layer-error and --channels: pydoc, wikitext2 or a "
+        "text file (default: pydoc)",
+    )
+    report_parser.add_argument(
+        "--seqlen", type=int, default=512, help="tokens per window (default: %(default)s)"
+    )
+    report_parser.add_argument(
+        "--windows", type=int, default=2, help="windows of --dataset (default: %(default)s)"
+    )
+    _add_calibration_args(report_parser, resume=False)
+    report_parser.set_defaults(calib_samples=8)
+    report_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     lm_eval_parser = commands.add_parser(
         "lm-eval",
@@ -868,7 +913,56 @@ def run_report(args) -> None:
         raise LowbitError(
             f"lowbit report needs matplotlib: pip install 'lowbit[report]' ({err})"
         ) from err
-    print(f"wrote {write_report(args.results, args.out)}")
+    from lowbit.atomic import check_target
+
+    if not (args.results or args.layer_error or args.channels):
+        raise LowbitError("nothing to report: give eval --json files, --layer-error or --channels")
+    check_target(Path(args.out).expanduser(), "write the report to")  # before the long work
+    layer_errors, magnitudes, model_name = [], None, ""
+    if args.layer_error or args.channels:
+        layer_errors, magnitudes, model_name = measure_insides(args)
+    page = write_report(
+        args.results, args.out, layer_errors=layer_errors, magnitudes=magnitudes, model=model_name
+    )
+    print(f"wrote {page}")
+
+
+def measure_insides(args):
+    """``lowbit report``'s measurements on --model: (layer errors, channel magnitudes or None,
+    the model's name)."""
+    from lowbit.api import load_model
+    from lowbit.data import eval_windows, load_corpus, tokenize
+    from lowbit.eval.distributions import channel_magnitudes
+    from lowbit.eval.layer_error import layer_error
+
+    labelled = build_recipes(args.layer_error, {})
+    corpus = load_corpus(args.dataset, part="eval")
+    calib_corpus = None
+    if any(recipe.needs_calibration for _, recipe in labelled):
+        calib_corpus = load_corpus(args.calib, part="calibration")
+    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    if getattr(loaded.model, "lowbit_recipe", None) is not None:
+        raise LowbitError(
+            f"{loaded.name} is already quantized; --layer-error and --channels measure a float "
+            "model (the one it came from)"
+        )
+    ids = eval_windows(tokenize(loaded.tokenizer, corpus.text), args.seqlen, args.windows)
+    calibration = None
+    if calib_corpus is not None:
+        calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
+    magnitudes = channel_magnitudes(loaded.model, ids, args.layer) if args.channels else None
+    errors = [
+        layer_error(
+            loaded.model,
+            recipe,
+            ids,
+            calibration=calibration,
+            label=label,
+            progress=not args.no_progress,
+        )  # fmt: skip
+        for label, recipe in labelled
+    ]
+    return errors, magnitudes, loaded.name
 
 
 def run_lm_eval(args) -> None:

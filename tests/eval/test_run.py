@@ -34,6 +34,28 @@ def test_rows_of_names_recipes_and_labelled_recipes(tiny_model_dir, corpus):
     assert all(r["tokens"] == 2 * 64 and r["calibration"] is None for r in rows)
 
 
+def test_rows_state_kv_bytes_at_every_plotted_context(tiny_model_dir, corpus):
+    """A cache with a float window (KIVI's 128 residual tokens) costs more per token at short
+    contexts; an unquantized cache costs the same at every context."""
+    from lowbit.eval.memory import KV_CONTEXTS
+
+    fp, kivi = evaluate_recipes(
+        tiny_model_dir,
+        ["fp", get_recipe("kivi", group=16)],
+        dataset=corpus,
+        seqlen=64,
+        windows=1,
+        progress=False,
+    )
+    for row in (fp, kivi):
+        assert list(row["kv_bytes_by_context"]) == [str(c) for c in KV_CONTEXTS]
+        assert row["kv_bytes_by_context"][str(row["kv_context"])] == row["kv_bytes_per_token"]
+    assert len(set(fp["kv_bytes_by_context"].values())) == 1
+    curve = list(kivi["kv_bytes_by_context"].values())
+    assert all(a > b for a, b in zip(curve, curve[1:], strict=False))
+    assert curve[0] < fp["kv_bytes_per_token"]
+
+
 def test_the_same_rows_as_the_command_line(tiny_model_dir, corpus, tmp_path):
     """`lowbit eval` prints what evaluate_recipes returns (times apart)."""
     import json

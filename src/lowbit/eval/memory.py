@@ -108,10 +108,28 @@ def parameter_count(model: torch.nn.Module) -> int:
     return count + sum(p.numel() for p in model.parameters() if id(p) not in accounted)
 
 
+# context lengths at which eval rows state the KV cache's bytes per token (lowbit report plots them)
+KV_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
 def float_kv_bytes_per_token(adapter: DecoderAdapter, dtype: torch.dtype = torch.float16) -> int:
     """Bytes per token of an unquantized KV cache: K and V for every layer and KV head."""
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * adapter.num_layers * adapter.num_kv_heads * adapter.head_dim * element
+
+
+def kv_bytes_per_token(
+    model: torch.nn.Module,
+    adapter: DecoderAdapter,
+    context: int,
+    kv_float_dtype: torch.dtype = torch.float16,
+) -> float:
+    """KV-cache bytes per token at ``context`` tokens: the recipe's when it quantizes the cache
+    (a cache with a float window or per-sequence state costs more per token at short contexts),
+    else an unquantized cache in ``kv_float_dtype`` (what serving engines keep)."""
+    recipe = getattr(model, "lowbit_recipe", None)
+    kv = None if recipe is None else recipe.kv_bytes_per_token(adapter, context)
+    return float(float_kv_bytes_per_token(adapter, kv_float_dtype) if kv is None else kv)
 
 
 def memory_report(
@@ -121,17 +139,13 @@ def memory_report(
     kv_context: int = 2048,
     kv_float_dtype: torch.dtype = torch.float16,
 ) -> MemoryReport:
-    """Exact storage of ``model``; the KV figure comes from the recipe when it quantizes the
-    cache, else from an unquantized cache in ``kv_float_dtype`` (what serving engines keep)."""
+    """Exact storage of ``model`` and its KV cache per token at ``kv_context``
+    (:func:`kv_bytes_per_token`)."""
     bits, weights = linear_weight_bits(model, adapter)
-    recipe = getattr(model, "lowbit_recipe", None)
-    kv = None if recipe is None else recipe.kv_bytes_per_token(adapter, kv_context)
-    if kv is None:
-        kv = float_kv_bytes_per_token(adapter, kv_float_dtype)
     return MemoryReport(
         bits_per_weight=bits / weights,
         linear_weights=weights,
         model_bytes=model_storage_bytes(model),
-        kv_bytes_per_token=float(kv),
+        kv_bytes_per_token=kv_bytes_per_token(model, adapter, kv_context, kv_float_dtype),
         kv_context=kv_context,
     )

@@ -1,13 +1,17 @@
 """``lowbit report``: figures from ``lowbit eval --json`` results in one self-contained HTML page.
 
 The page embeds every figure as a base64 PNG (it opens offline, from any directory); the same
-PNGs are written beside it so they can be read or committed alone. Nothing is re-evaluated: the
-figures come from the JSON rows alone.
+PNGs are written beside it so they can be read or committed alone. The figures of the rows
+(ppl and KL against bits per weight, KV cache against context) come from the JSON alone,
+nothing re-evaluated; the figures of a model's insides come from measurements the caller made:
+per-layer and per-linear error (:mod:`lowbit.eval.layer_error`) and channel magnitudes
+(:mod:`lowbit.eval.distributions`).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import json
@@ -17,9 +21,10 @@ from pathlib import Path
 
 from lowbit.atomic import atomic_directory
 from lowbit.errors import LowbitError
+from lowbit.eval.distributions import ChannelMagnitudes
+from lowbit.eval.layer_error import LayerError
+from lowbit.eval.memory import KV_CONTEXTS
 
-# context lengths the KV-cache figure plots, tokens
-KV_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 REQUIRED = ("label", "ppl", "kl", "bits_per_weight", "kv_bytes_per_token")
 
 
@@ -107,17 +112,25 @@ def pareto_figure(rows: list[dict], metric: str) -> bytes:
     return _png(fig)
 
 
+def _kv_curve(row: dict) -> tuple[float, ...]:
+    """Bytes per token at each of :data:`KV_CONTEXTS`: as the eval stated them at each context,
+    or (older rows) the one figure it stated, at every context."""
+    by_context = row.get("kv_bytes_by_context") or {}
+    return tuple(float(by_context.get(str(c), row["kv_bytes_per_token"])) for c in KV_CONTEXTS)
+
+
 def kv_figure(rows: list[dict]) -> bytes:
     """KV-cache bytes per token and in total against context length, one line per distinct KV
-    cache among the rows (its bytes per token as the eval measured them)."""
+    cache among the rows."""
     plt = _pyplot()
     fig, (per_token, total) = plt.subplots(1, 2, figsize=(9.6, 4.0))
-    seen: dict[float, str] = {}
+    seen: dict[tuple[float, ...], str] = {}
     for row in rows:
-        seen.setdefault(row["kv_bytes_per_token"], row["label"])
-    for per, label in sorted(seen.items(), reverse=True):
-        per_token.plot(KV_CONTEXTS, [per] * len(KV_CONTEXTS), marker="o", label=label)
-        total.plot(KV_CONTEXTS, [per * c / 2**20 for c in KV_CONTEXTS], marker="o", label=label)
+        seen.setdefault(_kv_curve(row), row["label"])
+    for curve, label in sorted(seen.items(), reverse=True):
+        per_token.plot(KV_CONTEXTS, curve, marker="o", label=label)
+        totals = [per * c / 2**20 for per, c in zip(curve, KV_CONTEXTS, strict=True)]
+        total.plot(KV_CONTEXTS, totals, marker="o", label=label)
     for ax in (per_token, total):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length, tokens")
@@ -130,16 +143,96 @@ def kv_figure(rows: list[dict]) -> bytes:
     return _png(fig)
 
 
-def build_figures(rows: list[dict]) -> dict[str, bytes]:
-    """File name -> PNG bytes of every figure the rows give."""
-    return {
-        "pareto-ppl.png": pareto_figure(rows, "ppl"),
-        "pareto-kl.png": pareto_figure(rows, "kl"),
-        "kv-cache.png": kv_figure(rows),
-    }
+def layer_error_figure(errors: Sequence[LayerError]) -> bytes:
+    """The residual stream's relative squared error after each block, one line per recipe."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for error in errors:
+        ax.plot(range(len(error.blocks)), error.blocks, marker=".", label=error.label)
+    ax.set_yscale("log")
+    ax.set_xlabel("block")
+    ax.set_ylabel("‖y − y_float‖² / ‖y_float‖², residual stream")
+    ax.set_title("error after each block against float")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
 
 
-def build_html(rows: list[dict], figures: dict[str, bytes]) -> str:
+def linear_error_figure(errors: Sequence[LayerError]) -> bytes:
+    """Each linear's relative squared output error by block, one heat map per recipe on one
+    shared log colour scale."""
+    import numpy as np
+
+    plt = _pyplot()
+    tables = [np.array(list(e.linears.values())) for e in errors]  # each [7 linears, L]
+    finite = np.concatenate([t[np.isfinite(t) & (t > 0)] for t in tables] + [np.ones(1)])
+    low, high = np.log10(finite.min()), np.log10(finite.max())
+    fig, axes = plt.subplots(
+        len(errors), 1, figsize=(9.6, 1.9 * len(errors) + 0.6), squeeze=False, sharex=True
+    )
+    for ax, error, table in zip(axes[:, 0], errors, tables, strict=True):
+        image = ax.imshow(
+            np.log10(np.maximum(table, 10.0**low)), aspect="auto", vmin=low, vmax=high,
+            cmap="viridis", interpolation="nearest",
+        )  # fmt: skip
+        ax.set_yticks(range(len(error.linears)), list(error.linears), fontsize=7)
+        ax.set_title(error.label, fontsize=9)
+    axes[-1, 0].set_xlabel("block")
+    fig.colorbar(image, ax=axes[:, 0], label="log10 relative squared error")
+    return _png(fig)
+
+
+def channels_figure(m: ChannelMagnitudes) -> bytes:
+    """Largest |x| per channel at q_proj's input before and after the rotation, and of the
+    pre-RoPE keys in model order and in K-sort order (head boundaries dotted)."""
+    plt = _pyplot()
+    fig, ((act, act_rot), (key, key_sorted)) = plt.subplots(2, 2, figsize=(11, 6.4))
+    top = float(max(m.activations.max(), m.activations_rotated.max()))
+    for ax, values, title in (
+        (act, m.activations, "q_proj input, float model"),
+        (act_rot, m.activations_rotated, "q_proj input, after the rotation"),
+    ):
+        ax.bar(range(values.numel()), values.cpu().numpy(), width=1.0)
+        ax.set_ylim(0, top * 1.05)
+        ax.set_title(f"block {m.layer}: {title}", fontsize=9)
+        ax.set_xlabel("channel")
+    top = float(m.keys.max())
+    for ax, values, title in (
+        (key, m.keys, "pre-RoPE keys, model order"),
+        (key_sorted, m.keys_sorted, "pre-RoPE keys, K-sort order"),
+    ):
+        ax.bar(range(values.numel()), values.cpu().numpy(), width=1.0, color="tab:orange")
+        for boundary in range(m.head_dim, values.numel(), m.head_dim):
+            ax.axvline(boundary - 0.5, color="gray", linestyle=":", linewidth=1)
+        ax.set_ylim(0, top * 1.05)
+        ax.set_title(f"block {m.layer}: {title}", fontsize=9)
+        ax.set_xlabel(f"channel (heads of {m.head_dim})")
+    act.set_ylabel("max |x| over tokens")
+    key.set_ylabel("max |k| over tokens")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def build_figures(
+    rows: list[dict],
+    layer_errors: Sequence[LayerError] = (),
+    magnitudes: ChannelMagnitudes | None = None,
+) -> dict[str, bytes]:
+    """File name -> PNG bytes of every figure the rows and measurements give."""
+    figures = {}
+    if rows:
+        figures["pareto-ppl.png"] = pareto_figure(rows, "ppl")
+        figures["pareto-kl.png"] = pareto_figure(rows, "kl")
+        figures["kv-cache.png"] = kv_figure(rows)
+    if layer_errors:
+        figures["layer-error.png"] = layer_error_figure(layer_errors)
+        figures["linear-error.png"] = linear_error_figure(layer_errors)
+    if magnitudes is not None:
+        figures["channels.png"] = channels_figure(magnitudes)
+    return figures
+
+
+def build_html(rows: list[dict], figures: dict[str, bytes], model: str = "") -> str:
     """One page: a table of the rows and every figure as an embedded PNG."""
     cells = "".join(
         f"<tr><td>{html.escape(str(r['label']))}</td><td>{r['bits_per_weight']:.3f}</td>"
@@ -152,25 +245,57 @@ def build_html(rows: list[dict], figures: dict[str, bytes]) -> str:
         f"<figcaption>{html.escape(name)}</figcaption></figure>"
         for name, png in figures.items()
     )
-    model = html.escape(str(rows[0].get("model", "")))
+    table = (
+        "<table><tr><th>recipe</th><th>bits/weight</th><th>ppl</th><th>KL</th>"
+        f"<th>KV bytes/token</th></tr>{cells}</table>"
+        if rows
+        else ""
+    )
+    model = html.escape(str(rows[0].get("model", "")) if rows else model)
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>lowbit report</title>"
         "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 8px}"
         "figure{display:inline-block;margin:4px}</style></head><body>"
-        f"<h1>lowbit report: {model}</h1><table><tr><th>recipe</th><th>bits/weight</th>"
-        f"<th>ppl</th><th>KL</th><th>KV bytes/token</th></tr>{cells}</table>{images}"
+        f"<h1>lowbit report: {model}</h1>{table}{images}"
         "</body></html>\n"
     )
 
 
-def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:
-    """Write ``out`` (a new or empty directory), whole or not at all: ``index.html`` and every
-    figure as a PNG file. Returns the page's path."""
-    rows = load_rows(paths)
-    figures = build_figures(rows)
-    page = build_html(rows, figures)
+def measurements_dict(
+    layer_errors: Sequence[LayerError], magnitudes: ChannelMagnitudes | None
+) -> dict:
+    """The measurements as JSON-ready lists (what the insides' figures plot)."""
+    found: dict = {"layer_error": [dataclasses.asdict(e) for e in layer_errors]}
+    if magnitudes is not None:
+        found["channels"] = {
+            k: v.tolist() if hasattr(v, "tolist") else v
+            for k, v in dataclasses.asdict(magnitudes).items()
+        }
+    return found
+
+
+def write_report(
+    paths: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    layer_errors: Sequence[LayerError] = (),
+    magnitudes: ChannelMagnitudes | None = None,
+    model: str = "",
+) -> Path:
+    """Write ``out`` (a new or empty directory), whole or not at all: ``index.html``, every
+    figure as a PNG file, and the measurements given as ``measurements.json`` (the numbers
+    behind their figures), from the eval results in ``paths``. Returns the page's path."""
+    rows = load_rows(paths) if paths else []
+    if not rows and not layer_errors and magnitudes is None:
+        raise LowbitError("nothing to report: give eval --json files, --layer-error or --channels")
+    figures = build_figures(rows, layer_errors, magnitudes)
+    page = build_html(rows, figures, model)
     with atomic_directory(out, verb="write the report to") as tmp:
         for name, png in figures.items():
             (tmp / name).write_bytes(png)
         (tmp / "index.html").write_text(page)
+        if layer_errors or magnitudes is not None:
+            (tmp / "measurements.json").write_text(
+                json.dumps(measurements_dict(layer_errors, magnitudes), indent=1) + "\n"
+            )
     return Path(out).expanduser() / "index.html"

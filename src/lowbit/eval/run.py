@@ -117,7 +117,7 @@ def evaluate_recipes(
     from lowbit.api import load_model, quantize
     from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
-    from lowbit.eval.memory import memory_report
+    from lowbit.eval.memory import KV_CONTEXTS, kv_bytes_per_token, memory_report
     from lowbit.models.adapter import adapter_for
     from lowbit.models.run import prepare_run
 
@@ -184,7 +184,8 @@ def evaluate_recipes(
         result = evaluate(
             candidate, ids, reference=reference, chunk=chunk, progress=progress, desc=label[:30]
         )
-        memory = memory_report(candidate, adapter_for(candidate), kv_context=kv_context)
+        candidate_adapter = adapter_for(candidate)
+        memory = memory_report(candidate, candidate_adapter, kv_context=kv_context)
         used_calibration = None
         if calibration is not None and recipe.needs_calibration:
             used_calibration = {
@@ -210,6 +211,9 @@ def evaluate_recipes(
                 "model_bytes": memory.model_bytes,
                 "kv_bytes_per_token": memory.kv_bytes_per_token,
                 "kv_context": memory.kv_context,
+                "kv_bytes_by_context": {
+                    str(c): kv_bytes_per_token(candidate, candidate_adapter, c) for c in KV_CONTEXTS
+                },
                 "calibration": used_calibration,
                 "chunk": chunk,
                 "backend": backend,

@@ -223,6 +223,9 @@ class QuantizeContext:
             GPTQ (:mod:`lowbit.calibrate.resume`), or None.
         device: compute device of calibration, or None for where the model's blocks are
             (:meth:`compute_device`).
+        on_transformed: called with the model by a recipe that changes the model's bases
+            (a rotation) once that function-preserving transform is done and before anything
+            is quantized: the float reference in those bases (:mod:`lowbit.eval.layer_error`).
     """
 
     adapter: Any
@@ -232,6 +235,13 @@ class QuantizeContext:
     progress: bool = True
     resume_dir: str | Path | None = None
     device: torch.device | None = None
+    on_transformed: Any = None
+
+    def transformed(self, model: torch.nn.Module) -> None:
+        """Say that ``model``'s function-preserving transforms are done (see
+        :attr:`on_transformed`)."""
+        if self.on_transformed is not None:
+            self.on_transformed(model)
 
     def compute_device(self) -> torch.device:
         """Where calibration computes: :attr:`device`, else where the first block's parameters

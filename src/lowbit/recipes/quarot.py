@@ -148,6 +148,7 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
                 seed=self.seed,
                 online_dtype=torch.float16 if self.online_fp16 else torch.float32,
             )
+            context.transformed(model)
         model.lowbit_weight_report = quantize_linears(
             model,
             context.adapter,

@@ -52,3 +52,4 @@ class RotateRecipe(Recipe):
             online_dtype=torch.float16 if self.online_fp16 else torch.float32,
             online=self.online,
         )
+        context.transformed(model)
