@@ -46,32 +46,27 @@ from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
 
-#: bit setting -> settings every part that has them receives
-BITS = {
-    "W4A4KV4": {"w_bits": 4, "a_bits": 4, "k_bits": 4, "v_bits": 4},
-    "W4A8KV4": {"w_bits": 4, "a_bits": 8, "k_bits": 4, "v_bits": 4},
-    "W4A16": {"w_bits": 4, "a_bits": 16, "k_bits": 16, "v_bits": 16},
-}
-#: QuaRot's quantizer settings for the weight and KV parts (the quarot recipe's defaults)
-QUAROT = {"w_mse_clip": True, "rotate_qk": "hadamard", "symmetric": False}
+#: bit setting -> (activation bits, KV bits; 16 = off); weights are 4-bit in every row
+BITS = {"W4A4KV4": (4, 4), "W4A8KV4": (8, 4), "W4A16": (16, 16)}
 
 
-def recipe_for(rotation: str, weights: str, bits: str, steps: int, seqlen: int):
-    settings = {**QUAROT, **BITS[bits]}
-    settings["a_clip_ratio"] = 0.9 if settings["a_bits"] <= 4 else 1.0
+def recipe_for(rotation: str, weights: str, bits: str, args):
+    """One row's composed recipe with QuaRot's quantizer settings (the quarot recipe's: MSE
+    weight clip, activations clipped at 0.9 at 4 bits, KV asymmetric with keys rotated after
+    RoPE), or None for a learned rotation with nothing in its loop (W4A16)."""
+    a_bits, kv_bits = BITS[bits]
+    if rotation == "learn-rotate" and a_bits == 16 and kv_bits == 16:
+        return None
+    settings = {"w_bits": 4, "w_mse_clip": True, "a_bits": a_bits}
+    settings["a_clip_ratio"] = 0.9 if a_bits <= 4 else 1.0
     parts = [rotation, weights]
-    if settings["k_bits"] != 16:
+    if kv_bits != 16:
         parts.append("kv-int")
-    else:
-        settings = {
-            k: v for k, v in settings.items() if k not in ("rotate_qk", "symmetric", "k_bits")
-        }
+        settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
     if rotation == "learn-rotate":
-        settings.update(steps=steps, seqlen=seqlen)
-        if settings["a_bits"] == 16:  # weight-only: the loop has nothing to quantize
-            return None
-    else:
-        settings.pop("v_bits", None) if len(parts) == 2 else None
+        settings.update(steps=args.steps, seqlen=args.train_seqlen)
+        if args.lr is not None:
+            settings["lr"] = args.lr
     return get_recipe("+".join(parts)).with_settings(**settings)
 
 
@@ -84,7 +79,11 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", default=["W4A4KV4"], choices=list(BITS))
     parser.add_argument("--steps", type=int, default=100, help="learn-rotate training steps")
     parser.add_argument("--train-seqlen", type=int, default=256)
-    parser.add_argument("--rows", nargs="*", default=None, help="only rows whose label has one")
+    parser.add_argument(
+        "--rotations", nargs="+", default=["fp", "rotate", "learn-rotate"],
+        choices=["fp", "rotate", "learn-rotate"], help="which rows to run (fp: the float row)",
+    )  # fmt: skip
+    parser.add_argument("--lr", type=float, default=None, help="learn-rotate's lr (its default)")
     parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,18 +137,16 @@ def main() -> None:
                 }  # fmt: skip
                 f.write(json.dumps(record) + "\n")
 
-    if args.rows is None or any("fp" in r for r in args.rows):
+    if "fp" in args.rotations:
         row(["16", "none", "fp", "—"], model, 0.0, None, 0.0, None)
     work = Path(tempfile.mkdtemp(prefix="bench-rotations-"))
     for bits in args.bits:
         for calib in args.calib:
-            for rotation in ("rotate", "learn-rotate"):
+            for rotation in [r for r in ("rotate", "learn-rotate") if r in args.rotations]:
                 trained = work / f"{bits}-{calib}-gptq"
                 for weights in ("gptq", "rtn"):
                     label = [bits, rotation, weights, calib]
-                    if args.rows is not None and not any(r in " ".join(label) for r in args.rows):
-                        continue
-                    recipe = recipe_for(rotation, weights, bits, args.steps, args.train_seqlen)
+                    recipe = recipe_for(rotation, weights, bits, args)
                     if recipe is None:
                         continue
                     resume = work / f"{bits}-{calib}-{weights}"

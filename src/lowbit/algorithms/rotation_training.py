@@ -19,6 +19,7 @@ rerun with the same fingerprint continues from the last one, with the same resul
 from __future__ import annotations
 
 import functools
+import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -134,6 +135,7 @@ class RotationTrainingReport:
     resumed_from: int = 0  # the step a resume state continued from (0: a fresh start)
     losses: list[float] = field(default_factory=list)  # per step, from step 0
     seconds: float = 0.0  # this process's training time
+    peak_rss_mb: float = 0.0  # the process's peak resident memory when training ended
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -253,4 +255,5 @@ def train_rotations(
         for p, flag in frozen.items():
             p.requires_grad_(flag)
     report.seconds = time.perf_counter() - start
+    report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     return report
