@@ -31,6 +31,7 @@ from lowbit.recipes.base import (
     resolve_clip,
 )
 from lowbit.recipes.kv_int import QUAROT_KV_CLIP
+from lowbit.recipes.quarot import QuaRotRecipe
 from lowbit.recipes.registry import register
 from lowbit.settings import Count
 from lowbit.transforms.learned_rotate import (
@@ -40,7 +41,6 @@ from lowbit.transforms.learned_rotate import (
 )
 from lowbit.transforms.rotate import rotate_model
 
-QUAROT_ACT_CLIP = 0.9  # QuaRot's activation clip at 4 bits or fewer
 DEFAULT_SEQLEN = 256
 
 
@@ -99,7 +99,7 @@ class LearnRotateRecipe(Recipe):
             seqlen=seqlen,
             lr=self.lr,
             a_bits=self.a_bits,
-            a_clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, QUAROT_ACT_CLIP),
+            a_clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, QuaRotRecipe.paper_a_clip),
             v_bits=self.v_bits,
             v_clip_ratio=resolve_clip(self.kv_clip_ratio, self.v_bits, QUAROT_KV_CLIP),
             save_every=self.save_every,
