@@ -12,8 +12,8 @@ clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE). Every mod
 evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``) and the pydoc
 evaluation text (first ``--pydoc-windows`` windows), so each calibration is also measured on
 the other corpus. The rotation is trained once per calibration and bit setting: the RTN row
-reuses the GPTQ row's finished training state through the resume directory (its training
-seconds are the GPTQ row's). Rows print as they finish.
+reuses the first row's finished training state through the resume directory (its training
+seconds are the first row's). Rows print as they finish.
 """
 
 from __future__ import annotations
@@ -83,6 +83,15 @@ def main() -> None:
         "--rotations", nargs="+", default=["fp", "rotate", "learn-rotate"],
         choices=["fp", "rotate", "learn-rotate"], help="which rows to run (fp: the float row)",
     )  # fmt: skip
+    parser.add_argument(
+        "--weights", nargs="+", default=["gptq", "rtn"], choices=["gptq", "rtn"],
+        help="weight algorithms, in this order",
+    )  # fmt: skip
+    parser.add_argument(
+        "--work", default=None,
+        help="directory of the learned rotations' resume states (default: a temporary one); "
+        "a rerun with the same one resumes the training",
+    )  # fmt: skip
     parser.add_argument("--lr", type=float, default=None, help="learn-rotate's lr (its default)")
     parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
     args = parser.parse_args()
@@ -111,7 +120,12 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
-    def row(label_parts, candidate, seconds, train_seconds, peak_mb, recipe):
+    def row(label_parts, candidate, seconds, training, peak_mb, recipe):
+        """Evaluate ``candidate`` on both corpora and print (and record) its row."""
+        train_seconds = None if training is None else training.seconds
+        train_cell = fmt(train_seconds, ".0f")
+        if training is not None and training.resumed_from:  # seconds of the remaining steps
+            train_cell += f" (steps {training.resumed_from}-{training.steps})"
         results = {
             name: evaluate(candidate, ids, reference=references[name], progress=False)
             for name, ids in evals.items()
@@ -122,7 +136,7 @@ def main() -> None:
             cells += [f"{r.ppl:.2f}", fmt(r.kl, ".4f"), fmt(r.top1, ".3f")]
         print(
             f"| {' | '.join(label_parts)} | {' | '.join(cells)} | "
-            f"{fmt(train_seconds, '.0f')} | {seconds:.0f} | {peak_mb:.0f} |",
+            f"{train_cell} | {seconds:.0f} | {peak_mb:.0f} |",
             flush=True,
         )
         if args.jsonl:
@@ -132,26 +146,31 @@ def main() -> None:
                     "recipe": None if recipe is None else recipe.to_dict(),
                     **{f"{n}_{k}": getattr(r, k) for n, r in results.items()
                        for k in ("ppl", "kl", "top1")},
-                    "train_seconds": train_seconds, "quantize_seconds": seconds,
+                    "train_seconds": train_seconds,
+                    "resumed_from": training.resumed_from if training else None,
+                    "quantize_seconds": seconds,
                     "peak_rss_mb": peak_mb,
                 }  # fmt: skip
                 f.write(json.dumps(record) + "\n")
 
     if "fp" in args.rotations:
         row(["16", "none", "fp", "—"], model, 0.0, None, 0.0, None)
-    work = Path(tempfile.mkdtemp(prefix="bench-rotations-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-rotations-"))
     for bits in args.bits:
         for calib in args.calib:
             for rotation in [r for r in ("rotate", "learn-rotate") if r in args.rotations]:
-                trained = work / f"{bits}-{calib}-gptq"
-                for weights in ("gptq", "rtn"):
+                trained = None  # the first row's resume directory holds the training state
+                for weights in args.weights:
                     label = [bits, rotation, weights, calib]
                     recipe = recipe_for(rotation, weights, bits, args)
                     if recipe is None:
                         continue
                     resume = work / f"{bits}-{calib}-{weights}"
-                    if rotation == "learn-rotate" and weights == "rtn" and trained.exists():
-                        shutil.copytree(trained / "rotation", resume / "rotation")
+                    if rotation == "learn-rotate" and trained is not None:
+                        shutil.copytree(
+                            trained / "rotation", resume / "rotation", dirs_exist_ok=True
+                        )
+                    trained = trained or resume
                     candidate = copy.deepcopy(model)
                     start = time.perf_counter()
                     with PeakRSS() as peak:
@@ -161,13 +180,11 @@ def main() -> None:
                         )  # fmt: skip
                     seconds = time.perf_counter() - start
                     training = getattr(candidate, "lowbit_rotation_training", None)
-                    train_seconds = None
-                    if training is not None:
-                        train_seconds = training.seconds if not training.resumed_from else None
-                    row(label, candidate, seconds, train_seconds, peak.mb, recipe)
+                    row(label, candidate, seconds, training, peak.mb, recipe)
                     del candidate
                     gc.collect()
-    shutil.rmtree(work, ignore_errors=True)
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
