@@ -645,7 +645,7 @@ def _fmt(value, spec: str) -> str:
 def format_table(rows: list[dict]) -> str:
     header = (
         f"{'recipe':<34} {'ppl':>9} {'KL':>8} {'top-1':>7} {'bits/w':>7} {'model MB':>9} "
-        f"{'KV B/tok':>9} {'quant s':>8} {'eval s':>7}"
+        f"{'KV B/tok':>9} {'quant s':>8} {'train s':>8} {'eval s':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -653,7 +653,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r['label'][:34]:<34} {_fmt(r['ppl'], '.3f'):>9} {_fmt(r['kl'], '.4f'):>8} "
             f"{_fmt(r['top1'], '.4f'):>7} {r['bits_per_weight']:>7.3f} "
             f"{r['model_bytes'] / 1e6:>9.1f} {r['kv_bytes_per_token']:>9.1f} "
-            f"{r['quantize_seconds']:>8.1f} {r['eval_seconds']:>7.1f}"
+            f"{r['quantize_seconds']:>8.1f} {r.get('train_seconds', 0.0):>8.1f} "
+            f"{r['eval_seconds']:>7.1f}"
         )
     return "\n".join(lines)
 

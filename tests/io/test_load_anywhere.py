@@ -42,6 +42,7 @@ COMPOSITIONS = [
     "rotate+spqr+kv-int",
     "rotate+mixed+kivi",
     "rotate+gptq+kv-int",
+    "learn-rotate+gptq+kv-int",
     "gptq+kvquant",
     "rtn+kivi",
     "w4a16-g64+ksort-bfp",

@@ -45,6 +45,9 @@ __all__ = ["RESUME_FORMAT_VERSION", "BlockCheckpoints", "run_fingerprint", "tens
 
 RESUME_FORMAT_VERSION = 2  # 2: any packed format, weights described by module specs
 RUN_NAME = "run.json"
+#: subdirectories where an earlier part of a composed recipe keeps a resume directory of its own
+#: (``learn-rotate``'s training state), beside the weight algorithm's blocks
+NESTED_DIRECTORIES = ("rotation",)
 
 _DIGESTS = ("model_weights", "calibration")
 _PART_NAMES = {
@@ -150,7 +153,7 @@ def _block_stem(index: int) -> str:
 
 def _is_our_temp(name: str) -> bool:
     return name.endswith(".tmp") and (
-        name.startswith(".block-") or name.startswith(f".{RUN_NAME}.")
+        name.startswith((".block-", ".state-")) or name.startswith(f".{RUN_NAME}.")
     )
 
 
@@ -183,7 +186,7 @@ class BlockCheckpoints:
                 entry.unlink()  # left by a run killed while writing
         run = self.directory / RUN_NAME
         if not run.exists():
-            if any(self.directory.iterdir()):
+            if any(e.name not in NESTED_DIRECTORIES for e in self.directory.iterdir()):
                 raise LowbitError(
                     f"{self.directory} is not empty and has no {RUN_NAME}, so it is not a lowbit "
                     "resume directory; pass a new or empty --resume-dir"
@@ -291,6 +294,38 @@ class BlockCheckpoints:
         except (SafetensorError, TypeError, ValueError) as err:
             raise LowbitError(damaged.format(str(err).split("\n")[0])) from err
         return layers, quantized
+
+    # -- named states ------------------------------------------------------------------------------
+    def save_state(self, name: str, tensors: dict[str, Tensor], record: dict[str, Any]) -> None:
+        """Write the state ``name`` of an iterative run (a training step): its tensors to a file
+        named by their checksum, then its JSON ``record`` naming that file, so a kill at any
+        point leaves the previous state or this one whole; older tensor files are removed."""
+        data = save_tensors({key: t.detach().cpu().contiguous() for key, t in tensors.items()})
+        digest = hashlib.sha256(data).hexdigest()
+        tensor_file = f"state-{name}-{digest[:16]}.safetensors"
+        _write_atomic(self.directory / tensor_file, data)
+        record = {**record, "tensors": tensor_file, "tensors_sha256": digest}
+        _write_atomic(self.directory / f"state-{name}.json", self._json(_jsonable(record)))
+        for old in self.directory.glob(f"state-{name}-*.safetensors"):
+            if old.name != tensor_file:
+                old.unlink()
+
+    def load_state(self, name: str) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+        """The tensors and record :meth:`save_state` wrote last, or None if there is none."""
+        path = self.directory / f"state-{name}.json"
+        if not path.is_file():
+            return None
+        record = self._read_json(path)
+        try:
+            data = (self.directory / str(record.get("tensors"))).read_bytes()
+        except OSError:
+            data = b""
+        if hashlib.sha256(data).hexdigest() != record.get("tensors_sha256"):
+            raise LowbitError(
+                f"state {name!r} of resume directory {self.directory} is damaged (its tensors "
+                f"are missing or do not match {path.name}); delete {path.name} to start again"
+            )
+        return load_tensors(data), record
 
 
 def _container(name: str, spec: dict[str, Any], tensors: dict[str, Tensor]) -> Any:

@@ -112,7 +112,8 @@ def evaluate_recipes(
         One dict per recipe: ``model``, ``recipe`` (its ``to_dict()``), ``label``, ``dataset``,
         ``seqlen``, ``windows``, ``tokens``, ``ppl``, ``kl``, ``top1``, ``bits_per_weight``,
         ``model_bytes``, ``kv_bytes_per_token``, ``kv_context``, ``calibration``, ``chunk``,
-        ``backend``, ``dtype``, ``quantize_seconds``, ``eval_seconds``, ``seconds``.
+        ``backend``, ``dtype``, ``quantize_seconds`` (of which ``train_seconds`` trained a
+        learned rotation), ``eval_seconds``, ``seconds``.
     """
     from lowbit.api import load_model, quantize
     from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
@@ -179,6 +180,7 @@ def evaluate_recipes(
                 resume_dir=resume_dir,
             )  # fmt: skip
         quantize_seconds = time.perf_counter() - start
+        training = getattr(candidate, "lowbit_rotation_training", None)  # learn-rotate's loop
         use_backend(candidate, backend)
         prepare_run(candidate)  # what generate runs: lowbit.models.run
         result = evaluate(
@@ -219,6 +221,7 @@ def evaluate_recipes(
                 "backend": backend,
                 "dtype": str(candidate.dtype).removeprefix("torch."),
                 "quantize_seconds": quantize_seconds,
+                "train_seconds": 0.0 if training is None else training.seconds,
                 "eval_seconds": result.seconds,
                 "seconds": quantize_seconds + result.seconds,
             }

@@ -26,6 +26,7 @@ RECIPES: Registry[str, type[Recipe]] = Registry(
         "gptq": "lowbit.recipes.gptq",
         "quarot": "lowbit.recipes.quarot",
         "rotate": "lowbit.recipes.rotate",
+        "learn-rotate": "lowbit.recipes.learn_rotate",
         "kv-int": "lowbit.recipes.kv_int",
         "kivi": "lowbit.recipes.kivi",
         "kvquant": "lowbit.recipes.kvquant",

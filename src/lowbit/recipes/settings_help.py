@@ -52,6 +52,14 @@ SETTINGS: dict[str, str] = {
     "online_fp16": "compute the online Hadamards in fp16 instead of fp32",
     "online": "add the online Hadamards before down_proj and o_proj (false: the residual "
     "rotation alone, a standard graph that GGUF files can hold)",
+    # learned rotation (learn-rotate)
+    "learn_heads": "learn R2, one head_dim rotation per layer on values and the o_proj input, "
+    "besides R1 on the residual stream",
+    "steps": "training steps, one calibration piece of seqlen tokens each",
+    "seqlen": "tokens per training piece, cut from the calibration samples",
+    "lr": "Adam's learning rate on the rotations' Cayley parameters",
+    "save_every": "steps between resume states (with a resume directory)",
+    "bf16": "train with the model's matrix products in bfloat16 (CPU autocast)",
     "gguf_type": "llama.cpp file type: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "
     "Q5_K_S, Q4_K_M, Q4_K_S, Q3_K_L, Q3_K_M, Q3_K_S or Q2_K; each linear gets the type "
     "llama.cpp's quantizer gives it in such a file (its mix and its fallbacks)",

@@ -1,0 +1,191 @@
+"""Learned rotations against QuaRot's random Hadamard on the embedded model, side by side.
+
+    python benchmarks/bench_rotations.py --windows 8 --calib-samples 16 --calib wiki pydoc \
+        --bits W4A4KV4 [--steps 100 --train-seqlen 256]
+
+For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration text; both
+``--calib-samples`` x 2048 tokens drawn with seed 0) and each bit setting: QuaRot's rotation
+(``rotate``) and the learned one (``learn-rotate``, trained on that calibration text), each with
+RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's settings: symmetric
+per-channel weights with the MSE clip, per-token activations clipped at 0.9 and a KV cache
+clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE). Every model is
+evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``) and the pydoc
+evaluation text (first ``--pydoc-windows`` windows), so each calibration is also measured on
+the other corpus. The rotation is trained once per calibration and bit setting: the RTN row
+reuses the first row's finished training state through the resume directory (its training
+seconds are the first row's). Rows print as they finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    PeakRSS,
+    add_window_arguments,
+    command_line,
+    fmt,
+    machine,
+    stamp,
+    weight_calibrations,
+)
+
+from lowbit.api import load_model, quantize  # noqa: E402
+from lowbit.data import eval_windows, load_corpus, tokenize  # noqa: E402
+from lowbit.eval.evaluate import FloatReference, evaluate  # noqa: E402
+from lowbit.recipes.registry import get_recipe  # noqa: E402
+
+#: bit setting -> (activation bits, KV bits; 16 = off); weights are 4-bit in every row
+BITS = {"W4A4KV4": (4, 4), "W4A8KV4": (8, 4), "W4A16": (16, 16)}
+
+
+def recipe_for(rotation: str, weights: str, bits: str, args):
+    """One row's composed recipe with QuaRot's quantizer settings (the quarot recipe's: MSE
+    weight clip, activations clipped at 0.9 at 4 bits, KV asymmetric with keys rotated after
+    RoPE), or None for a learned rotation with nothing in its loop (W4A16)."""
+    a_bits, kv_bits = BITS[bits]
+    if rotation == "learn-rotate" and a_bits == 16 and kv_bits == 16:
+        return None
+    settings = {"w_bits": 4, "w_mse_clip": True, "a_bits": a_bits}
+    settings["a_clip_ratio"] = 0.9 if a_bits <= 4 else 1.0
+    parts = [rotation, weights]
+    if kv_bits != 16:
+        parts.append("kv-int")
+        settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
+    if rotation == "learn-rotate":
+        settings.update(steps=args.steps, seqlen=args.train_seqlen)
+        if args.lr is not None:
+            settings["lr"] = args.lr
+    return get_recipe("+".join(parts)).with_settings(**settings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_window_arguments(parser)
+    parser.add_argument("--pydoc-windows", type=int, default=8)
+    parser.add_argument("--calib", nargs="+", default=["wiki", "pydoc"], choices=["wiki", "pydoc"])
+    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--bits", nargs="+", default=["W4A4KV4"], choices=list(BITS))
+    parser.add_argument("--steps", type=int, default=100, help="learn-rotate training steps")
+    parser.add_argument("--train-seqlen", type=int, default=256)
+    parser.add_argument(
+        "--rotations", nargs="+", default=["fp", "rotate", "learn-rotate"],
+        choices=["fp", "rotate", "learn-rotate"], help="which rows to run (fp: the float row)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--weights", nargs="+", default=["gptq", "rtn"], choices=["gptq", "rtn"],
+        help="weight algorithms, in this order",
+    )  # fmt: skip
+    parser.add_argument(
+        "--work", default=None,
+        help="directory of the learned rotations' resume states (default: a temporary one); "
+        "a rerun with the same one resumes the training",
+    )  # fmt: skip
+    parser.add_argument("--lr", type=float, default=None, help="learn-rotate's lr (its default)")
+    parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    loaded = load_model(None)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    wiki_tokens = tokenize(tokenizer, load_corpus(args.dataset).text)
+    pydoc_tokens = tokenize(tokenizer, load_corpus("pydoc", part="eval").text)
+    evals = {
+        "wiki": eval_windows(wiki_tokens, args.seqlen, args.windows),
+        "pydoc": eval_windows(pydoc_tokens, args.seqlen, args.pydoc_windows),
+    }
+    references = {name: FloatReference(model) for name in evals}
+    calibrations = weight_calibrations(tokenizer, wiki_tokens, args.calib_samples, args.seqlen)
+    print(stamp(command_line()))
+    print(
+        f"{loaded.name}; {machine()}; eval: WikiText-2 {evals['wiki'].shape[0]} x {args.seqlen}, "
+        f"pydoc/eval {evals['pydoc'].shape[0]} x {args.seqlen}; calibration "
+        f"{args.calib_samples} x {args.seqlen} tokens; learn-rotate {args.steps} steps of "
+        f"{args.train_seqlen} tokens.\n"
+    )
+    print(
+        "| bits | rotation | weights | calibration | wiki ppl | wiki KL | wiki top-1 | "
+        "pydoc ppl | pydoc KL | pydoc top-1 | train s | quantize s | peak RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def row(label_parts, candidate, seconds, training, peak_mb, recipe):
+        """Evaluate ``candidate`` on both corpora and print (and record) its row."""
+        train_seconds = None if training is None else training.seconds
+        train_cell = fmt(train_seconds, ".0f")
+        if training is not None and training.resumed_from:  # seconds of the remaining steps
+            train_cell += f" (steps {training.resumed_from}-{training.steps})"
+        results = {
+            name: evaluate(candidate, ids, reference=references[name], progress=False)
+            for name, ids in evals.items()
+        }
+        cells = []
+        for name in evals:
+            r = results[name]
+            cells += [f"{r.ppl:.2f}", fmt(r.kl, ".4f"), fmt(r.top1, ".3f")]
+        print(
+            f"| {' | '.join(label_parts)} | {' | '.join(cells)} | "
+            f"{train_cell} | {seconds:.0f} | {peak_mb:.0f} |",
+            flush=True,
+        )
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                record = {
+                    "row": label_parts,
+                    "recipe": None if recipe is None else recipe.to_dict(),
+                    **{f"{n}_{k}": getattr(r, k) for n, r in results.items()
+                       for k in ("ppl", "kl", "top1")},
+                    "train_seconds": train_seconds,
+                    "resumed_from": training.resumed_from if training else None,
+                    "quantize_seconds": seconds,
+                    "peak_rss_mb": peak_mb,
+                }  # fmt: skip
+                f.write(json.dumps(record) + "\n")
+
+    if "fp" in args.rotations:
+        row(["16", "none", "fp", "—"], model, 0.0, None, 0.0, None)
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-rotations-"))
+    for bits in args.bits:
+        for calib in args.calib:
+            for rotation in [r for r in ("rotate", "learn-rotate") if r in args.rotations]:
+                trained = None  # the first row's resume directory holds the training state
+                for weights in args.weights:
+                    label = [bits, rotation, weights, calib]
+                    recipe = recipe_for(rotation, weights, bits, args)
+                    if recipe is None:
+                        continue
+                    resume = work / f"{bits}-{calib}-{weights}"
+                    if rotation == "learn-rotate" and trained is not None:
+                        shutil.copytree(
+                            trained / "rotation", resume / "rotation", dirs_exist_ok=True
+                        )
+                    trained = trained or resume
+                    candidate = copy.deepcopy(model)
+                    start = time.perf_counter()
+                    with PeakRSS() as peak:
+                        quantize(
+                            candidate, recipe, calibration=calibrations[calib], progress=False,
+                            resume_dir=resume if rotation == "learn-rotate" else None,
+                        )  # fmt: skip
+                    seconds = time.perf_counter() - start
+                    training = getattr(candidate, "lowbit_rotation_training", None)
+                    row(label, candidate, seconds, training, peak.mb, recipe)
+                    del candidate
+                    gc.collect()
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""Train learned rotations (SpinQuant's R1 and R2) with the quantizers in the loop.
+
+The model is QuaRot's (``rotate_model`` done); :mod:`lowbit.transforms.learned_rotate` shows
+it the fused model's quantization points (inputs of every block linear, values per head) in
+the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
+next-token cross-entropy on the calibration tokens cut into ``seqlen`` pieces, one piece a
+step, visited in order. Adam trains the Cayley parameters; the model's weights stay frozen.
+
+In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric, QuaRot's
+clip) and values (per token and head, asymmetric) are quantized; weights stay float (GPTQ
+quantizes them afterwards, seeing the learned rotation), and keys are not quantized (R1 and R2
+do not change the keys, so their quantization error is noise the rotations cannot reduce).
+
+Resumable: with a resume directory the state (parameters, Adam's moments, losses) is written
+every ``save_every`` steps through :class:`~lowbit.calibrate.resume.BlockCheckpoints`, and a
+rerun with the same fingerprint continues from the last one, with the same result.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from lowbit.calibrate.resume import BlockCheckpoints, run_fingerprint
+from lowbit.errors import LowbitError
+from lowbit.formats.intq import int_qrange
+from lowbit.transforms.learned_rotate import LearnedRotations, quantized_in_rotated_basis
+
+__all__ = [
+    "RotationTrainingReport",
+    "RotationTrainingSettings",
+    "ste_fake_quant",
+    "train_rotations",
+]
+
+OFF_BITS = 16
+_TINY = torch.finfo(torch.float32).tiny
+STATE_NAME = "rotations"
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Round to nearest (ties to even) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def ste_fake_quant(x: Tensor, bits: int, *, symmetric: bool, clip_ratio: float = 1.0) -> Tensor:
+    """Integer fake-quantization of each row of ``x`` [..., n] with a straight-through round.
+
+    The forward pass equals :func:`lowbit.formats.intq.fake_quant_int` (absmax scale, codes
+    clamped, a row of zeros kept exact) to float rounding; the gradient reaches ``x`` both
+    directly and through the scale (the row's range), so a rotation that shrinks a row's
+    outliers lowers the loss.
+    """
+    qmin, qmax = int_qrange(bits, symmetric)
+    xf = x.float()
+    if symmetric:
+        scale = xf.abs().amax(dim=-1, keepdim=True) * clip_ratio / qmax  # [..., 1]
+        zero = None
+    else:
+        lo = xf.amin(dim=-1, keepdim=True).clamp(max=0.0) * clip_ratio
+        hi = xf.amax(dim=-1, keepdim=True).clamp(min=0.0) * clip_ratio
+        scale = (hi - lo) / qmax  # [..., 1]
+        zero = torch.round(-lo.detach() / scale.detach().clamp_min(_TINY)).clamp(0, qmax)
+    scale = torch.where(scale < _TINY, torch.ones_like(scale), scale)
+    codes = _RoundSTE.apply(xf / scale) if zero is None else _RoundSTE.apply(xf / scale) + zero
+    codes = codes.clamp(qmin, qmax)
+    out = codes * scale if zero is None else (codes - zero) * scale
+    return out.to(x.dtype)
+
+
+@dataclass
+class RotationTrainingSettings:
+    """What the loop trains for and how long.
+
+    Attributes:
+        steps: optimizer steps (one calibration piece each).
+        seqlen: tokens per piece.
+        lr: Adam's learning rate on the Cayley parameters.
+        a_bits, a_clip_ratio: activation quantizer in the loop (16: off).
+        v_bits, v_clip_ratio: value quantizer in the loop (16: off).
+        save_every: steps between resume states (with a resume directory).
+        bf16: run the model's matrix products in bfloat16 (CPU autocast); weights stay as
+            they are.
+    """
+
+    steps: int = 100
+    seqlen: int = 256
+    lr: float = 2e-3
+    a_bits: int = 4
+    a_clip_ratio: float = 0.9
+    v_bits: int = 4
+    v_clip_ratio: float = 0.95
+    save_every: int = 10
+    bf16: bool = False
+
+    def check(self, calibration: Tensor | None) -> None:
+        if calibration is None:
+            raise LowbitError("training rotations needs calibration tokens ([N, S] ids)")
+        if self.steps < 1 or self.save_every < 1 or self.lr <= 0:
+            raise LowbitError(
+                f"rotation training needs steps >= 1, save_every >= 1 and lr > 0, not "
+                f"steps={self.steps}, save_every={self.save_every}, lr={self.lr}"
+            )
+        if not 2 <= self.seqlen <= calibration.shape[1]:
+            raise LowbitError(
+                f"rotation training seqlen must be 2 to the calibration length "
+                f"{calibration.shape[1]}, not {self.seqlen}"
+            )
+        if self.a_bits == OFF_BITS and self.v_bits == OFF_BITS:
+            raise LowbitError(
+                "rotation training needs activations or values quantized in the loop "
+                "(a_bits or v_bits below 16): with neither there is nothing to learn"
+            )
+
+
+@dataclass
+class RotationTrainingReport:
+    """What :func:`train_rotations` did."""
+
+    steps: int = 0
+    resumed_from: int = 0  # the step a resume state continued from (0: a fresh start)
+    losses: list[float] = field(default_factory=list)  # per step, from step 0
+    seconds: float = 0.0  # this process's training time
+    peak_rss_mb: float = 0.0  # the process's peak resident memory when training ended
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _quantizer(bits: int, symmetric: bool, clip: float):
+    if bits == OFF_BITS:
+        return None
+    return functools.partial(ste_fake_quant, bits=bits, symmetric=symmetric, clip_ratio=clip)
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    state = optimizer.state_dict()["state"]
+    return {f"adam.{i}.{key}": value for i, s in state.items() for key, value in s.items()}
+
+
+def _restore(rotations: LearnedRotations, optimizer, tensors: dict[str, Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in rotations.named_parameters():
+            param.copy_(tensors[f"param.{name}"])
+    full = optimizer.state_dict()
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("adam."):
+            _, index, what = key.split(".")
+            state.setdefault(int(index), {})[what] = value
+    optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+
+
+def train_rotations(
+    model: nn.Module,
+    rotations: LearnedRotations,
+    calibration: Tensor,
+    settings: RotationTrainingSettings,
+    *,
+    resume_dir: str | Path | None = None,
+    recipe: dict | None = None,
+    progress: bool = False,
+    on_step=None,
+) -> RotationTrainingReport:
+    """Train ``rotations`` in place on ``model`` (rotated by ``rotate_model``, float, frozen).
+
+    Args:
+        model: the rotated model; its weights are not changed.
+        rotations: the learnable transforms (their parameters are trained).
+        calibration: [N, S] token ids, cut into ``settings.seqlen`` pieces.
+        settings: the loop's quantizers and length.
+        resume_dir: where to keep resume states (None: none).
+        recipe: the caller's recipe, for the resume fingerprint.
+        progress: show a progress bar.
+        on_step: ``on_step(step, loss)`` after each step (after its state is saved).
+
+    Returns:
+        RotationTrainingReport.
+    """
+    settings.check(calibration)
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    pieces = calibration[:, : calibration.shape[1] // settings.seqlen * settings.seqlen]
+    pieces = pieces.reshape(-1, settings.seqlen)  # [P, seqlen]
+    rotations.to(device)
+    optimizer = torch.optim.Adam(rotations.parameters(), lr=settings.lr)
+    report = RotationTrainingReport(steps=settings.steps)
+    checkpoints = None
+    if resume_dir is not None:
+        fingerprint = run_fingerprint(
+            model, calibration, layers={}, options=asdict(settings), recipe=recipe, device=device
+        )
+        checkpoints = BlockCheckpoints(resume_dir, fingerprint)
+        saved = checkpoints.load_state(STATE_NAME)
+        if saved is not None:
+            tensors, record = saved
+            _restore(rotations, optimizer, tensors)
+            report.resumed_from = int(record["step"])
+            report.losses = list(record["losses"])
+
+    activation = _quantizer(settings.a_bits, True, settings.a_clip_ratio)
+    value = _quantizer(settings.v_bits, False, settings.v_clip_ratio)
+    frozen = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    bar = tqdm(
+        total=settings.steps, initial=report.resumed_from, desc="learn rotations",
+        disable=not progress, leave=False,
+    )  # fmt: skip
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+        with (
+            torch.enable_grad(),
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16),
+            quantized_in_rotated_basis(model, rotations, activation=activation, value=value),
+        ):
+            for step in range(report.resumed_from, settings.steps):
+                ids = pieces[step % pieces.shape[0]].unsqueeze(0).to(device)  # [1, seqlen]
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                report.losses.append(float(loss.detach()))
+                bar.update(1)
+                bar.set_postfix(loss=f"{report.losses[-1]:.3f}")
+                done = step + 1
+                if checkpoints is not None and (
+                    done % settings.save_every == 0 or done == settings.steps
+                ):
+                    tensors = {f"param.{n}": p for n, p in rotations.named_parameters()}
+                    tensors.update(_optimizer_tensors(optimizer))
+                    checkpoints.save_state(
+                        STATE_NAME, tensors, {"step": done, "losses": report.losses}
+                    )
+                if on_step is not None:
+                    on_step(step, report.losses[-1])
+    finally:
+        bar.close()
+        model.train(was_training)
+        for p, flag in frozen.items():
+            p.requires_grad_(flag)
+    report.seconds = time.perf_counter() - start
+    report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return report

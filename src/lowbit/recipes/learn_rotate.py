@@ -1,0 +1,147 @@
+"""The ``learn-rotate`` recipe: QuaRot's rotation with R1 (residual) and R2 (per head) learned
+on the calibration text with the quantizers in the loop (SpinQuant, Liu et al., 2024), then
+fused, so the model leaves with QuaRot's structure and cost; quantizes nothing.
+
+``learn-rotate+gptq+kv-int``: the rotation is trained for the activation and value bits it
+is given (``a_bits``, ``v_bits``; a composition's ``--set a_bits=8`` reaches the weight part
+and this one alike), GPTQ then quantizes the weights of the rotated model. Steps, each done by
+the module that owns it: :func:`~lowbit.transforms.rotate.rotate_model` (Hadamard start),
+:func:`~lowbit.algorithms.rotation_training.train_rotations` (the loop),
+:func:`~lowbit.transforms.learned_rotate.fuse_learned_rotations`. What the training cost is
+left on the model as ``model.lowbit_rotation_training``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowbit.algorithms.rotation_training import RotationTrainingSettings, train_rotations
+from lowbit.calibrate.resume import NESTED_DIRECTORIES
+from lowbit.errors import LowbitError
+from lowbit.recipes.base import (
+    OFF_BITS,
+    QuantizeContext,
+    Recipe,
+    check_bits,
+    check_clip,
+    check_seed,
+    resolve_clip,
+)
+from lowbit.recipes.kv_int import QUAROT_KV_CLIP
+from lowbit.recipes.quarot import QuaRotRecipe
+from lowbit.recipes.registry import register
+from lowbit.settings import Count
+from lowbit.transforms.learned_rotate import (
+    LearnedRotations,
+    fuse_learned_rotations,
+    head_base_for,
+)
+from lowbit.transforms.rotate import rotate_model
+
+DEFAULT_SEQLEN = 256
+
+
+@register
+@dataclass
+class LearnRotateRecipe(Recipe):
+    """Learn QuaRot's rotation for the quantizers that follow; quantizes nothing.
+
+    Settings: :mod:`lowbit.recipes.settings_help` describes each (``lowbit recipes`` prints
+    them).
+    """
+
+    method = "learn-rotate"
+    version = 1
+    needs_calibration = True
+    roles = frozenset({"rotation"})
+    paper = "SpinQuant (Liu et al., 2024)"
+
+    seed: Count = 0
+    online_fp16: bool = False
+    learn_heads: bool = True
+    a_bits: int = 4
+    a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
+    v_bits: int = 4
+    kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
+    steps: Count = 100
+    seqlen: Count | None = None  # DEFAULT_SEQLEN, or the calibration samples' length if shorter
+    lr: float = 2e-3
+    save_every: Count = 10
+    bf16: bool = False
+
+    def validate(self) -> None:
+        check_seed("seed", self.seed)
+        check_bits("a_bits", self.a_bits)
+        check_bits("v_bits", self.v_bits)
+        check_clip("a_clip_ratio", self.a_clip_ratio)
+        check_clip("kv_clip_ratio", self.kv_clip_ratio)
+        if self.a_bits == OFF_BITS and self.v_bits == OFF_BITS:
+            raise LowbitError(
+                "learn-rotate needs a_bits or v_bits below 16: the rotation is learned for "
+                "the quantizers in the loop, and with none there is nothing to learn"
+            )
+        seqlen_ok = self.seqlen is None or self.seqlen >= 2
+        if self.steps < 1 or not seqlen_ok or self.save_every < 1 or not self.lr > 0:
+            raise LowbitError(
+                f"learn-rotate needs steps >= 1, seqlen >= 2, save_every >= 1 and lr > 0, not "
+                f"steps={self.steps}, seqlen={self.seqlen}, save_every={self.save_every}, "
+                f"lr={self.lr}"
+            )
+
+    def training_settings(self, calibration_length: int) -> RotationTrainingSettings:
+        """The loop's settings for calibration samples of ``calibration_length`` tokens."""
+        seqlen = self.seqlen or min(DEFAULT_SEQLEN, calibration_length)
+        return RotationTrainingSettings(
+            steps=self.steps,
+            seqlen=seqlen,
+            lr=self.lr,
+            a_bits=self.a_bits,
+            a_clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, QuaRotRecipe.paper_a_clip),
+            v_bits=self.v_bits,
+            v_clip_ratio=resolve_clip(self.kv_clip_ratio, self.v_bits, QUAROT_KV_CLIP),
+            save_every=self.save_every,
+            bf16=self.bf16,
+        )
+
+    def check_model(self, model, context: QuantizeContext) -> None:
+        calibration = context.calibration
+        if calibration is None:
+            raise LowbitError("learn-rotate trains on calibration tokens; none were given")
+        if calibration.shape[1] < (self.seqlen or 2):
+            raise LowbitError(
+                f"learn-rotate trains on calibration pieces of seqlen={self.seqlen} tokens; the "
+                f"calibration samples have {calibration.shape[1]}"
+            )
+
+    def apply(self, model, context: QuantizeContext) -> None:
+        self.check_model(model, context)
+        report = rotate_model(
+            model,
+            seed=self.seed,
+            online_dtype=torch.float16 if self.online_fp16 else torch.float32,
+        )
+        adapter = context.adapter
+        rotations = LearnedRotations(
+            adapter.hidden_size,
+            adapter.head_dim,
+            adapter.num_layers,
+            heads=self.learn_heads,
+            head_base=head_base_for(adapter, report.o_proj_hadamard, seed=self.seed),
+        )
+        resume = None
+        if context.resume_dir is not None:
+            resume = Path(context.resume_dir) / NESTED_DIRECTORIES[0]
+        model.lowbit_rotation_training = train_rotations(
+            model,
+            rotations,
+            context.calibration,
+            self.training_settings(context.calibration.shape[1]),
+            resume_dir=resume,
+            recipe=context.resume_fingerprint(self),
+            progress=context.progress,
+        )
+        fuse_learned_rotations(model, rotations)
+        report.residual += " x learned R1" + (", learned R2 per head" if self.learn_heads else "")

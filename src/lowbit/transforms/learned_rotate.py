@@ -1,0 +1,244 @@
+"""Learnable rotations on top of QuaRot's (SpinQuant's R1 and R2), and their exact fusion.
+
+On a model that :func:`~lowbit.transforms.rotate.rotate_model` rotated (residual stream by
+``Q0``, online Hadamards before down_proj and o_proj), two more orthogonal transforms keep the
+function and change only what the quantizers see:
+
+* **R1** [hidden, hidden] on the residual stream: the total residual rotation becomes ``Q0 R1``
+  (``R1 = I`` is QuaRot's randomized Hadamard). It is fused by
+  :func:`~lowbit.transforms.rotate.rotate_residual`.
+* **R2** [head_dim, head_dim] per layer, shared by all heads (so GQA stays consistent): values
+  become ``v R2`` per head (v_proj's rows, ``W_v,h ← R2ᵀ W_v,h``), which attention carries to
+  the o_proj input, whose weight takes ``D = I_heads ⊗ R2`` ahead of its online transform T:
+  ``W ← W Tᵀ D T`` (row vectors; ``T = I`` where o_proj has none). Its base is the per-head
+  Hadamard B when QuaRot's o_proj path is ``"full"`` (values are not rotated there), else I.
+
+Both are the Cayley transform of a free parameter, ``R = base · (I + A)⁻¹ (I - A)`` with
+``A = X - Xᵀ``: every value of X gives an exactly orthogonal R (to float rounding; fusion
+evaluates it in float64), so any torch optimizer trains X with no retraction step and the
+training state is X and the optimizer's own state. X = 0 is QuaRot's model.
+
+:func:`quantized_in_rotated_basis` shows a training loop the quantization points of the fused
+model without fusing: each point's input is rotated, quantized by the caller's function and
+rotated back, so the network runs in QuaRot's basis and the gradient reaches R through the
+rotated-back error. Nothing here quantizes; the caller passes the quantizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from lowbit.errors import LowbitError
+from lowbit.models.adapter import DecoderAdapter, adapter_for
+from lowbit.transforms.hadamard import has_hadamard, random_hadamard_matrix
+from lowbit.transforms.rotate import _assign, rotate_residual
+
+__all__ = [
+    "LearnedRotations",
+    "cayley",
+    "fuse_learned_rotations",
+    "head_base_for",
+    "o_proj_transform_matrix",
+    "quantized_in_rotated_basis",
+]
+
+Quantizer = Callable[[Tensor], Tensor]
+
+
+def cayley(x: Tensor) -> Tensor:
+    """The orthogonal ``(I + A)⁻¹ (I - A)``, ``A = X - Xᵀ``, for X [..., n, n]."""
+    a = x - x.transpose(-1, -2)  # [..., n, n] skew-symmetric
+    eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device).expand_as(a)
+    return torch.linalg.solve(eye + a, eye - a)
+
+
+class LearnedRotations(nn.Module):
+    """R1 and (optionally) one R2 per layer, as Cayley transforms of free parameters.
+
+    Args:
+        hidden_size: residual width (R1 is hidden × hidden).
+        head_dim: R2's size.
+        num_layers: number of R2s.
+        heads: learn R2 (False: values and the o_proj input are left as QuaRot has them).
+        head_base: R2's base [head_dim, head_dim] (None: the identity).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_layers: int,
+        *,
+        heads: bool = True,
+        head_base: Tensor | None = None,
+    ):
+        super().__init__()
+        self.residual_param = nn.Parameter(torch.zeros(hidden_size, hidden_size))  # X1 [n, n]
+        shape = (num_layers, head_dim, head_dim) if heads else (0, head_dim, head_dim)
+        self.head_params = nn.Parameter(torch.zeros(shape))  # X2 [L, D, D]
+        base = torch.eye(head_dim, dtype=torch.float64) if head_base is None else head_base
+        self.register_buffer("head_base", base.to(torch.float64), persistent=False)  # [D, D]
+
+    @property
+    def learns_heads(self) -> bool:
+        return self.head_params.shape[0] > 0
+
+    def residual(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """R1 [hidden, hidden]."""
+        return cayley(self.residual_param.to(dtype))
+
+    def heads(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """R2 per layer [L, head_dim, head_dim] (empty when R2 is not learned)."""
+        return self.head_base.to(dtype) @ cayley(self.head_params.to(dtype))
+
+
+def o_proj_transform_matrix(o_proj: nn.Module, width: int) -> Tensor:
+    """The online transform ahead of o_proj as a float64 matrix T [width, width] (``x ↦ x T``);
+    the identity where o_proj has none (QuaRot's per-head path)."""
+    transform = getattr(o_proj, "input_transform", None)
+    eye = torch.eye(width, dtype=torch.float64, device=o_proj.weight.device)
+    if transform is None:
+        return eye
+    exact = type(transform).from_spec({**transform.spec(), "compute_dtype": None})
+    return exact.to(eye.device)(eye)  # row i: e_i T
+
+
+def head_base_for(adapter: DecoderAdapter, o_proj_path: str, *, seed: int = 0) -> Tensor | None:
+    """R2's base: a randomized per-head Hadamard [D, D] float64 where QuaRot leaves values
+    unrotated (o_proj path ``"full"``), else None (the identity)."""
+    if o_proj_path == "full" and has_hadamard(adapter.head_dim):
+        return random_hadamard_matrix(adapter.head_dim, seed=seed)
+    return None
+
+
+def _per_head(x: Tensor, r2: Tensor) -> Tensor:
+    """``x`` [..., heads · D] with every head multiplied by R2 [D, D] on the right."""
+    heads = x.reshape(*x.shape[:-1], -1, r2.shape[0])  # [..., H, D]
+    return (heads @ r2).reshape(x.shape)
+
+
+def _check_rotated(model: nn.Module) -> DecoderAdapter:
+    if getattr(model, "lowbit_rotation", None) is None:
+        raise LowbitError("learned rotations go on a model rotate_model has rotated first")
+    return adapter_for(model)
+
+
+@contextlib.contextmanager
+def quantized_in_rotated_basis(
+    model: nn.Module,
+    rotations: LearnedRotations,
+    *,
+    activation: Quantizer | None,
+    value: Quantizer | None,
+) -> Iterator[None]:
+    """While inside, the model computes as if R1 and R2 were fused and its quantization points
+    quantized, without changing a weight.
+
+    Points: the inputs of q/k/v and gate/up (the two norms' outputs, in R1's basis), of o_proj
+    (``T(o D)``) and of down_proj (its online transform's output), by ``activation``; values
+    per head (``v R2``, [..., D]) by ``value``. Each is rotated, quantized and rotated back.
+    R1 and R2 are recomputed from the parameters on each forward pass, so a loss backpropagates
+    into them. Hooks are removed on exit.
+
+    Args:
+        model: a model rotated by ``rotate_model`` (online transforms in place), in float.
+        rotations: the learnable transforms.
+        activation: quantizer of a linear's input, ``[..., features] -> same`` (None: off).
+        value: quantizer of one head's values, ``[..., D] -> same`` (None: off).
+    """
+    adapter = _check_rotated(model)
+    width = adapter.num_heads * adapter.head_dim
+    state: dict[str, Tensor] = {}
+    handles = []
+
+    def refresh(module, args):  # once per forward pass, before block 0
+        state["r1"] = rotations.residual()
+        if rotations.learns_heads:
+            state["r2"] = rotations.heads()
+
+    def residual_point(module, args, out):  # norm output [B, S, hidden]
+        r1 = state["r1"]
+        return activation(out @ r1) @ r1.T
+
+    def value_point(index: int):
+        def hook(module, args, out):  # v_proj output [B, S, kv · D]
+            r2 = state["r2"][index] if rotations.learns_heads else None
+            heads = out.reshape(*out.shape[:-1], -1, adapter.head_dim)  # [B, S, kv, D]
+            if r2 is None:
+                return value(heads).reshape(out.shape)
+            return (value(heads @ r2) @ r2.T).reshape(out.shape)
+
+        return hook
+
+    def o_point(index: int, t: Tensor):
+        def hook(module, args):  # o_proj input [B, S, heads · D]
+            (o,) = args
+            r2 = state["r2"][index] if rotations.learns_heads else None
+            rotated = (o if r2 is None else _per_head(o, r2)) @ t  # what the fused o_proj sees
+            back = activation(rotated) @ t.T
+            return (back if r2 is None else _per_head(back, r2.T),)  # o_proj applies T itself
+
+        return hook
+
+    saved = {}
+    try:
+        handles.append(model.register_forward_pre_hook(refresh))
+        for view in adapter.blocks():
+            if activation is not None:
+                handles.append(view.input_norm.register_forward_hook(residual_point))
+                handles.append(view.post_attention_norm.register_forward_hook(residual_point))
+                t = o_proj_transform_matrix(view.o_proj, width).float()  # [W, W]
+                handles.append(view.o_proj.register_forward_pre_hook(o_point(view.index, t)))
+                saved[view.down_proj] = view.down_proj.act_quantizer  # after its online T
+                view.down_proj.act_quantizer = _FunctionModule(activation)
+            if value is not None:
+                handles.append(view.v_proj.register_forward_hook(value_point(view.index)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, quantizer in saved.items():
+            module.act_quantizer = quantizer
+
+
+class _FunctionModule(nn.Module):
+    """A function in a module slot (a linear's ``act_quantizer``) while training."""
+
+    def __init__(self, function: Quantizer):
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.function(x)
+
+
+@torch.no_grad()
+def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> None:
+    """Fuse R1 and R2 into the weights, in place (float64 products): the model keeps QuaRot's
+    structure and online transforms, and computes the same function.
+
+    Args:
+        model: the model ``rotate_model`` rotated, still in float.
+        rotations: the transforms to fuse (evaluated in float64).
+    """
+    adapter = _check_rotated(model)
+    device = adapter.lm_head.weight.device
+    rotate_residual(model, rotations.residual(torch.float64).to(device))
+    if not rotations.learns_heads:
+        return
+    head_dim, width = adapter.head_dim, adapter.num_heads * adapter.head_dim
+    r2s = rotations.heads(torch.float64).to(device)  # [L, D, D]
+    for view in adapter.blocks():
+        r2 = r2s[view.index]
+        v_weight = view.v_proj.weight.detach().to(torch.float64)  # [kv · D, in]
+        per_head = v_weight.reshape(-1, head_dim, v_weight.shape[1])  # [kv, D, in]
+        _assign(view.v_proj.weight, (r2.T @ per_head).reshape(v_weight.shape))  # v ← v R2
+        if view.v_proj.bias is not None:
+            _assign(view.v_proj.bias, _per_head(view.v_proj.bias.detach().double(), r2))
+        t = o_proj_transform_matrix(view.o_proj, width)  # [W, W]
+        o_weight = view.o_proj.weight.detach().to(torch.float64)  # [out, W]
+        _assign(view.o_proj.weight, _per_head(o_weight @ t.T, r2) @ t)  # W Tᵀ D T

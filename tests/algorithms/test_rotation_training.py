@@ -1,0 +1,134 @@
+"""The rotation training loop: straight-through quantizers, a measured drop of the in-loop
+loss, and a resumed run equal to an uninterrupted one."""
+
+import functools
+
+import pytest
+import torch
+
+from lowbit.algorithms.rotation_training import (
+    RotationTrainingSettings,
+    ste_fake_quant,
+    train_rotations,
+)
+from lowbit.errors import LowbitError
+from lowbit.formats.intq import fake_quant_int
+from lowbit.models.adapter import adapter_for
+from lowbit.models.tiny import tiny_model
+from lowbit.transforms.learned_rotate import (
+    LearnedRotations,
+    head_base_for,
+    quantized_in_rotated_basis,
+)
+from lowbit.transforms.rotate import rotate_model
+
+
+@pytest.mark.parametrize(("symmetric", "clip"), [(True, 0.9), (False, 0.95), (False, 1.0)])
+def test_ste_fake_quant_matches_the_format_and_passes_gradients(symmetric, clip):
+    x = torch.randn(7, 33, generator=torch.Generator().manual_seed(0)) * 3
+    x[2] = 0.0  # a row of zeros stays exact
+    expected = fake_quant_int(x, 4, symmetric=symmetric, axis=-1, clip_ratio=clip)
+    x.requires_grad_(True)
+    out = ste_fake_quant(x, 4, symmetric=symmetric, clip_ratio=clip)
+    assert (out - expected).abs().max() < 1e-5
+    (out * torch.arange(33.0)).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    # the scale carries gradient too: not just the identity of a plain straight-through
+    assert not torch.allclose(x.grad[0], torch.arange(33.0))
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    model = tiny_model("llama")
+    report = rotate_model(model)
+    adapter = adapter_for(model)
+    rotations = LearnedRotations(
+        adapter.hidden_size,
+        adapter.head_dim,
+        adapter.num_layers,
+        head_base=head_base_for(adapter, report.o_proj_hadamard),
+    )
+    return model, rotations
+
+
+CALIBRATION = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+SETTINGS = dict(seqlen=64, lr=1e-2, a_bits=3, v_bits=3)
+
+
+def _in_loop_loss(model, rotations):
+    """Mean next-token loss over the calibration with the loop's quantizers, no gradient."""
+    act = functools.partial(ste_fake_quant, bits=3, symmetric=True, clip_ratio=0.9)
+    val = functools.partial(ste_fake_quant, bits=3, symmetric=False, clip_ratio=0.95)
+    with torch.no_grad(), quantized_in_rotated_basis(model, rotations, activation=act, value=val):
+        losses = [model(input_ids=ids[None], labels=ids[None]).loss for ids in CALIBRATION]
+    return torch.stack(losses).mean().item()
+
+
+def test_training_lowers_the_in_loop_loss_and_leaves_the_weights():
+    model, rotations = _setup()
+    weights = {n: p.clone() for n, p in model.state_dict().items()}
+    flags = [p.requires_grad for p in model.parameters()]
+    before = _in_loop_loss(model, rotations)
+    report = train_rotations(
+        model, rotations, CALIBRATION, RotationTrainingSettings(steps=24, **SETTINGS)
+    )
+    after = _in_loop_loss(model, rotations)
+    # measured: 5.5783 -> 5.5669 (the tiny model's float loss is 5.5778)
+    assert after < before - 3e-3
+    assert report.steps == 24 and len(report.losses) == 24 and report.resumed_from == 0
+    assert all(torch.equal(p, weights[n]) for n, p in model.state_dict().items())
+    assert [p.requires_grad for p in model.parameters()] == flags
+
+
+def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path):
+    settings = RotationTrainingSettings(steps=7, save_every=3, **SETTINGS)
+    model, straight = _setup()
+    expected = train_rotations(model, straight, CALIBRATION, settings)
+
+    model, rotations = _setup()
+
+    def interrupt(step, loss):
+        if step == 4:  # after the state of step 3 was saved, before that of step 6
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_rotations(
+            model, rotations, CALIBRATION, settings, resume_dir=tmp_path, on_step=interrupt
+        )
+    model, resumed = _setup()  # a new process would start from scratch
+    report = train_rotations(model, resumed, CALIBRATION, settings, resume_dir=tmp_path)
+
+    assert report.resumed_from == 3
+    assert report.losses == expected.losses
+    for got, want in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_resume_directory_of_another_run_is_refused(tmp_path):
+    model, rotations = _setup()
+    train_rotations(
+        model, rotations, CALIBRATION, RotationTrainingSettings(steps=1, **SETTINGS),
+        resume_dir=tmp_path,
+    )  # fmt: skip
+    model, rotations = _setup()
+    with pytest.raises(LowbitError, match="different run"):
+        train_rotations(
+            model, rotations, CALIBRATION, RotationTrainingSettings(steps=2, **SETTINGS),
+            resume_dir=tmp_path,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(a_bits=16, v_bits=16), "nothing to learn"),
+        (dict(seqlen=65), "seqlen must be 2 to the calibration length 64"),
+        (dict(steps=0), "steps >= 1"),
+    ],
+)
+def test_bad_settings_are_one_sentence(settings, message):
+    model, rotations = _setup()
+    with pytest.raises(LowbitError, match=message):
+        train_rotations(
+            model, rotations, CALIBRATION, RotationTrainingSettings(**{**SETTINGS, **settings})
+        )

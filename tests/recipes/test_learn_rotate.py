@@ -1,0 +1,94 @@
+"""The ``learn-rotate`` recipe: exact alone, composed with weight and KV recipes, resumable."""
+
+import copy
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.errors import LowbitError
+from lowbit.models.adapter import adapter_for
+from lowbit.models.tiny import tiny_model
+from lowbit.nn.quant_linear import FakeQuantLinear
+from lowbit.recipes.registry import get_recipe
+from lowbit.transforms.hadamard import OnlineHadamard
+
+CALIBRATION = torch.randint(3, 256, (4, 48), generator=torch.Generator().manual_seed(0))
+TINY = dict(steps=6, lr=1e-2)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.double()
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1)),
+        ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_size=64)),
+    ],
+)
+def test_learned_rotation_alone_keeps_the_function(family, overrides):
+    model = tiny_model(family, **overrides)
+    original = copy.deepcopy(model)
+    ids = CALIBRATION[:2, :21]
+    lowbit.quantize(model, get_recipe("learn-rotate", **TINY), calibration=CALIBRATION)
+
+    reference, got = _logits(original, ids), _logits(model, ids)
+    p = reference.log_softmax(-1)
+    kl = (p.exp() * (p - got.log_softmax(-1))).sum(-1).mean().item()
+    assert kl < 1e-4  # measured: below 1e-12
+    assert (got - reference).abs().max() < 1e-4
+    training = model.lowbit_rotation_training
+    assert training.steps == 6 and len(training.losses) == 6
+    assert "learned R1" in model.lowbit_rotation.residual
+    # the rotation moved: not QuaRot's weights
+    quarot = copy.deepcopy(original)
+    lowbit.quantize(quarot, "rotate")
+    q_weight = adapter_for(quarot).block(0).q_proj.weight
+    assert not torch.allclose(adapter_for(model).block(0).q_proj.weight, q_weight, atol=1e-3)
+
+
+def test_composes_with_gptq_and_the_kv_cache_and_resumes(tmp_path):
+    recipe = get_recipe("learn-rotate+gptq+kv-int").with_settings(
+        a_bits=4, rotate_qk="hadamard", **TINY
+    )
+    model = tiny_model("llama")
+    lowbit.quantize(model, recipe, calibration=CALIBRATION, resume_dir=tmp_path)
+    adapter = adapter_for(model)
+    for view in adapter.blocks():  # QuaRot's structure: online down_proj, quantized linears
+        assert isinstance(view.down_proj, FakeQuantLinear)
+        assert isinstance(view.down_proj.input_transform, OnlineHadamard)
+        assert view.q_proj.act_quantizer is not None and view.q_proj.act_quantizer.bits == 4
+    assert model.lowbit_rotation_training.resumed_from == 0
+    assert (tmp_path / "rotation" / "run.json").is_file()
+
+    again = tiny_model("llama")  # the same run again: training and GPTQ both resume
+    lowbit.quantize(again, recipe, calibration=CALIBRATION, resume_dir=tmp_path)
+    assert again.lowbit_rotation_training.resumed_from == 6
+    ids = CALIBRATION[:1, :20]
+    assert torch.equal(_logits(model, ids), _logits(again, ids))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(a_bits=16, v_bits=16), "nothing to learn"),
+        (dict(steps=0), "steps >= 1"),
+        (dict(a_bits=1), "a_bits must be between 2 and 8"),
+        (dict(a_clip_ratio=1.5), r"a_clip_ratio must be in \(0, 1\]"),
+    ],
+)
+def test_bad_settings_are_one_sentence(settings, message):
+    with pytest.raises(LowbitError, match=message):
+        get_recipe("learn-rotate", **settings)
+
+
+def test_calibration_shorter_than_seqlen_is_refused_before_any_work():
+    model = tiny_model("llama")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(LowbitError, match="seqlen=64 tokens; the calibration samples have 48"):
+        lowbit.quantize(model, get_recipe("learn-rotate", seqlen=64), calibration=CALIBRATION)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
