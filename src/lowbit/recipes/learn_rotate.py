@@ -145,3 +145,4 @@ class LearnRotateRecipe(Recipe):
         )
         fuse_learned_rotations(model, rotations)
         report.residual += " x learned R1" + (", learned R2 per head" if self.learn_heads else "")
+        context.transformed(model)
