@@ -17,7 +17,6 @@ from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.transforms.learned_rotate import (
     LearnedRotations,
-    head_base_for,
     quantized_in_rotated_basis,
 )
 from lowbit.transforms.rotate import rotate_model
@@ -42,12 +41,7 @@ def _setup(seed=0):
     model = tiny_model("llama")
     report = rotate_model(model)
     adapter = adapter_for(model)
-    rotations = LearnedRotations(
-        adapter.hidden_size,
-        adapter.head_dim,
-        adapter.num_layers,
-        head_base=head_base_for(adapter, report.o_proj_hadamard),
-    )
+    rotations = LearnedRotations.for_model(adapter, report.o_proj_hadamard)
     return model, rotations
 
 

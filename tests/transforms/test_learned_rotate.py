@@ -14,7 +14,6 @@ from lowbit.transforms.learned_rotate import (
     LearnedRotations,
     cayley,
     fuse_learned_rotations,
-    head_base_for,
     quantized_in_rotated_basis,
 )
 from lowbit.transforms.rotate import rotate_model
@@ -66,12 +65,7 @@ def _rotated_with_random_rotations(name, seed=3):
     original = copy.deepcopy(model)
     report = rotate_model(model, **options)
     adapter = adapter_for(model)
-    rotations = LearnedRotations(
-        adapter.hidden_size,
-        adapter.head_dim,
-        adapter.num_layers,
-        head_base=head_base_for(adapter, report.o_proj_hadamard),
-    )
+    rotations = LearnedRotations.for_model(adapter, report.o_proj_hadamard)
     with torch.no_grad():  # far from the identity: a real rotation, not a perturbation
         generator = torch.Generator().manual_seed(seed)
         for param in rotations.parameters():

@@ -37,7 +37,6 @@ from lowbit.settings import Count
 from lowbit.transforms.learned_rotate import (
     LearnedRotations,
     fuse_learned_rotations,
-    head_base_for,
 )
 from lowbit.transforms.rotate import rotate_model
 
@@ -123,13 +122,8 @@ class LearnRotateRecipe(Recipe):
             seed=self.seed,
             online_dtype=torch.float16 if self.online_fp16 else torch.float32,
         )
-        adapter = context.adapter
-        rotations = LearnedRotations(
-            adapter.hidden_size,
-            adapter.head_dim,
-            adapter.num_layers,
-            heads=self.learn_heads,
-            head_base=head_base_for(adapter, report.o_proj_hadamard, seed=self.seed),
+        rotations = LearnedRotations.for_model(
+            context.adapter, report.o_proj_hadamard, heads=self.learn_heads, seed=self.seed
         )
         resume = None
         if context.resume_dir is not None:

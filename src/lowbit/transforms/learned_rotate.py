@@ -65,6 +65,7 @@ class LearnedRotations(nn.Module):
         num_layers: number of R2s.
         heads: learn R2 (False: values and the o_proj input are left as QuaRot has them).
         head_base: R2's base [head_dim, head_dim] (None: the identity).
+        device: where the parameters are made (the model's device).
     """
 
     def __init__(
@@ -75,13 +76,34 @@ class LearnedRotations(nn.Module):
         *,
         heads: bool = True,
         head_base: Tensor | None = None,
+        device: torch.device | None = None,
     ):
         super().__init__()
-        self.residual_param = nn.Parameter(torch.zeros(hidden_size, hidden_size))  # X1 [n, n]
+        zeros = torch.zeros(hidden_size, hidden_size, device=device)
+        self.residual_param = nn.Parameter(zeros)  # X1 [n, n]
         shape = (num_layers, head_dim, head_dim) if heads else (0, head_dim, head_dim)
-        self.head_params = nn.Parameter(torch.zeros(shape))  # X2 [L, D, D]
-        base = torch.eye(head_dim, dtype=torch.float64) if head_base is None else head_base
-        self.register_buffer("head_base", base.to(torch.float64), persistent=False)  # [D, D]
+        self.head_params = nn.Parameter(torch.zeros(shape, device=device))  # X2 [L, D, D]
+        if head_base is None:
+            head_base = torch.eye(head_dim, dtype=torch.float64, device=device)
+        base = head_base.to(device=device, dtype=torch.float64)
+        self.register_buffer("head_base", base, persistent=False)  # [D, D]
+
+    @classmethod
+    def for_model(
+        cls, adapter: DecoderAdapter, o_proj_path: str, *, heads: bool = True, seed: int = 0
+    ) -> LearnedRotations:
+        """Rotations for a model QuaRot has rotated (``o_proj_path``: its report's
+        ``o_proj_hadamard``), starting at the identity on top of QuaRot's rotation, on the
+        model's device."""
+        device = adapter.embed_tokens.weight.device
+        return cls(
+            adapter.hidden_size,
+            adapter.head_dim,
+            adapter.num_layers,
+            heads=heads,
+            head_base=head_base_for(adapter, o_proj_path, seed=seed, device=device),
+            device=device,
+        )
 
     @property
     def learns_heads(self) -> bool:
@@ -107,11 +129,13 @@ def o_proj_transform_matrix(o_proj: nn.Module, width: int) -> Tensor:
     return exact.to(eye.device)(eye)  # row i: e_i T
 
 
-def head_base_for(adapter: DecoderAdapter, o_proj_path: str, *, seed: int = 0) -> Tensor | None:
+def head_base_for(
+    adapter: DecoderAdapter, o_proj_path: str, *, seed: int = 0, device=None
+) -> Tensor | None:
     """R2's base: a randomized per-head Hadamard [D, D] float64 where QuaRot leaves values
     unrotated (o_proj path ``"full"``), else None (the identity)."""
     if o_proj_path == "full" and has_hadamard(adapter.head_dim):
-        return random_hadamard_matrix(adapter.head_dim, seed=seed)
+        return random_hadamard_matrix(adapter.head_dim, seed=seed, device=device)
     return None
 
 
