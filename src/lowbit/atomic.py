@@ -164,6 +164,20 @@ def _set_default_permissions(directory: Path) -> None:
             os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
+def _temporary_beside(target: Path, shown: str, verb: str) -> Path:
+    """A new hidden temporary directory beside ``target`` (named after it, this process and
+    host, so a later run can tell stale ones), after removing stale ones there."""
+    remove_stale_temporaries(target.parent)
+    try:
+        prefix = f".{target.name}.tmp-{os.getpid()}@{_host()}-"
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    except OSError as err:
+        raise LowbitError(
+            f"cannot {verb} {shown}: the directory {target.parent} does not take new files "
+            f"({os_error_reason(err)})"
+        ) from err
+
+
 @contextlib.contextmanager
 def _removed_on_signals(tmp: Path, shown: str, state: dict) -> Iterator[None]:
     """While inside, SIGTERM and SIGINT remove ``tmp``, say so in one sentence and exit 143 or
@@ -220,15 +234,7 @@ def atomic_directory(
     else:
         target = check_target(path, verb)
         shown = _resolve(path)[1]
-    remove_stale_temporaries(target.parent)
-    try:
-        prefix = f".{target.name}.tmp-{os.getpid()}@{_host()}-"
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-    except OSError as err:
-        raise LowbitError(
-            f"cannot {verb} {shown}: the directory {target.parent} does not take new files "
-            f"({os_error_reason(err)})"
-        ) from err
+    tmp = _temporary_beside(target, shown, verb)
     state = {"renamed": False}
     try:
         with _removed_on_signals(tmp, shown, state):
@@ -269,15 +275,7 @@ def atomic_file(path: str | os.PathLike, *, verb: str = "write") -> Iterator[Pat
         raise LowbitError(f"cannot {verb} {shown}: it is a directory")
     if not target.parent.is_dir():
         raise LowbitError(f"cannot {verb} {shown}: the directory {target.parent} does not exist")
-    remove_stale_temporaries(target.parent)
-    try:
-        prefix = f".{target.name}.tmp-{os.getpid()}@{_host()}-"
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-    except OSError as err:
-        raise LowbitError(
-            f"cannot {verb} {shown}: the directory {target.parent} does not take new files "
-            f"({os_error_reason(err)})"
-        ) from err
+    tmp = _temporary_beside(target, shown, verb)
     state = {"renamed": False}
     try:
         with _removed_on_signals(tmp, shown, state):
