@@ -1,12 +1,17 @@
-"""The quantized weights of small fixed-seed problems, pinned bit for bit.
+"""The quantized weights of small fixed-seed problems, pinned.
 
 GPTQ, SpQR and the mixed 2/4/16 format share GPTQ's prologue (dead inputs, act-order, the
-dampened Cholesky factor of ``H⁻¹``: :func:`lowbit.algorithms.gptq.prepare_hessian`). The
-digests below were computed with the code before that prologue was written once; a refactor
-that changes any bit of any result fails here. They are SHA-256s of the tensors' bytes (as
-``lowbit.calibrate.resume.tensor_sha256`` hashes them), on CPU in float32/float64: a torch or
-LAPACK build that rounds differently changes them, in which case recompute them from a commit
-whose results are trusted (``PINNED_DIGESTS = {...}`` printed by running this file).
+dampened Cholesky factor of ``H⁻¹``: :func:`lowbit.algorithms.gptq.prepare_hessian`); a
+refactor of any of them that changes a result fails here. The integer results (codes, zero
+points, 4-bit masks, permutations) are pinned bit for bit by a SHA-256 of their bytes (as
+``lowbit.calibrate.resume.tensor_sha256`` hashes them), with the chosen dampening and the dead
+columns. The float results (updated weights, scales, sensitivities, second-stage statistics) are
+pinned by their sum and absolute sum to 1e-6 relative, and SpQR's outlier threshold to 1e-3:
+MKL and ATen choose their kernels by CPU, so the last bits of float results differ between
+machines (an AMD AVX2 and an Intel AVX-512 machine gave different float bytes; the integer
+digests stayed the same under ``ATEN_CPU_CAPABILITY=avx2`` and ``MKL_CBWR=COMPATIBLE``, and the
+threshold moved by 6e-4 relative). Running this file prints ``PINNED = {...}`` to recompute
+them from a commit whose results are trusted.
 """
 
 import pytest
@@ -85,81 +90,162 @@ def _mixed(case: str):
     return tensors, r.damp, None
 
 
+def _summary(tensors):
+    """``(SHA-256 of the integer tensors, {float tensor: (sum, absolute sum)})``."""
+    ints = [(n, t) for n, t in tensors if not t.is_floating_point()]
+    sums = {n: (t.double().sum().item(), t.double().abs().sum().item())
+            for n, t in tensors if t.is_floating_point()}  # fmt: skip
+    return tensor_sha256(ints), sums
+
+
 ALGORITHMS = {"gptq": _gptq, "spqr": _spqr, "mixed": _mixed}
 
-PINNED_DIGESTS = {
+PINNED = {
     "gptq/int4-g32-act-order": (
-        "b2a73a83f4403114bb2f10edb602281b474a30f7c7ec7e889efde3e346bc2489",
+        "95bf7d5ca4757b2369bb356bee1321f87b98dfec0be40c36cdee356f278eb397",
+        {
+            "weight": (2.138286590576172, 49.43826675415039),
+            "scale": (1.0226364135742188, 1.0226364135742188),
+        },
         0.01,
+        None,
         2,
     ),
     "gptq/int3-g32-asym-dynamic": (
-        "d4321e6674167e1e254d46ee3cfaad399dffd0374bfd04e40cf7ff283f5166fa",
+        "12894faece87b2dc44424f6db843aa8664f521ff783a8e2a98ca1cedb8c11866",
+        {
+            "weight": (2.2707138061523438, 46.90483856201172),
+            "scale": (1.5978546142578125, 1.5978546142578125),
+            "zero": (240.0, 240.0),
+        },
         0.01,
+        None,
         2,
     ),
     "gptq/int4-channel-mse-half": (
-        "0c3f23b6b0522339e7fcd2a37b91e9794aeabab81d59093f8003b8629db3eae3",
+        "02cc1f0ec0ce9c1444f73f557633e7291c6387941a97945b19134c2f15a5c8c7",
+        {
+            "weight": (1.6866912841796875, 48.95838928222656),
+            "scale": (0.43289947509765625, 0.43289947509765625),
+        },
         0.01,
+        None,
         2,
     ),
     "gptq/int4-indefinite": (
-        "5e6be8fcee626f0d03fb01658ed278b537008fc97e5c67cd8951f03ca42b216a",
+        "d5aef590675851fec7f5f3e27c69709eaca22ce4a21938394757b24242b55766",
+        {
+            "weight": (2.4447555541992188, 48.47187042236328),
+            "scale": (0.5131988525390625, 0.5131988525390625),
+        },
         0.1,
+        None,
         0,
     ),
     "spqr/act-order": (
-        "35667c498e40cc070a30cbf4ad0403ae763c6e90d57596db45309091f5f4c53b",
-        (0.01, 0.002827965772238367),
+        "949fe93b5e1e11c9ad9f5228f468b56575e0e22e4851e6070144c841642fdde8",
+        {
+            "weight": (1.6518863439559937, 71.34154999256134),
+            "second": (-61.00738716125488, 74.23870658874512),
+        },
+        0.01,
+        0.0028279659756891085,
         1,
     ),
     "spqr/natural-simplified-tau": (
-        "76d1d57118ad91a96231e715641a2cdc812edd1581017280e040691f6a9e01a6",
-        (0.01, 0.004649341572076082),
+        "f89462e3b16b3686237b48525163adddbcb9ebae224c8ea26ac84c7f5a9b3296",
+        {
+            "weight": (1.4770224690437317, 69.8112695813179),
+            "second": (-57.27056694030762, 71.02728462219238),
+        },
+        0.01,
+        0.0046493420377373695,
         1,
     ),
     "spqr/undamped": (
-        "2564667653a4ef3e3e9305e7982ec730d143d1ce99ebdbffe3f0bafa3203a354",
-        (0.0, 0.00027667516536905237),
+        "071389adaf18e5d2d525f084a990d1e79a14829c36feb7546340ff95585698fb",
+        {
+            "weight": (1.470211684703827, 70.47198814153671),
+            "second": (-1174.1025922894478, 1366.992088496685),
+        },
+        0.0,
+        0.0002766751497663946,
         1,
     ),
     "spqr/indefinite": (
-        "3202ed7ec673f7cefef10f5e21705e52c0a9f2cca71452ba6513235971c8606a",
-        (0.1, 0.003133875132377588),
+        "c6d320cc44b729840a1ca016c366fc201b971626acc36b8c3dffd8803cb1b0d3",
+        {
+            "weight": (1.1975523829460144, 71.04454547166824),
+            "second": (-62.54366207122803, 75.91141605377197),
+        },
+        0.1,
+        0.003133874763917386,
         0,
     ),
     "mixed/static-act-order": (
-        "4f756ed7cd3364e355a37fcd453974fddee57fd3466b6494cfdc68ad19c64c72",
+        "2db1006647a9d1bf29234ed6c2cfd5e6be85fdcf891804a4b3eb604cda456949",
+        {
+            "weight": (0.09648680686950684, 68.34364771842957),
+            "sensitivity": (87.92297099158168, 87.92297099158168),
+        },
         0.01,
+        None,
         None,
     ),
     "mixed/dynamic-act-order": (
-        "a6fe231f6390ddc861805a2e5c86b6418a3b5526e0582d3c1e78b4803f52f12f",
+        "2db1006647a9d1bf29234ed6c2cfd5e6be85fdcf891804a4b3eb604cda456949",
+        {
+            "weight": (0.18213868141174316, 69.45775961875916),
+            "sensitivity": (87.92297099158168, 87.92297099158168),
+        },
         0.01,
+        None,
         None,
     ),
     "mixed/natural-order": (
-        "3ab7ed8f0c51bd7b44a1946042ce49b56fa00332ec0fa5d423941b021813f552",
+        "2db1006647a9d1bf29234ed6c2cfd5e6be85fdcf891804a4b3eb604cda456949",
+        {
+            "weight": (1.2204530239105225, 64.5673439502716),
+            "sensitivity": (87.92297099158168, 87.92297099158168),
+        },
         0.01,
+        None,
         None,
     ),
     "mixed/indefinite": (
-        "02580a06461d3e878eafb2df491a826bbf6bb3646de6f83a581d11be8bc4350e",
+        "2db1006647a9d1bf29234ed6c2cfd5e6be85fdcf891804a4b3eb604cda456949",
+        {
+            "weight": (-0.00022459030151367188, 67.99510145187378),
+            "sensitivity": (117.79526214301586, 117.79526214301586),
+        },
         0.1,
+        None,
         None,
     ),
 }
 
 
 def _run(name: str):
+    """``(integer digest, float sums, dampening, SpQR's tau or None, dead columns)``."""
     algorithm, case = name.split("/")
     tensors, damp, dead = ALGORITHMS[algorithm](case)
-    return tensor_sha256(tensors), damp, dead
+    damp, tau = damp if isinstance(damp, tuple) else (damp, None)
+    return (*_summary(tensors), damp, tau, dead)
 
 
-@pytest.mark.parametrize("name", sorted(PINNED_DIGESTS))
-def test_results_are_bit_for_bit_the_pinned_ones(name):
-    assert _run(name) == PINNED_DIGESTS[name]
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_results_are_the_pinned_ones(name):
+    ints, sums, damp, tau, dead = _run(name)
+    pinned_ints, pinned_sums, pinned_damp, pinned_tau, pinned_dead = PINNED[name]
+    assert (ints, damp, dead) == (pinned_ints, pinned_damp, pinned_dead)
+    assert (tau is None) == (pinned_tau is None)
+    if tau is not None:
+        assert tau == pytest.approx(pinned_tau, rel=1e-3)
+    assert sums.keys() == pinned_sums.keys()
+    for key, (total, absolute) in sums.items():
+        pinned_total, pinned_absolute = pinned_sums[key]
+        assert absolute == pytest.approx(pinned_absolute, rel=1e-6), key
+        assert abs(total - pinned_total) <= 1e-6 * pinned_absolute, key
 
 
 if __name__ == "__main__":
@@ -169,7 +255,7 @@ if __name__ == "__main__":
         "spqr": ["act-order", "natural-simplified-tau", "undamped", "indefinite"],
         "mixed": ["static-act-order", "dynamic-act-order", "natural-order", "indefinite"],
     }  # fmt: skip
-    print("PINNED_DIGESTS = {")
+    print("PINNED = {")
     for algorithm, names in cases.items():
         for case in names:
             print(f"    {algorithm + '/' + case!r}: {_run(algorithm + '/' + case)!r},")
