@@ -2,6 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lowbit-installed
+GGUF_STAMP := $(VENV)/.lowbit-gguf-installed
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF
@@ -23,16 +24,19 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # llama.cpp (the gguf extra) for `lowbit eval --engine llama.cpp` and the tests that load exported
-# GGUF files (they skip without it): compiled from source, library only (no tools, server,
-# examples, tests or multimodal), portable AVX2 code; about 8 minutes on 2 cores, so not part of
-# install
-gguf: $(STAMP)
+# GGUF files: compiled from source, library only (no tools, server, examples, tests or
+# multimodal), portable AVX2 code; about 3 minutes on 2 cores. `make test` builds it, so that
+# the tests run every exported type through llama.cpp; `make demo` does not need it.
+$(GGUF_STAMP): $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[gguf]"
+	touch $(GGUF_STAMP)
+
+gguf: $(GGUF_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
 
-test: $(STAMP)
+test: $(GGUF_STAMP)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -17,9 +17,10 @@ One run, the embedded SmolLM2-135M-Instruct, per block type side by side:
 Columns: file MB, bits per weight of the block linears, perplexity, KL to the float model in
 transformers and top-1 agreement per corpus (WikiText-2 test and pydoc; llama.cpp's logits on
 lowbit's windows, :mod:`lowbit.eval.llama_cpp`), llama.cpp's decode tokens/s (batch 1, greedy).
-A second table gives lowbit's KL as a ratio of llama.cpp's at the same type. Calibration (GPTQ
-and the importance matrix alike): ``--calib-samples`` pydoc windows of ``--calib-seqlen``
-tokens, seed 0.
+A second table gives lowbit's KL as a ratio of llama.cpp's at the same type, and lowbit's Q4_0
+against llama.cpp's Q5_0 where both ran. Calibration (GPTQ and the importance matrix alike):
+``--calib-samples`` windows of ``--calib-seqlen`` tokens, seed 0, from ``--calib-dataset``:
+pydoc's calibration text, WikiText-2 after the evaluated windows, or half of each (``both``).
 
 Commands (accuracy by type, then the decode speed of every file left in --work-dir)::
 
@@ -70,6 +71,30 @@ def importance_matrix(model, calibration) -> dict:
     return {key: total / count for key, (total, count) in sums.items()}
 
 
+def calibration_windows(args, tokenizer):
+    """``--calib-samples`` windows [N, calib_seqlen] from ``--calib-dataset``; WikiText-2's are
+    drawn after the windows this run evaluates."""
+    import math
+
+    import torch
+
+    from lowbit.data import calibration_samples, load_corpus, tokenize
+
+    wiki_count = {"pydoc": 0, "wikitext2": args.calib_samples, "both": args.calib_samples // 2}
+    wiki_count = wiki_count[args.calib_dataset]
+    parts = []
+    if wiki_count:
+        wiki = tokenize(tokenizer, load_corpus(str(WIKITEXT)).text)
+        skip = math.ceil(args.windows * args.seqlen / args.calib_seqlen)
+        parts.append(calibration_samples(wiki, wiki_count, args.calib_seqlen, seed=0,
+                                         skip_windows=skip))  # fmt: skip
+    if wiki_count < args.calib_samples:
+        pydoc = tokenize(tokenizer, load_corpus("pydoc", part="calibration").text)
+        parts.append(calibration_samples(pydoc, args.calib_samples - wiki_count,
+                                         args.calib_seqlen, seed=0))  # fmt: skip
+    return torch.cat(parts)
+
+
 def llama_cpp_quantize(source: Path, out: Path, type_name: str, imatrix=None) -> None:
     """llama.cpp's own quantizer (C API) at the type's named mix."""
     import llama_cpp
@@ -115,6 +140,19 @@ def ratio_table(table: list[list[str]]) -> str:
     return markdown_table(header, rows)
 
 
+def q4_0_against_q5_0(table: list[list[str]]) -> str:
+    """lowbit's Q4_0 files (4.5 bits) against llama.cpp's own Q5_0 (5.5 bits): KL ratios."""
+    kl = {(r[0], r[1]): (float(r[5]), float(r[8])) for r in table}
+    ref = kl.get(("Q5_0", "llama.cpp"))
+    rows = [
+        ["Q4_0", label, f"{wiki / ref[0]:.3f}", f"{pydoc / ref[1]:.3f}"]
+        for (type_name, label), (wiki, pydoc) in kl.items()
+        if ref and type_name == "Q4_0" and label.startswith("lowbit")
+    ]
+    header = ["type", "file", "wiki KL / llama.cpp Q5_0", "pydoc KL / llama.cpp Q5_0"]
+    return markdown_table(header, rows) if rows else ""
+
+
 def _file(work: Path, row: str, type_name: str) -> Path:
     return work / f"{row.replace(' ', '-').replace('+', '_')}-{type_name}.gguf"
 
@@ -153,6 +191,13 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--calib-seqlen", type=int, default=512)
+    parser.add_argument(
+        "--calib-dataset",
+        choices=("pydoc", "wikitext2", "both"),
+        default="both",
+        help="calibration text: pydoc's calibration part, WikiText-2 after the evaluated "
+        "windows, or half of each",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--work-dir", default="/tmp/lowbit-bench-gguf")
@@ -171,7 +216,6 @@ def main() -> None:
     import torch
 
     import lowbit
-    from lowbit.data import calibration_samples, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference
     from lowbit.eval.llama_cpp import decode_speed, evaluate_gguf
     from lowbit.io.gguf import export_gguf
@@ -183,8 +227,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     loaded = load_model(None)
     base, tokenizer, source = loaded.model, loaded.tokenizer, embedded_gguf_path()
-    pydoc = tokenize(tokenizer, load_corpus("pydoc", part="calibration").text)
-    calibration = calibration_samples(pydoc, args.calib_samples, args.calib_seqlen, seed=0)
+    calibration = calibration_windows(args, tokenizer)
     references = {}
     for dataset in (str(WIKITEXT), "pydoc"):
         ref = FloatReference(base)
@@ -237,7 +280,8 @@ def main() -> None:
 
     header = ["type", "file", "file MB", "bits/w", "wiki ppl", "wiki KL", "wiki top-1",
               "pydoc ppl", "pydoc KL", "pydoc top-1", "decode tok/s", "quantize s"]  # fmt: skip
-    text = "\n\n".join([stamp(command_line()), markdown_table(header, table), ratio_table(table)])
+    tables = [markdown_table(header, table), ratio_table(table), q4_0_against_q5_0(table)]
+    text = "\n\n".join([stamp(command_line())] + [t for t in tables if t])
     print(text)
     if args.out:
         with open(args.out, "a") as f:
