@@ -111,6 +111,9 @@ def _int_gemv_kernel(
     # (src & mask) | magic, then takes the mask as its immediate and magic from one register;
     # with both constant ptxas materialises the mask with a MOV per code
     magic = tl.where(K > 0, MAGIC, 0).to(tl.uint32)
+    # the same for the lowest code's mask: with it constant, (upper & CODE_MASK) | magic became
+    # a bit-field extract of words (SHF + SGXT) and an OR, not one LOP3 on the shifted words
+    low_mask = tl.where(K > 0, CODE_MASK, 0).to(tl.uint32)
     # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
     # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked
     for i in range(TILES_PER_SPLIT):
@@ -142,7 +145,10 @@ def _int_gemv_kernel(
                     src = words
                 else:
                     src = upper
-                codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | magic  # [BLOCK_N, TILE_WORDS]
+                if j % HALF == 0:
+                    codes = (src & low_mask) | magic  # [BLOCK_N, TILE_WORDS]
+                else:
+                    codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | magic
                 q = (
                     codes.to(tl.float32, bitcast=True)
                     - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
