@@ -145,7 +145,7 @@ def _int_gemv_kernel(
                     src = words
                 else:
                     src = upper
-                if j % HALF == 0:
+                if j % HALF == 0 and BITS != 3:  # (3 bits: more instructions with it)
                     codes = (src & low_mask) | magic  # [BLOCK_N, TILE_WORDS]
                 else:
                     codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | magic
