@@ -107,6 +107,13 @@ def _int_gemv_kernel(
     # M = 1 below 8 bits with zero points: the group's sum of code * x and, per column, of x;
     # the zeros are applied once per group, s * (sum code * x - z * sum x)
     x_group = tl.zeros((TILE_WORDS,), dtype=tl.float32)
+    # MAGIC as a value the compiler cannot fold (K >= 1 when a kernel runs): the code's LOP3,
+    # (src & mask) | magic, then takes the mask as its immediate and magic from one register;
+    # with both constant ptxas materialises the mask with a MOV per code
+    magic = tl.where(K > 0, MAGIC, 0).to(tl.uint32)
+    # the same for the lowest code's mask: with it constant, (upper & CODE_MASK) | magic became
+    # a bit-field extract of words (SHF + SGXT) and an OR, not one LOP3 on the shifted words
+    low_mask = tl.where(K > 0, CODE_MASK, 0).to(tl.uint32)
     # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
     # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked
     for i in range(TILES_PER_SPLIT):
@@ -138,7 +145,10 @@ def _int_gemv_kernel(
                     src = words
                 else:
                     src = upper
-                codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | MAGIC  # [BLOCK_N, TILE_WORDS]
+                if j % HALF == 0 and BITS != 3:  # (3 bits: more instructions with it)
+                    codes = (src & low_mask) | magic  # [BLOCK_N, TILE_WORDS]
+                else:
+                    codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | magic
                 q = (
                     codes.to(tl.float32, bitcast=True)
                     - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
