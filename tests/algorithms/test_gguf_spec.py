@@ -47,3 +47,20 @@ def test_width_not_a_multiple_of_32_is_one_sentence():
 def test_a_k_type_needs_rows_of_256():
     with pytest.raises(LowbitError, match="Q4_K stores blocks of 256 weights; the input width 576"):
         GGUFWeightSpec("Q4_K").check(torch.zeros(4, 576), "blk.q_proj")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "IQ4_NL", "Q4_K"])
+def test_gptq_fits_each_grid_weighted_by_input_energy(name, monkeypatch):
+    import lowbit.algorithms.gguf_spec as gguf_spec
+
+    n = 128 if BLOCK_TYPES[name].block == 32 else 512
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, n, generator=g) * torch.logspace(-1, 1, n)[torch.randperm(n, generator=g)]
+    w, h = torch.randn(48, n, generator=g), 2 * x.T @ x / 512  # inputs of 100x uneven energy
+    spec = GGUFWeightSpec(name)
+    weighted = _output_error(w, spec.gptq(w, h, GPTQSettings())[1], h)
+    fit = gguf_spec.fit_grid
+    monkeypatch.setattr(gguf_spec, "fit_grid", lambda b, kind, importance=None: fit(b, kind))
+    unweighted = _output_error(w, spec.gptq(w, h, GPTQSettings())[1], h)
+    # measured: 0.80x (Q4_0), 0.71x (IQ4_NL), 0.63x (Q4_K) the unweighted fit's output error
+    assert weighted < 0.9 * unweighted

@@ -100,8 +100,14 @@ class GGUFWeightSpec:
             if min_t is not None:
                 min_t[b * k : (b + 1) * k] = grid.minimum().reshape(out, k).T
 
+        # each block's grid fitted by squared error weighted by its inputs' energy, H's
+        # diagonal (what llama.cpp's importance matrix weighs), floored so that a block of dead
+        # inputs still has a grid: [in]
+        diagonal = hessian.diagonal().float()
+        diagonal = diagonal.clamp_min(max(float(diagonal.mean()) * 1e-6, 1e-12))
         if perm is not None:  # grids fixed in advance, from the original weight
-            whole = fit_grid(weight.detach().float().reshape(out, -1, block), kind)
+            importance = diagonal.reshape(1, -1, block).expand(out, -1, -1)
+            whole = fit_grid(weight.detach().float().reshape(out, -1, block), kind, importance)
             for b in range(n // block):
                 keep(b, _select(whole, b))
         original = perm.tolist() if perm is not None else list(range(n))
@@ -117,7 +123,9 @@ class GGUFWeightSpec:
                 col = start + i
                 if perm is None and col % block == 0:
                     # this block's grid, from its weights as updated so far: [out, 1, block]
-                    keep(col // block, fit_grid(wt[col : col + block].T.unsqueeze(1), kind))
+                    importance = diagonal[col : col + block].reshape(1, 1, -1).expand(out, 1, -1)
+                    blocks = wt[col : col + block].T.unsqueeze(1)
+                    keep(col // block, fit_grid(blocks, kind, importance))
                 g = original[col] // sub
                 x = cols[i]  # [out]
                 q, dq = round_to_grid(x, kind, scale_t[g], None if min_t is None else min_t[g])
