@@ -8,6 +8,11 @@ integer scale and minimum and the fp16 super-scales) is fitted from the error-up
 when the loop reaches the block's first column (as GPTQ's dynamic groups), then every column
 rounds onto it; with act-order every grid is fitted up front from the original weight (the
 columns are visited out of block order, so a block's grid must exist before its first column).
+Grids are fitted by squared error weighted by the inputs' energy (H's diagonal). After the
+loop, the fp16 numbers of every block (scale, and minimum for the affine types; a K type's
+super-scales ``d`` and ``dmin``, its integer sub-block scales kept) are solved again by least
+squares for the codes the loop chose, against the layer's output error ``tr(ΔW H ΔWᵀ)`` over
+the whole row: the loop fixes a grid before the error of later columns lands on its block.
 """
 
 from __future__ import annotations
@@ -137,9 +142,93 @@ class GGUFWeightSpec:
         if perm is not None:
             inverse = torch.argsort(perm)
             codes_t, values_t = codes_t[inverse], values_t[inverse]
-        grid = _concat(fits)
-        quantized = GGUFQuantized.from_grid(kind, codes_t.T, grid)
-        return quantized, values_t.T.contiguous(), prepared.damp
+        quantized = GGUFQuantized.from_grid(kind, codes_t.T, _concat(fits))
+        refitted = refit_block_numbers(quantized, weight.detach().float(), hessian.float())
+        values = refitted.dequantize(torch.float32)  # [out, in]
+        # keep each row's refit only where it lowers that row's output error (fp16 rounding of
+        # the solution can cost more than the solve gained on a row that was already optimal)
+        worse = _row_error(weight, values, hessian) > _row_error(weight, values_t.T, hessian)
+        if bool(worse.any()):
+            refitted = _rows_from(refitted, quantized, worse)
+            values = torch.where(worse[:, None], values_t.T, values)
+        return refitted, values.contiguous(), prepared.damp
+
+
+def refit_block_numbers(
+    quantized: GGUFQuantized, weight: Tensor, hessian: Tensor, rows_per_chunk: int | None = None
+) -> GGUFQuantized:
+    """Every block's fp16 numbers re-solved by least squares for fixed codes.
+
+    A row's dequantized weight is linear in its blocks' fp16 numbers: ``ŵ = Σ_b d_b u_b (+
+    m_b v_b)`` with ``u_b`` the block's levels times its integer sub-block scales and ``v_b`` 1
+    (Q4_1, Q5_1) or minus the integer sub-block minimums (K types) on block ``b``. The numbers
+    minimising ``(w - ŵ) H (w - ŵ)ᵀ`` solve ``(A H Aᵀ) θ = A H wᵀ`` per row, a system of one
+    unknown per block and number; the solution is rounded to fp16.
+
+    Args:
+        quantized: codes and grid of an [out, in] weight.
+        weight: [out, in] the float weight the output error is measured against.
+        hessian: [in, in] ``2/N Σ x xᵀ`` of the layer's inputs.
+        rows_per_chunk: rows solved together (None: as many as keep the [rows, numbers, in]
+            intermediate near 2**24 elements).
+    """
+    kind = quantized.kind
+    grid = quantized.grid()
+    out, n = weight.shape
+    nb, blk = n // kind.block, kind.block
+    per_weight = n // kind.sub  # sub-blocks per row
+    levels = kind.level_tensor(weight.device)[quantized.codes.long()]  # [out, in]
+    sub_scale = torch.ones(out, per_weight, device=weight.device)
+    if grid.sub_scale is not None:
+        sub_scale = grid.sub_scale.reshape(out, per_weight)
+    basis = [levels * sub_scale.repeat_interleave(kind.sub, 1)]  # [out, in] per unit d
+    numbers = [grid.d]  # [out, nb] each
+    if kind.affine:
+        minimum = torch.ones(out, per_weight, device=weight.device)
+        if grid.sub_min is not None:
+            minimum = -grid.sub_min.reshape(out, per_weight)
+        basis.append(minimum.repeat_interleave(kind.sub, 1))  # [out, in] per unit dmin
+        numbers.append(grid.dmin)
+    p = len(basis)
+    h = hessian.double().reshape(nb, blk, n)  # [nb, block, in]
+    if rows_per_chunk is None:
+        rows_per_chunk = max(1, (1 << 24) // (p * nb * n))
+    solved = []
+    for r0 in range(0, out, rows_per_chunk):
+        rows = slice(r0, min(r0 + rows_per_chunk, out))
+        u = torch.stack([b[rows].double().reshape(-1, nb, blk) for b in basis], 1)  # [r, p, nb, blk]
+        # uh[r, p, b, :] = u[r, p, b] @ H[block b, :]: [r, p, nb, in]
+        uh = torch.einsum("rpbi,bij->rpbj", u, h).reshape(u.shape[0], p * nb, nb, blk)
+        gram = torch.einsum("rxcj,rqcj->rxqc", uh, u).reshape(-1, p * nb, p * nb)
+        rhs = (uh.reshape(-1, p * nb, n) * weight[rows].double().unsqueeze(1)).sum(-1)
+        ridge = 1e-9 * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)  # [r]
+        gram = gram + ridge[:, None, None] * torch.eye(p * nb, dtype=gram.dtype, device=gram.device)
+        current = torch.cat([x[rows].double() for x in numbers], 1)  # [r, p * nb]
+        theta, info = torch.linalg.solve_ex(gram, rhs)
+        solved.append(torch.where((info == 0)[:, None], theta, current))
+    theta = torch.cat(solved).float().clamp(-65504.0, 65504.0).half().float()  # [out, p * nb]
+    refitted = GGUFGrid(
+        theta[:, :nb], theta[:, nb:] if kind.affine else None, grid.sub_scale, grid.sub_min
+    )
+    return GGUFQuantized.from_grid(kind, quantized.codes, refitted)
+
+
+def _row_error(weight: Tensor, values: Tensor, hessian: Tensor) -> Tensor:
+    """[out] each row's output error ``(w - ŵ) H (w - ŵ)ᵀ``."""
+    delta = weight.double() - values.double()  # [out, in]
+    return ((delta @ hessian.double()) * delta).sum(1)
+
+
+def _rows_from(base: GGUFQuantized, other: GGUFQuantized, rows: Tensor) -> GGUFQuantized:
+    """``base`` with the fp16 numbers of ``other`` on the [out] bool ``rows``."""
+
+    def pick(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+        return None if a is None else torch.where(rows[:, None], b, a)
+
+    return GGUFQuantized(
+        base.type_name, base.codes, pick(base.scale, other.scale),
+        pick(base.minimum, other.minimum), base.sub_scale, base.sub_min,
+    )  # fmt: skip
 
 
 def _select(grid: GGUFGrid, b: int) -> GGUFGrid:

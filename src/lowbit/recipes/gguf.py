@@ -45,7 +45,7 @@ class GGUFRecipe(GPTQRecipeSettings, Recipe):
     gguf_type: str = "Q4_0"
     pure: bool = False
     w_algo: str = "gptq"
-    act_order: bool = False
+    act_order: bool = True
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
