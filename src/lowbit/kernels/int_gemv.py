@@ -73,25 +73,22 @@ TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
-def _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, group, stride_sg, stride_zg,
-                 offs_n, mask_n, FOLD_ZERO: tl.constexpr):  # fmt: skip
-    """``acc + s * acc_group`` for one group (``[BLOCK_N, ...]``); with ``FOLD_ZERO`` the group
-    summed ``code * x`` and ``x_group`` holds its ``sum x`` per column:
-    ``acc + s * (acc_group - z * x_group)``."""
-    scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
-    if FOLD_ZERO:
-        zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
-        acc_group -= zero.to(tl.float32)[:, None] * x_group[None, :]
+def _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET: tl.constexpr):
+    """``acc + s * acc_group`` for one group (``[BLOCK_N, ...]``), the scales loaded in the
+    accumulator's row layout (:func:`_load_rows`)."""
+    scale = _load_rows(scale_rows + group * stride_sg, INTERPRET)
     return acc + acc_group * scale.to(tl.float32)[:, None]
 
 
 @triton.jit
-def _load_x(x_ptr, k0, offs_w, K, EVEN_K: tl.constexpr):
-    """``x[k0 + offs_w]`` as fp32, 0 past K (``EVEN_K``: every column is below K, no mask; the
-    mask compares ``offs_w`` with the scalar ``K - k0``: 32-bit compares)."""
+def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr):
+    """``x_tile[J0 + offs_w]`` as fp32, 0 past K (``k_left`` columns from ``x_tile`` are
+    below K; ``EVEN_K``: all are, no mask). ``x_tile`` is the tile's first column, so each
+    slot's address is a constant offset from it, and the mask compares ``offs_w`` with a
+    scalar (32-bit compares)."""
     if EVEN_K:
-        return tl.load(x_ptr + k0 + offs_w).to(tl.float32)
-    return tl.load(x_ptr + k0 + offs_w, mask=offs_w < K - k0, other=0.0).to(tl.float32)
+        return tl.load(x_tile + J0 + offs_w).to(tl.float32)
+    return tl.load(x_tile + J0 + offs_w, mask=offs_w < k_left - J0, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -115,12 +112,12 @@ def _load_rows(ptrs, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _flush_subnormal(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows, group,
+def _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows, group,
                      stride_sg, stride_zg, SYMMETRIC: tl.constexpr, BITS: tl.constexpr,
                      SUB_SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """One group of the subnormal-code GEMV (fp16 ``x``, M = 1): ``acc_group`` holds the
-    unsigned ``sum code * x * 2**-SUB_SHIFT`` per element and ``x_cols`` the group's ``x`` per
-    column; the scale multiplies the elements, the offset (``8`` symmetric, else the zero)
+    """One group of the GEMV (M = 1) that applies offsets per row: ``acc_group`` holds the
+    unsigned ``sum code * x * 2**-SUB_SHIFT`` per element (``SUB_SHIFT`` 49 for fp16's
+    subnormal codes, else 0) and ``x_cols`` the group's ``x`` per column; the scale multiplies the elements, the offset (``8`` symmetric, else the zero)
     goes to the per-row ``acc_off`` through the group's scalar ``sum x``:
     ``acc + s * acc_group``, ``acc_off - s * z * sum x * 2**-SUB_SHIFT``."""
     scale = _load_rows(scale_rows + group * stride_sg, INTERPRET).to(tl.float32)
@@ -152,6 +149,13 @@ def _int_gemv_kernel(
     SUBNORMAL: tl.constexpr = BLOCK_M == 1 and BITS < 8 and x_ptr.dtype.element_ty == tl.float16
     SUB_X: tl.constexpr = 100  # x is scaled by 2**(SUB_X - s): below 2**116 for any fp16 x
     SUB_SHIFT: tl.constexpr = 149 - SUB_X  # products are code * x * 2**-SUB_SHIFT
+    # M = 1 below 8 bits, fp16 or with zero points: the offsets (8 or the zeros) are applied
+    # per group and row through the group's sum x, into acc_off (_flush_offsets)
+    OFF_ROWS: tl.constexpr = BLOCK_M == 1 and BITS < 8 and (SUBNORMAL or not SYMMETRIC)
+    SHIFT: tl.constexpr = SUB_SHIFT if SUBNORMAL else 0  # the sums' scale, 2**-SHIFT
+    # groups start only at slots j with j * TILE_WORDS % GROUP_SIZE == 0 (whole groups per tile,
+    # or whole tiles per group)
+    SAME_GROUP: tl.constexpr = TILE_K % GROUP_SIZE == 0 or GROUP_SIZE % TILE_K == 0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -169,9 +173,8 @@ def _int_gemv_kernel(
     acc_group = tl.zeros_like(acc)  # the current group's sum of (code - zero) * x, unscaled
     # M = 1 below 8 bits with zero points: the group's sum of code * x and, per column, of x;
     # the zeros are applied once per group, s * (sum code * x - z * sum x)
-    x_group = tl.zeros((TILE_WORDS,), dtype=tl.float32)
-    x_cols = tl.zeros((1, TILE_WORDS), dtype=tl.float32)  # SUBNORMAL: the group's x per column
-    acc_off = tl.zeros((BLOCK_N,), dtype=tl.float32)  # SUBNORMAL: the offsets' - s z sum x
+    x_cols = tl.zeros((1, TILE_WORDS), dtype=tl.float32)  # OFF_ROWS: the group's x per column
+    acc_off = tl.zeros((BLOCK_N,), dtype=tl.float32)  # OFF_ROWS: the offsets' - s z sum x
     # MAGIC as a value the compiler cannot fold (K >= 1 when a kernel runs): the code's LOP3,
     # (src & mask) | magic, then takes the mask as its immediate and magic from one register;
     # with both constant ptxas materialises the mask with a MOV per code
@@ -190,16 +193,19 @@ def _int_gemv_kernel(
         words = tl.load(w_ptrs)  # [BLOCK_N, TILE_WORDS] int32
         words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
         upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1)
+        x_tile = x_ptr + t * TILE_K  # the tile's first column
+        k_left = K - t * TILE_K  # its columns below K
         for j in tl.static_range(PPW):
             k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
             offs_k = k0 + offs_w  # [TILE_WORDS]
             group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
             if SYMMETRIC:
                 offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-            elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_group)
+            elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_cols)
                 offset = tl.full((BLOCK_N,), 8388608.0, tl.float32)
-            else:
-                zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
+            elif j == 0 or not SAME_GROUP or (j * TILE_WORDS) % GROUP_SIZE == 0:
+                # the slot starts a group (or may): its zeros, kept for the group's next slots
+                zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
                 offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
             if SUBNORMAL:
                 # the code masked in place is the float bits of the subnormal code * 2**(s - 149)
@@ -214,7 +220,7 @@ def _int_gemv_kernel(
                     codes = src & low_mask  # [BLOCK_N, TILE_WORDS]
                 else:
                     codes = src & (CODE_MASK << ((j % HALF) * BITS))
-                x = _load_x(x_ptr, k0, offs_w, K, EVEN_K)[None, :]
+                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)[None, :]
                 x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
                 x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
                 acc_group += codes.to(tl.float32, bitcast=True) * x
@@ -236,9 +242,9 @@ def _int_gemv_kernel(
                     codes.to(tl.float32, bitcast=True)
                     - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
                 )  # (code - zero) * 2**s, exact
-                x = _load_x(x_ptr, k0, offs_w, K, EVEN_K)
+                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)
                 if not SYMMETRIC:
-                    x_group += x  # [TILE_WORDS]
+                    x_cols += x[None, :]  # [1, TILE_WORDS]
                 x = x * (1.0 / (1 << ((j % HALF) * BITS)))  # x * 2**-s, exact
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
             elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
@@ -251,7 +257,7 @@ def _int_gemv_kernel(
                 codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
                 q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
                 if BLOCK_M == 1:  # (zero points: shifted down, fewer registers per row)
-                    x = _load_x(x_ptr, k0, offs_w, K, EVEN_K)
+                    x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)
                     acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
             if BLOCK_M > 1:
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -260,30 +266,25 @@ def _int_gemv_kernel(
                     acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
                 else:  # |code - zero| <= 255: exact in fp16 and bf16
                     acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
-            if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and SUBNORMAL:
-                acc, acc_off = _flush_subnormal(acc, acc_off, acc_group, x_cols, scale_rows,
+            if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and OFF_ROWS:
+                acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows,
                                                 zero_rows, group, stride_sg, stride_zg,
-                                                SYMMETRIC, BITS, SUB_SHIFT, INTERPRET)  # fmt: skip
+                                                SYMMETRIC, BITS, SHIFT, INTERPRET)  # fmt: skip
                 acc_group = tl.zeros_like(acc)
                 x_cols = tl.zeros_like(x_cols)
             elif (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
-                acc = _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, group,
-                                   stride_sg, stride_zg, offs_n, mask_n,
-                                   not SYMMETRIC and BLOCK_M == 1 and BITS < 8)  # fmt: skip
+                acc = _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET)
                 acc_group = tl.zeros_like(acc)
-                x_group = tl.zeros_like(x_group)
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
-    if SUBNORMAL:
-        acc, acc_off = _flush_subnormal(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows,
+    if OFF_ROWS:
+        acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows,
                                         last // GROUP_SIZE, stride_sg, stride_zg, SYMMETRIC, BITS,
-                                        SUB_SHIFT, INTERPRET)  # fmt: skip
-        out = (tl.sum(acc, axis=1) + acc_off) * (1.0 * (1 << SUB_SHIFT))  # [BLOCK_N], exact
+                                        SHIFT, INTERPRET)  # fmt: skip
+        out = (tl.sum(acc, axis=1) + acc_off) * (1.0 * (1 << SHIFT))  # [BLOCK_N], exact
         out = out[:, None]  # [BLOCK_N, 1]
     else:
-        acc = _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, last // GROUP_SIZE,
-                           stride_sg, stride_zg, offs_n, mask_n,
-                           not SYMMETRIC and BLOCK_M == 1 and BITS < 8)  # fmt: skip
+        acc = _flush_group(acc, acc_group, scale_rows, last // GROUP_SIZE, stride_sg, INTERPRET)
         if BLOCK_M == 1:
             out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
         else:
