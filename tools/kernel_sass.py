@@ -8,6 +8,7 @@ For the prefill kernel a decoded weight serves BLOCK_M rows, so its count is per
 Pointers and strides are declared 16-divisible, as Triton's launcher specializes them. ::
 
     python tools/kernel_sass.py --bits 2 3 4 8 --arch 90
+    python tools/kernel_sass.py --bits 4 --arch 90 --even-k  # K a multiple of the tile
     python tools/kernel_sass.py --spqr --arch 90     # lowbit's fused SpQR kernel
 """
 
@@ -54,9 +55,10 @@ def compile_for(kernel, pointers, scalars, constants, arch, **options):
 
 def compile_decode_kernel(
     bits, block_m, block_n, num_warps, arch, dtype="fp16", split_k=1, has_bias=False,
-    symmetric=True,
+    symmetric=True, even_k=False,
 ):  # fmt: skip
-    """``_int_gemv_kernel``: g128, 32-word tiles, 16 tiles (``split_k`` splits)."""
+    """``_int_gemv_kernel``: g128, 32-word tiles, 16 tiles (``split_k`` splits); ``even_k``:
+    K a multiple of the tile's codes (unmasked activation loads, most layers' shapes)."""
     from lowbit.kernels import int_gemv
 
     scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_ps",
@@ -64,7 +66,7 @@ def compile_decode_kernel(
     constants = dict(
         BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
         K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=16 // split_k, BLOCK_M=block_m,
-        BLOCK_N=block_n, INTERPRET=False,
+        BLOCK_N=block_n, EVEN_K=even_k, INTERPRET=False,
     )  # fmt: skip
     return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch,
                     num_warps=num_warps)  # fmt: skip
@@ -150,6 +152,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--spqr", action="store_true", help="the SpQR kernel's table instead")
+    parser.add_argument("--even-k", action="store_true",
+                        help="decode kernels compiled for K a multiple of the tile's codes "
+                             "(unmasked activation loads, as the launcher picks for such K)")  # fmt: skip
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     if args.spqr:
@@ -167,7 +172,7 @@ def main() -> None:
         for name, block_m, block_n, warps, dtype, sym in runs:
             if name == "decode":
                 kernel = compile_decode_kernel(bits, block_m, block_n, warps, args.arch, dtype,
-                                               symmetric=sym)  # fmt: skip
+                                               symmetric=sym, even_k=args.even_k)  # fmt: skip
             else:
                 kernel = compile_prefill_kernel(bits, block_m, block_n, warps, args.arch, dtype,
                                                 num_stages=2)  # fmt: skip

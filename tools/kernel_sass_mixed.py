@@ -75,7 +75,7 @@ def main() -> None:
         schedule = "async" if asynchronous else "sync"
         print(
             f"| {name} | {schedule} | {'fused' if fuse else 'none'} | {block_n} | {tile} | "
-            f"{warps} | {len(ops)} | {len(ops) / codes_per_thread:.1f} | {top} |",
+            f"{warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | {top} |",
             flush=True,
         )
 

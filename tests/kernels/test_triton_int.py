@@ -107,6 +107,27 @@ def test_kernels_decode_each_weight_exactly(bits, group, symmetric, k, dtype):
     assert torch.equal(int_gemv(eye[16:32], *tensors, None, **static), want[16:32])  # tl.dot
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 65504 * w: inf in both
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("k", [128, 160], ids=["even-k", "masked-k"])
+def test_fp16_gemv_is_exact_at_the_ends_of_the_fp16_range(symmetric, k):
+    """The fp16 GEMV (M = 1) multiplies codes as subnormal floats by x * 2**(100 - s): one-hot
+    inputs at the smallest subnormal (2**-24) and the largest fp16 (65504) give the torch
+    reference's output bit for bit (no product leaves the normal fp32 range). K = 128 is a
+    whole tile (unmasked x loads), K = 160 is not."""
+    fast, _ = _layers(4, 32, symmetric, k, bias=False)
+    tensors, static = None, None
+    for value in (2.0**-24, 65504.0):
+        for col in (0, 37, k - 1):
+            x = torch.zeros(1, k, dtype=torch.float16, device=DEVICE)
+            x[0, col] = value
+            if tensors is None:
+                fast(x)  # prepares the layout
+                tensors, static = _operands(fast)
+            want = tiled_reference(x, *tensors, None, **static)
+            assert torch.equal(int_gemv(x, *tensors, None, **static), want), (value, col)
+
+
 @pytest.mark.parametrize(
     "m, config",
     [(1, (1, 16, 2, 4)), (1, (16, 32, 2, 4)), (5, (16, 32, 2, 4)), (13, (16, 16, 3, 2))],

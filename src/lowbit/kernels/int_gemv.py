@@ -22,10 +22,18 @@ One program owns ``BLOCK_N`` output rows and a range of K tiles. Per tile it loa
   the fp32 trick and a conversion (bf16's 8-bit mantissa cannot hold 8-bit codes that way).
 
 Both sum the unscaled ``(code - zero) * x`` of a group and apply the group's scale once when
-its last run is done (scale loads and multiplies per group, not per code). What remains per
-code is shift, mask, or-magic, fadd, ffma (or cvt for the dot) plus amortised loads; at 3 TB/s
-a 4-bit GEMV decodes 6e12 codes/s against an H100's ~3.3e13 instructions/s, so every op per
-code counts (``tools/kernel_sass.py`` counts them in the compiled loop without a GPU).
+its last run is done (scale loads and multiplies per group, not per code). At 3 TB/s a 4-bit
+GEMV decodes 6e12 codes/s against an H100's ~3.3e13 instructions/s, so every op per code
+counts (``tools/kernel_sass.py`` counts them in the compiled loop without a GPU).
+
+The fp16 GEMV (M = 1, below 8 bits) spends two instructions per code: the code masked in place,
+``w & (mask << s)``, read as a float is the subnormal ``code * 2**(s - 149)`` (exact: below bit
+23), and one FFMA with ``x * 2**(100 - s)`` (exact: any fp16 is below 2**16) adds the normal
+``code * x * 2**-49``; the offset (8, or the zero point) is applied per group and row through
+the group's ``sum x``, ``s * (sum code * x - z * sum x)``, and the output is scaled back by
+``2**49`` (exact). Its scales (and zeros) are loaded with inline PTX in the accumulator's row
+layout (no shared-memory round trip, no barrier). bf16 x keeps the ``code | 0x4B000000``
+trick, an FADD per code (bf16's range would overflow ``x * 2**100``).
 
 Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. A 4096-row layer at 128 rows per
 program gives 32 programs for 132 SMs, too few bytes in flight; splitting K fills the machine.
@@ -65,16 +73,61 @@ TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
-def _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, group, stride_sg, stride_zg,
-                 offs_n, mask_n, FOLD_ZERO: tl.constexpr):  # fmt: skip
-    """``acc + s * acc_group`` for one group (``[BLOCK_N, ...]``); with ``FOLD_ZERO`` the group
-    summed ``code * x`` and ``x_group`` holds its ``sum x`` per column:
-    ``acc + s * (acc_group - z * x_group)``."""
-    scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
-    if FOLD_ZERO:
-        zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
-        acc_group -= zero.to(tl.float32)[:, None] * x_group[None, :]
+def _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET: tl.constexpr):
+    """``acc + s * acc_group`` for one group (``[BLOCK_N, ...]``), the scales loaded in the
+    accumulator's row layout (:func:`_load_rows`)."""
+    scale = _load_rows(scale_rows + group * stride_sg, INTERPRET)
     return acc + acc_group * scale.to(tl.float32)[:, None]
+
+
+@triton.jit
+def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr):
+    """``x_tile[J0 + offs_w]`` as fp32, 0 past K (``k_left`` columns from ``x_tile`` are
+    below K; ``EVEN_K``: all are, no mask). ``x_tile`` is the tile's first column, so each
+    slot's address is a constant offset from it, and the mask compares ``offs_w`` with a
+    scalar (32-bit compares)."""
+    if EVEN_K:
+        return tl.load(x_tile + J0 + offs_w).to(tl.float32)
+    return tl.load(x_tile + J0 + offs_w, mask=offs_w < k_left - J0, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_rows(ptrs, INTERPRET: tl.constexpr):
+    """``*ptrs`` (every pointer valid) in the layout its consumer gives ``ptrs``. A ``tl.load``
+    of a ``[BLOCK_N]`` vector is coalesced to one row per thread, and moving it to the
+    accumulator's rows then takes shared memory and two barriers; inline PTX is not coalesced:
+    each thread loads its own rows (a global load per row, from L1 for the threads sharing it)."""
+    if INTERPRET:
+        return tl.load(ptrs)
+    elif ptrs.dtype.element_ty.primitive_bitwidth == 8:
+        value = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs],
+                                          dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+        return value.to(ptrs.dtype.element_ty)
+    elif ptrs.dtype.element_ty.primitive_bitwidth == 16:
+        return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs],
+                                         dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
+                                         dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows, group,
+                     stride_sg, stride_zg, SYMMETRIC: tl.constexpr, BITS: tl.constexpr,
+                     SUB_SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """One group of the GEMV (M = 1) that applies offsets per row: ``acc_group`` holds the
+    unsigned ``sum code * x * 2**-SUB_SHIFT`` per element (``SUB_SHIFT`` 49 for fp16's
+    subnormal codes, else 0) and ``x_cols`` the group's ``x`` per column; the scale multiplies the elements, the offset (``8`` symmetric, else the zero)
+    goes to the per-row ``acc_off`` through the group's scalar ``sum x``:
+    ``acc + s * acc_group``, ``acc_off - s * z * sum x * 2**-SUB_SHIFT``."""
+    scale = _load_rows(scale_rows + group * stride_sg, INTERPRET).to(tl.float32)
+    x_sum = tl.sum(tl.sum(x_cols, axis=1), axis=0) * (1.0 / (1 << SUB_SHIFT))  # exact scaling
+    if SYMMETRIC:
+        acc_off -= scale * (x_sum * (1 << (BITS - 1)))
+    else:
+        zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
+        acc_off -= scale * (zero.to(tl.float32) * x_sum)
+    return acc + acc_group * scale[:, None], acc_off
 
 
 @triton.jit
@@ -85,17 +138,31 @@ def _int_gemv_kernel(
     BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     PPW: tl.constexpr = 32 // BITS  # codes per word
     HALF: tl.constexpr = PPW // 2  # codes in a word's lower half (at most 16 bits)
     TILE_K: tl.constexpr = PPW * TILE_WORDS  # codes per tile
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
     MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) as f32 = 2**23 + code
+    # fp16 at M = 1 below 8 bits: codes as subnormal floats, no magic and no FADD (module doc)
+    SUBNORMAL: tl.constexpr = BLOCK_M == 1 and BITS < 8 and x_ptr.dtype.element_ty == tl.float16
+    SUB_X: tl.constexpr = 100  # x is scaled by 2**(SUB_X - s): below 2**116 for any fp16 x
+    SUB_SHIFT: tl.constexpr = 149 - SUB_X  # products are code * x * 2**-SUB_SHIFT
+    # M = 1 below 8 bits, fp16 or with zero points: the offsets (8 or the zeros) are applied
+    # per group and row through the group's sum x, into acc_off (_flush_offsets)
+    OFF_ROWS: tl.constexpr = BLOCK_M == 1 and BITS < 8 and (SUBNORMAL or not SYMMETRIC)
+    SHIFT: tl.constexpr = SUB_SHIFT if SUBNORMAL else 0  # the sums' scale, 2**-SHIFT
+    # groups start only at slots j with j * TILE_WORDS % GROUP_SIZE == 0 (whole groups per tile,
+    # or whole tiles per group)
+    SAME_GROUP: tl.constexpr = TILE_K % GROUP_SIZE == 0 or GROUP_SIZE % TILE_K == 0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     mask_n = offs_n < N
+    offs_row = tl.minimum(offs_n, N - 1)  # rows past N read row N - 1 (their outputs are masked)
+    scale_rows = scale_ptr + offs_row  # [BLOCK_N] (group 0's scales)
+    zero_rows = zero_ptr + offs_row
     offs_w = tl.arange(0, TILE_WORDS)  # [TILE_WORDS]
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     mask_m = offs_m < M
@@ -106,7 +173,8 @@ def _int_gemv_kernel(
     acc_group = tl.zeros_like(acc)  # the current group's sum of (code - zero) * x, unscaled
     # M = 1 below 8 bits with zero points: the group's sum of code * x and, per column, of x;
     # the zeros are applied once per group, s * (sum code * x - z * sum x)
-    x_group = tl.zeros((TILE_WORDS,), dtype=tl.float32)
+    x_cols = tl.zeros((1, TILE_WORDS), dtype=tl.float32)  # OFF_ROWS: the group's x per column
+    acc_off = tl.zeros((BLOCK_N,), dtype=tl.float32)  # OFF_ROWS: the offsets' - s z sum x
     # MAGIC as a value the compiler cannot fold (K >= 1 when a kernel runs): the code's LOP3,
     # (src & mask) | magic, then takes the mask as its immediate and magic from one register;
     # with both constant ptxas materialises the mask with a MOV per code
@@ -118,24 +186,45 @@ def _int_gemv_kernel(
     # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked
     for i in range(TILES_PER_SPLIT):
         t = pid_k * TILES_PER_SPLIT + i
-        w_ptrs = words_ptr + offs_n[:, None] * stride_wn + (t * TILE_WORDS + offs_w)[None, :]
-        # (a block-shaped tile test: the interpreter of Triton 3.9 widens bool & scalar to int32)
-        w_mask = mask_n[:, None] & ((t * TILE_WORDS + offs_w) < K_TILES * TILE_WORDS)[None, :]
-        words = tl.load(w_ptrs, mask=w_mask, other=0)  # [BLOCK_N, TILE_WORDS] int32
+        # unmasked: rows past N read row N - 1 and a tile past K_TILES (the last split's) reads
+        # the last tile, against x masked to 0 there; their products are never stored
+        t_in = tl.minimum(t, K_TILES - 1)
+        w_ptrs = words_ptr + offs_row[:, None] * stride_wn + (t_in * TILE_WORDS + offs_w)[None, :]
+        words = tl.load(w_ptrs)  # [BLOCK_N, TILE_WORDS] int32
         words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
         upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1)
+        x_tile = x_ptr + t * TILE_K  # the tile's first column
+        k_left = K - t * TILE_K  # its columns below K
         for j in tl.static_range(PPW):
             k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
             offs_k = k0 + offs_w  # [TILE_WORDS]
             group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
             if SYMMETRIC:
                 offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-            elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_group)
+            elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_cols)
                 offset = tl.full((BLOCK_N,), 8388608.0, tl.float32)
-            else:
-                zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
+            elif j == 0 or not SAME_GROUP or (j * TILE_WORDS) % GROUP_SIZE == 0:
+                # the slot starts a group (or may): its zeros, kept for the group's next slots
+                zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
                 offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
-            if BLOCK_M == 1 and BITS < 8:  # (8 bits: a byte extract is cheaper)
+            if SUBNORMAL:
+                # the code masked in place is the float bits of the subnormal code * 2**(s - 149)
+                # (exact: below bit 23); times x * 2**(SUB_X - s) (exact, fp16 x below 2**16)
+                # it is the normal code * x * 2**-SUB_SHIFT: one LOP3 and one FFMA per code; the
+                # offset (8 or the zero) is applied per group through sum x
+                if j < HALF:
+                    src = words
+                else:
+                    src = upper
+                if j % HALF == 0 and BITS != 3:
+                    codes = src & low_mask  # [BLOCK_N, TILE_WORDS]
+                else:
+                    codes = src & (CODE_MASK << ((j % HALF) * BITS))
+                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)[None, :]
+                x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
+                x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
+                acc_group += codes.to(tl.float32, bitcast=True) * x
+            elif BLOCK_M == 1 and BITS < 8:  # (8 bits: a byte extract is cheaper)
                 # the code masked in place, not shifted down: (src & (mask << s)) | MAGIC is
                 # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + 8 * 2**s
                 # (symmetric) or 2**23 (zeros: folded per group) it is (code - 8) * 2**s or
@@ -153,9 +242,9 @@ def _int_gemv_kernel(
                     codes.to(tl.float32, bitcast=True)
                     - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
                 )  # (code - zero) * 2**s, exact
-                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)
                 if not SYMMETRIC:
-                    x_group += x  # [TILE_WORDS]
+                    x_cols += x[None, :]  # [1, TILE_WORDS]
                 x = x * (1.0 / (1 << ((j % HALF) * BITS)))  # x * 2**-s, exact
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
             elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
@@ -168,7 +257,7 @@ def _int_gemv_kernel(
                 codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
                 q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
                 if BLOCK_M == 1:  # (zero points: shifted down, fewer registers per row)
-                    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                    x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)
                     acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
             if BLOCK_M > 1:
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -177,21 +266,29 @@ def _int_gemv_kernel(
                     acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
                 else:  # |code - zero| <= 255: exact in fp16 and bf16
                     acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
-            if (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
-                acc = _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, group,
-                                   stride_sg, stride_zg, offs_n, mask_n,
-                                   not SYMMETRIC and BLOCK_M == 1 and BITS < 8)  # fmt: skip
+            if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and OFF_ROWS:
+                acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows,
+                                                zero_rows, group, stride_sg, stride_zg,
+                                                SYMMETRIC, BITS, SHIFT, INTERPRET)  # fmt: skip
                 acc_group = tl.zeros_like(acc)
-                x_group = tl.zeros_like(x_group)
+                x_cols = tl.zeros_like(x_cols)
+            elif (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
+                acc = _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET)
+                acc_group = tl.zeros_like(acc)
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
-    acc = _flush_group(acc, acc_group, x_group, scale_ptr, zero_ptr, last // GROUP_SIZE,
-                       stride_sg, stride_zg, offs_n, mask_n,
-                       not SYMMETRIC and BLOCK_M == 1 and BITS < 8)  # fmt: skip
-    if BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
+    if OFF_ROWS:
+        acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows,
+                                        last // GROUP_SIZE, stride_sg, stride_zg, SYMMETRIC, BITS,
+                                        SHIFT, INTERPRET)  # fmt: skip
+        out = (tl.sum(acc, axis=1) + acc_off) * (1.0 * (1 << SHIFT))  # [BLOCK_N], exact
+        out = out[:, None]  # [BLOCK_N, 1]
     else:
-        out = acc  # [BLOCK_N, BLOCK_M]
+        acc = _flush_group(acc, acc_group, scale_rows, last // GROUP_SIZE, stride_sg, INTERPRET)
+        if BLOCK_M == 1:
+            out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
+        else:
+            out = acc  # [BLOCK_N, BLOCK_M]
     offs_out = offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
     mask = mask_n[:, None] & mask_m[None, :]
     store_output(out_ptr + offs_out, part_ptr + offs_out, stride_ps, count_ptr, out, mask,
@@ -216,6 +313,7 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
         BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
         HAS_BIAS=bias is not None, K_TILES=n_tiles, SPLIT_K=split_k, TILES_PER_SPLIT=per_split,
         BLOCK_M=block_m, BLOCK_N=block_n,
+        EVEN_K=k == n_tiles * tile * (32 // bits) and n_tiles % per_split == 0,
         INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
     )  # fmt: skip
     return compiled if probe else out

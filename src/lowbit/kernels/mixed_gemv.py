@@ -14,11 +14,12 @@ word's activations are gathered by the column table (``col2``, ``col4``).
 **M = 1** (``_gemv1_kernel``, the paper's Algorithm 1 in Triton). Rows run across threads
 (``BLOCK_N`` rows per program, several per thread), and each step walks two words of every row
 of each segment (A: a triplet of 2-bit groups + half a 4-bit group, B: four 2-bit groups, C:
-two 4-bit groups): one contiguous 32-byte load per row (the aligned vector loads of the paper;
-a full sector), split into its eight 32-bit lanes. The activations of a word's groups are the
-same for every row, so they are scalar (uniform) loads shared by all of a thread's rows, and a
-code costs a shift, a masked or (the exponent trick ``code | 0x4B000000``), a subtraction and
-an FMA into the row's unscaled group sum; the group's scale and zero are applied once,
+two 4-bit groups): two 16-byte loads per row (a full sector, each word's lanes in one
+thread), split into its eight 32-bit lanes. The activations of a word's groups are the same
+for every row, so they are loaded once for all of a thread's rows (16-byte vectors when K is a
+multiple of 16), and a code costs a mask in place and an FMA into the row's unscaled group sum
+(fp16: the masked code is a subnormal float, :func:`_group_sum`; bf16 adds the exponent trick
+``code | 0x4B000000`` and a subtraction); the group's scale and zero are applied once,
 ``acc += s * (Σ code x - z Σ x)``. The scale is the second-order dequantization ``s = (c - z2)
 * s2`` of the group's 4-bit code (clipped codes decoded from 3 bits) and fp16 pair.
 
@@ -94,10 +95,17 @@ def _triplet_stats(word, pos):
 
 
 @triton.jit
-def _second(second_ptr, rows, stride_r, slot, mask):
+def _second(second_ptr, rows, stride_r, slot, mask, HALVES: tl.constexpr = False):
     """The fp16 ``(s2, z2)`` pair of ``slot`` for each row's second-order group, as fp32: one
-    aligned 32-bit load per pair (the zero's 16-bit slot is what makes the pair a word)."""
+    aligned 32-bit load per pair (the zero's 16-bit slot is what makes the pair a word).
+    ``HALVES`` (compiled only): the word's halves named apart by inline PTX (no shift, no mask)."""
     pair = tl.load(second_ptr + rows * stride_r + slot, mask=mask, other=0)  # int32
+    if HALVES:
+        s2, z2 = tl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair], dtype=(tl.float16, tl.float16),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+        return s2.to(tl.float32), z2.to(tl.float32)
     pair = pair.to(tl.uint32, bitcast=True)
     s2 = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     z2 = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -130,35 +138,71 @@ def _add_outliers(out, x_ptr, row_ptr_ptr, col_val_ptr, offs_n, mask_n, offs_m, 
 
 
 @triton.jit
-def _split8(words, BLOCK_N: tl.constexpr):
-    """``[BLOCK_N, 8]`` int32 (two 128-bit words per row) -> the eight uint32 lanes, word 0's
-    lanes 0-3 then word 1's."""
-    w = tl.reshape(
-        words.to(tl.uint32, bitcast=True), (BLOCK_N, 2, 2, 2)
-    )  # (word, lane // 2, lane % 2)
-    even, odd = tl.split(w)  # lanes 0, 2 / 1, 3 of both words: [BLOCK_N, 2, 2]
-    l0, l2 = tl.split(even)  # [BLOCK_N, 2] (word)
+def _split4(word, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N, 4]`` int32 (a 128-bit word per row, in one thread) -> its four uint32 lanes."""
+    w = tl.reshape(word.to(tl.uint32, bitcast=True), (BLOCK_N, 2, 2))  # (lane // 2, lane % 2)
+    even, odd = tl.split(w)  # lanes 0, 2 / 1, 3: [BLOCK_N, 2]
+    l0, l2 = tl.split(even)
     l1, l3 = tl.split(odd)
-    a0, b0 = tl.split(l0)
-    a1, b1 = tl.split(l1)
-    a2, b2 = tl.split(l2)
-    a3, b3 = tl.split(l3)
+    return l0, l1, l2, l3
+
+
+@triton.jit
+def _split8(words, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N, 4, 2]`` int32 (two 128-bit words per row, :func:`_load_word_pair`) -> the eight
+    uint32 lanes, word 0's lanes 0-3 then word 1's."""
+    w0, w1 = tl.split(words)
+    a0, a1, a2, a3 = _split4(w0, BLOCK_N)
+    b0, b1, b2, b3 = _split4(w1, BLOCK_N)
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def _load_pair(ptr, offs_n, mask_n, stride, first, count, WIDTH: tl.constexpr):
-    """Entries ``first * WIDTH + [0, 2 WIDTH)`` of each row (``WIDTH`` per word, words below
-    ``count``) as one ``[BLOCK_N, 2 WIDTH]`` block."""
-    offs = tl.arange(0, 2 * WIDTH)
-    valid = (first + offs // WIDTH) < count
-    ptrs = ptr + offs_n[:, None] * stride + (first * WIDTH + offs)[None, :]
-    return tl.load(ptrs, mask=mask_n[:, None] & valid[None, :], other=0)
+def _load_word_pair(ptr, rows, stride, first, count):
+    """Words ``first`` and ``first + 1`` of each row (those below ``count``) as one
+    ``[BLOCK_N, 4, 2]`` block (lane, word): two 16-byte loads per row, each word's lanes in one
+    thread (an ``[BLOCK_N, 8]`` load spread the lanes over threads, and the split moved them
+    back with shuffles). ``rows`` are valid rows (clamped: no row mask)."""
+    offs = tl.arange(0, 4)
+    row = ptr + rows[:, None] * stride + offs[None, :]  # [BLOCK_N, 4]
+    w0 = tl.load(row + first * 4, mask=((offs * 0 + first) < count)[None, :], other=0)
+    w1 = tl.load(row + first * 4 + 4, mask=((offs * 0 + first + 1) < count)[None, :], other=0)
+    return tl.join(w0, w1)
 
 
 @triton.jit
-def _group_sum(lane, x_ptr, col, K, BITS: tl.constexpr, OFFSET: tl.constexpr,
-               EVEN_K: tl.constexpr):  # fmt: skip
+def _load_pair(ptr, rows, stride, first, count, WIDTH: tl.constexpr):
+    """Entries ``first * WIDTH + [0, 2 WIDTH)`` of each of ``rows`` (valid rows; ``WIDTH`` per
+    word, words below ``count``) as one ``[BLOCK_N, 2 WIDTH]`` block."""
+    offs = tl.arange(0, 2 * WIDTH)
+    valid = (first + offs // WIDTH) < count
+    ptrs = ptr + rows[:, None] * stride + (first * WIDTH + offs)[None, :]
+    return tl.load(ptrs, mask=valid[None, :], other=0)
+
+
+@triton.jit
+def _load_x8(ptr):
+    """Eight 16-bit activations at ``ptr`` (16-byte aligned) as eight scalars of ``ptr``'s
+    type: one vector load by inline PTX (a ``tl.load`` of a vector spreads it over threads),
+    each register's halves named apart (no shift to reach the high one)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 a, b, c, d;
+        ld.global.nc.v4.b32 {a, b, c, d}, [$8];
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        mov.b32 {$4, $5}, c;
+        mov.b32 {$6, $7}, d;
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,l", [ptr], dtype=(ptr.dtype.element_ty,) * 8, is_pure=True,
+        pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _group_sum(lane, x_ptr, col, K, magic, BITS: tl.constexpr, OFFSET: tl.constexpr,
+               EVEN_K: tl.constexpr, SUBNORMAL: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
     """``(Σ_j code_j x[col + OFFSET + j], Σ_j x[...])`` over the lane's ``32 // BITS`` codes:
     ``[BLOCK_N]`` unscaled sums and a scalar (the activations are the same for every row).
 
@@ -166,27 +210,53 @@ def _group_sum(lane, x_ptr, col, K, BITS: tl.constexpr, OFFSET: tl.constexpr,
     float ``2**23 + code * 2**s`` (exact while the code sits below bit 23, so the lane's upper
     half is shifted down once), and the scalar activation is scaled by ``2**-s`` (exact), so
     ``code * x`` is the same product as with a shifted code: one LOP3, one FADD and one FFMA
-    per code. With ``EVEN_K`` (K a multiple of 16) the activation loads are unmasked: every
-    column a group names is below K (padding slots name column 0 and hold zero codes).
+    per code. With ``EVEN_K`` (K a multiple of 16, x 16-byte aligned) the activation loads are
+    unmasked: every column a group names is below K (padding slots name column 0 and hold zero
+    codes), and compiled they are 16-byte vectors (group columns are multiples of 16), one per
+    eight codes instead of a scalar load per code.
+    ``magic`` is ``0x4B000000`` as a runtime value (with it constant ptxas puts each code's mask
+    in a register with a MOV).
+
+    ``SUBNORMAL`` (fp16 x): the masked code alone is the float bits of the subnormal
+    ``code * 2**(s - 149)`` (exact), times ``x * 2**(100 - s)`` (exact for any fp16) the normal
+    ``code * x * 2**-49``: one LOP3 and one FFMA per code, no FADD. Both sums come back scaled
+    by ``2**-49`` (exact while they stay above 2**-77), which the caller undoes once.
     """
     PER: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PER // 2
     upper = lane >> 16
     part = tl.zeros(lane.shape, dtype=tl.float32)
     xs = 0.0
+    x_col = x_ptr + col  # one address; each code's x at a constant offset from it
+    if EVEN_K and not INTERPRET:
+        xv0 = _load_x8(x_col + OFFSET)  # x[col + OFFSET + 0..7]
+        if PER > 8:
+            xv1 = _load_x8(x_col + OFFSET + 8)
     for j in tl.static_range(PER):
         c = col + OFFSET + j
-        if EVEN_K:
-            x = tl.load(x_ptr + c).to(tl.float32)  # scalar
+        if EVEN_K and not INTERPRET:
+            if j < 8:
+                x = xv0[j].to(tl.float32)
+            else:
+                x = xv1[j - 8].to(tl.float32)
+        elif EVEN_K:
+            x = tl.load(x_col + (OFFSET + j)).to(tl.float32)  # scalar
         else:
             x = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
         xs += x
         if j < HALF:
-            bits = (lane & (((1 << BITS) - 1) << ((j % HALF) * BITS))) | 0x4B000000
+            bits = lane & (((1 << BITS) - 1) << ((j % HALF) * BITS))
         else:
-            bits = (upper & (((1 << BITS) - 1) << ((j % HALF) * BITS))) | 0x4B000000
-        scaled = bits.to(tl.float32, bitcast=True) - 8388608.0  # code * 2**shift, exact
-        part += scaled * (x * (1.0 / (1 << ((j % HALF) * BITS))))
+            bits = upper & (((1 << BITS) - 1) << ((j % HALF) * BITS))
+        if SUBNORMAL:  # code * 2**(s - 149) times x * 2**(100 - s), exact
+            part += bits.to(tl.float32, bitcast=True) * (
+                x * (1.0 * (1 << (100 - (j % HALF) * BITS)))
+            )
+        else:
+            scaled = (bits | magic).to(tl.float32, bitcast=True) - 8388608.0  # code * 2**s
+            part += scaled * (x * (1.0 / (1 << ((j % HALF) * BITS))))
+    if SUBNORMAL:
+        xs = xs * (1.0 / (1 << 49))  # the sums' common scale, exact
     return part, xs
 
 
@@ -207,8 +277,13 @@ def _gemv1_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     mask_n = offs_n < N
-    rows = offs_n // G2  # second-order group of each row
+    # rows past N read row N - 1 (unmasked loads; their outputs are never stored)
+    offs_row = tl.minimum(offs_n, N - 1)
+    rows = offs_row // G2  # second-order group of each row
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # fp16 x: codes as subnormal floats, sums scaled by 2**-49 (_group_sum)
+    SUBNORMAL: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    magic = tl.where(K > 0, 0x4B000000, 0).to(tl.uint32)  # runtime: no MOV per code's mask
     if EVEN_K:  # the column a dead word's activation loads name
         PAD = K * 0
     else:
@@ -217,22 +292,22 @@ def _gemv1_kernel(
     # ---- segment A: word = a triplet of 2-bit groups + codes 0-7 of a 4-bit group, whose codes
     # 8-15 are the word's lane in the second matrix
     first = pid_k * STEPS_A * 2  # first word of this split
-    nxt_w = _load_pair(primary_ptr, offs_n, mask_n, stride_pn, first, UA, 4)
-    nxt_s = _load_pair(secondary_ptr, offs_n, mask_n, stride_sn, first, UA, 1)
-    nxt_t2 = _load_pair(stats2_ptr, offs_n, mask_n, stride_t2, first, UA, 1)
-    nxt_t4 = _load_pair(stats4_ptr, offs_n, mask_n, stride_t4, first, UA, 1)
+    nxt_w = _load_word_pair(primary_ptr, offs_row, stride_pn, first, UA)
+    nxt_s = _load_pair(secondary_ptr, offs_row, stride_sn, first, UA, 1)
+    nxt_t2 = _load_pair(stats2_ptr, offs_row, stride_t2, first, UA, 1)
+    nxt_t4 = _load_pair(stats4_ptr, offs_row, stride_t4, first, UA, 1)
     for step in range(STEPS_A):
         u0 = first + 2 * step
         if ASYNC:  # this step's loads were issued one step ago; issue the next step's now
             words, sec, t2, t4 = nxt_w, nxt_s, nxt_t2, nxt_t4
             more = UA * (step + 1 < STEPS_A)  # the next step is still this split's
-            nxt_w = _load_pair(primary_ptr, offs_n, mask_n, stride_pn, u0 + 2, more, 4)
-            nxt_s = _load_pair(secondary_ptr, offs_n, mask_n, stride_sn, u0 + 2, more, 1)
-            nxt_t2 = _load_pair(stats2_ptr, offs_n, mask_n, stride_t2, u0 + 2, more, 1)
-            nxt_t4 = _load_pair(stats4_ptr, offs_n, mask_n, stride_t4, u0 + 2, more, 1)
+            nxt_w = _load_word_pair(primary_ptr, offs_row, stride_pn, u0 + 2, more)
+            nxt_s = _load_pair(secondary_ptr, offs_row, stride_sn, u0 + 2, more, 1)
+            nxt_t2 = _load_pair(stats2_ptr, offs_row, stride_t2, u0 + 2, more, 1)
+            nxt_t4 = _load_pair(stats4_ptr, offs_row, stride_t4, u0 + 2, more, 1)
         else:
-            words = _load_pair(primary_ptr, offs_n, mask_n, stride_pn, u0, UA, 4)
-            sec = _load_pair(secondary_ptr, offs_n, mask_n, stride_sn, u0, UA, 1)
+            words = _load_word_pair(primary_ptr, offs_row, stride_pn, u0, UA)
+            sec = _load_pair(secondary_ptr, offs_row, stride_sn, u0, UA, 1)
         a0, a1, a2, a3, b0, b1, b2, b3 = _split8(words, BLOCK_N)
         sec_a, sec_b = tl.split(sec.to(tl.uint32, bitcast=True))
         for h in tl.static_range(2):
@@ -246,26 +321,26 @@ def _gemv1_kernel(
             col_b = tl.load(col2_ptr + 3 * u + 1, mask=live, other=PAD)
             col_c = tl.load(col2_ptr + 3 * u + 2, mask=live, other=PAD)
             col_4 = tl.load(col4_ptr + u, mask=live, other=PAD)
-            pa, xa = _group_sum(la, x_ptr, col_a, K, 2, 0, EVEN_K)
-            pb, xb = _group_sum(lb, x_ptr, col_b, K, 2, 0, EVEN_K)
-            pc, xc = _group_sum(lc, x_ptr, col_c, K, 2, 0, EVEN_K)
-            p4, x4 = _group_sum(l4, x_ptr, col_4, K, 4, 0, EVEN_K)
-            q4, y4 = _group_sum(ls, x_ptr, col_4, K, 4, 8, EVEN_K)
+            pa, xa = _group_sum(la, x_ptr, col_a, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET)
+            pb, xb = _group_sum(lb, x_ptr, col_b, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET)
+            pc, xc = _group_sum(lc, x_ptr, col_c, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET)
+            p4, x4 = _group_sum(l4, x_ptr, col_4, K, magic, 4, 0, EVEN_K, SUBNORMAL, INTERPRET)
+            q4, y4 = _group_sum(ls, x_ptr, col_4, K, magic, 4, 8, EVEN_K, SUBNORMAL, INTERPRET)
             if h == 0:
                 if not ASYNC:  # the statistics only once the weights are consumed
                     tl.debug_barrier()
-                    t2 = _load_pair(stats2_ptr, offs_n, mask_n, stride_t2, u0, UA, 1)
-                    t4 = _load_pair(stats4_ptr, offs_n, mask_n, stride_t4, u0, UA, 1)
+                    t2 = _load_pair(stats2_ptr, offs_row, stride_t2, u0, UA, 1)
+                    t4 = _load_pair(stats4_ptr, offs_row, stride_t4, u0, UA, 1)
                 t2a, t2b = tl.split(t2.to(tl.int32) & 0xFFFF)
                 t4a, t4b = tl.split(t4.to(tl.int32))
             if h == 0:
                 word2, byte4 = t2a, t4a
             else:
                 word2, byte4 = t2b, t4b
-            m_u = mask_n & ((offs_n * 0 + u) < UA)  # block-shaped (interpreter: bool & scalar)
+            m_u = (offs_n * 0 + u) < UA  # block-shaped (interpreter: bool & scalar)
             for lane in tl.static_range(3):
                 zero, code = _triplet_stats(word2, lane)
-                s2, z2 = _second(second2_ptr, rows, stride_r2, 3 * u + lane, m_u)
+                s2, z2 = _second(second2_ptr, rows, stride_r2, 3 * u + lane, m_u, not INTERPRET)
                 scale = (code.to(tl.float32) - z2) * s2  # the 2nd-order dequantization
                 if lane == 0:
                     acc += scale * (pa - zero * xa)
@@ -273,7 +348,7 @@ def _gemv1_kernel(
                     acc += scale * (pb - zero * xb)
                 else:
                     acc += scale * (pc - zero * xc)
-            s2, z2 = _second(second4_ptr, rows, stride_r4, u, m_u)
+            s2, z2 = _second(second4_ptr, rows, stride_r4, u, m_u, not INTERPRET)
             scale = ((byte4 >> 4).to(tl.float32) - z2) * s2
             acc += scale * (p4 + q4 - (byte4 & 15).to(tl.float32) * (x4 + y4))
 
@@ -281,43 +356,51 @@ def _gemv1_kernel(
     first_b = pid_k * STEPS_B * 2
     for step in range(STEPS_B):
         w0 = first_b + 2 * step
-        words = _load_pair(primary_ptr, offs_n, mask_n, stride_pn, UA + w0, UA + UB, 4)
+        words = _load_word_pair(primary_ptr, offs_row, stride_pn, UA + w0, UA + UB)
         lanes = _split8(words, BLOCK_N)
         for q in tl.static_range(8):
             w = w0 + q // 4
             p = 3 * UA + 4 * w + q % 4  # the lane's 2-bit slot
             live = w < UB
             col = tl.load(col2_ptr + p, mask=live, other=PAD)
-            part, xs = _group_sum(lanes[q], x_ptr, col, K, 2, 0, EVEN_K)
+            part, xs = _group_sum(
+                lanes[q], x_ptr, col, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET
+            )
             if not ASYNC:
                 tl.debug_barrier()
-            m_u = mask_n & ((offs_n * 0 + w) < UB)
-            word = tl.load(stats2_ptr + offs_n * stride_t2 + p // 3, mask=m_u, other=0)
+            m_u = (offs_n * 0 + w) < UB
+            word = tl.load(stats2_ptr + offs_row * stride_t2 + p // 3, mask=m_u, other=0)
             zero, code = _triplet_stats(word.to(tl.int32) & 0xFFFF, p % 3)
-            s2, z2 = _second(second2_ptr, rows, stride_r2, p, m_u)
+            s2, z2 = _second(second2_ptr, rows, stride_r2, p, m_u, not INTERPRET)
             acc += (code.to(tl.float32) - z2) * s2 * (part - zero * xs)
 
     # ---- segment C: two 4-bit groups per word (4-bit slots UA + 2 v + half)
     first_c = pid_k * STEPS_C * 2
     for step in range(STEPS_C):
         v0 = first_c + 2 * step
-        words = _load_pair(primary_ptr, offs_n, mask_n, stride_pn, UA + UB + v0, UA + UB + UC, 4)
+        words = _load_word_pair(primary_ptr, offs_row, stride_pn, UA + UB + v0, UA + UB + UC)
         lanes = _split8(words, BLOCK_N)
         for q in tl.static_range(4):
             v = v0 + q // 2
             p = UA + 2 * v + q % 2  # the group's 4-bit slot
             live = v < UC
             col = tl.load(col4_ptr + p, mask=live, other=PAD)
-            lo, xlo = _group_sum(lanes[2 * q], x_ptr, col, K, 4, 0, EVEN_K)
-            hi, xhi = _group_sum(lanes[2 * q + 1], x_ptr, col, K, 4, 8, EVEN_K)
+            lo, xlo = _group_sum(
+                lanes[2 * q], x_ptr, col, K, magic, 4, 0, EVEN_K, SUBNORMAL, INTERPRET
+            )
+            hi, xhi = _group_sum(
+                lanes[2 * q + 1], x_ptr, col, K, magic, 4, 8, EVEN_K, SUBNORMAL, INTERPRET
+            )
             if not ASYNC:
                 tl.debug_barrier()
-            m_u = mask_n & ((offs_n * 0 + v) < UC)
-            byte = tl.load(stats4_ptr + offs_n * stride_t4 + p, mask=m_u, other=0).to(tl.int32)
-            s2, z2 = _second(second4_ptr, rows, stride_r4, p, m_u)
+            m_u = (offs_n * 0 + v) < UC
+            byte = tl.load(stats4_ptr + offs_row * stride_t4 + p, mask=m_u, other=0).to(tl.int32)
+            s2, z2 = _second(second4_ptr, rows, stride_r4, p, m_u, not INTERPRET)
             scale = ((byte >> 4).to(tl.float32) - z2) * s2
             acc += scale * (lo + hi - (byte & 15).to(tl.float32) * (xlo + xhi))
 
+    if SUBNORMAL:
+        acc = acc * (1.0 * (1 << 49))  # the group sums' scale undone (exact)
     out = acc[:, None]  # [BLOCK_N, 1]
     if FUSE_OUTLIERS:  # the first split adds its rows' fp16 outliers
         first_split = (offs_n * 0 + pid_k) == 0  # block-shaped (interpreter: bool & scalar)
@@ -639,7 +722,7 @@ def _launch(x, ops, bias, config, asynchronous, fuse_outliers, probe=False):
         compiled = _gemv1_kernel.run(
             x, *tensors, bias_arg, out, partials, counters, n, k, *strides, split_stride,
             STEPS_A=per_split[0], STEPS_B=per_split[1], STEPS_C=per_split[2],
-            EVEN_K=k % 16 == 0 and ops["even_cols"], **common,
+            EVEN_K=k % 16 == 0 and ops["even_cols"] and x.data_ptr() % 16 == 0, **common,
         )  # fmt: skip
     else:
         compiled = _gemm16_kernel.run(
