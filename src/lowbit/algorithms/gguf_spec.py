@@ -196,7 +196,8 @@ def refit_block_numbers(
     solved = []
     for r0 in range(0, out, rows_per_chunk):
         rows = slice(r0, min(r0 + rows_per_chunk, out))
-        u = torch.stack([b[rows].double().reshape(-1, nb, blk) for b in basis], 1)  # [r, p, nb, blk]
+        # u[r, p, b, :]: basis p of row r over block b's columns: [r, p, nb, blk]
+        u = torch.stack([b[rows].double().reshape(-1, nb, blk) for b in basis], 1)
         # uh[r, p, b, :] = u[r, p, b] @ H[block b, :]: [r, p, nb, in]
         uh = torch.einsum("rpbi,bij->rpbj", u, h).reshape(u.shape[0], p * nb, nb, blk)
         gram = torch.einsum("rxcj,rqcj->rxqc", uh, u).reshape(-1, p * nb, p * nb)
