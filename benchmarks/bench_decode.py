@@ -145,8 +145,7 @@ def build_model(device: str, dtype_name: str, quant, backend, shape: str = "smol
             recipe = RTNRecipe(w_bits=bits, w_group=group)
         lowbit.quantize(model, recipe, progress=False, packed=True)
         set_backend(model, backend)
-    if device == "cpu":
-        prepare_run(model)  # as lowbit generate runs it: lowbit.models.run
+    prepare_run(model)  # as lowbit generate runs it (lowbit.models.run): layouts made now
     return model, tokenizer
 
 
@@ -303,6 +302,8 @@ def run_row(args) -> dict:
         for batch in args.batches:
             ids = prompt_ids(tokenizer, batch, args.prompt_tokens, vocab, args.device)
             cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens + 1)
+            if args.compiled:  # the kernels tune eagerly, outside CUDA graphs' warm-up
+                decode(model, ids, 2, model.forward, cache)
             decode(model, ids, 3, step, cache)  # warm-up (and compile)
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()

@@ -3,35 +3,39 @@
 #
 #   bash tools/gpu_session.sh STAGE [STAGE ...]
 #
-# Built around the lent device's limits: one command at most 10 minutes, about 30 minutes of
-# device time a session, and a fresh machine whenever it went idle. So: one or two stages per
-# call, the cheapest first, and Triton's compiled kernels kept in .triton-cache/ under the
-# repository (ignored by git) so that a later call on a fresh machine reuses them -- pass it
-# to the device tool's `carry` (carry: [".triton-cache"]; it stays far below the 64 MiB limit).
-# Run from the repository root on a CUDA machine whose Python ($PYTHON, default python3) has
-# torch, triton, transformers, safetensors, pytest and hypothesis; lowbit runs from src/
-# without being installed. Tables and logs go to $OUT when it is set (the device tool's folder
-# that comes back), else to docs/results/gpu/.
+# Built around the lent device's limits: one command at most 10 minutes, 15 minutes of device
+# time a session (start-up included), a fresh machine whenever it went idle for 30 s, and at
+# most 8 files back. So: several stages per call, each under its own time limit so that one slow
+# stage cannot take the call's output with it, and Triton's compiled kernels kept in
+# .triton-cache/ under the repository (ignored by git) so that a later call on a fresh machine
+# reuses them -- pass it to the device tool's `carry`. Run from the repository root on a CUDA
+# machine whose Python ($PYTHON, default python3) has torch, triton, transformers, safetensors,
+# pytest and hypothesis; lowbit runs from src/ without being installed. Tables and logs go to
+# $OUT when it is set (the device tool's folder that comes back), else to docs/results/gpu/.
 #
-# The plan, in order (measured minutes are not known yet: no GPU has run it):
+# The plan, in order, with what the first run took (H200, 2026-11-26, docs/results/gpu.md):
 #
-#   smoke       (~2 min) versions; every kernel compiled and launched once with tuning off
-#               against its torch reference, with the resources the driver loaded it with
-#               (tools/gpu_smoke.py). Stop here if anything fails.
+#   smoke       versions; every kernel compiled and launched once with tuning off against its
+#               torch reference, with the resources the driver loaded it with
+#               (tools/gpu_smoke.py). Stop here if anything fails. Smoke and int-4096 together:
+#               182 s on a fresh machine, compiles included.
 #   irregular   the kernel tests on irregular shapes (tests/kernels, compiled instead of
-#               interpreted) and every `gpu` test of tests/kernels
+#               interpreted) and every `gpu` test of tests/kernels: 46 tests in 60 s, not finished
 #   int-4096    bench_gemv, 4-bit g128 at M = 1, 16, 2048 on 4096x4096 (tuning on)
-#   int-11008   the same on 11008x4096
+#   int-11008   the same on 11008x4096: under 100 s
 #   int-28672   the same on 28672x8192
-#   spqr        bench_gemv --formats spqr at M = 1, 16 on 4096x4096 and 11008x4096
-#   mixed       bench_gemv --mixed at M = 1, 16 on 4096x4096 and 11008x4096
-#   decode      bench_decode on the 7B-shaped random Llama: fp16, W4 g128, 2/4/16
+#   spqr        bench_gemv --formats spqr at M = 1, 16 on 4096x4096 and 11008x4096: over 70 s
+#   mixed       bench_gemv --mixed at M = 1, 16 on 4096x4096 and 11008x4096: over 90 s
+#   decode      bench_decode on the 7B-shaped random Llama: fp16, W4 g128, 2/4/16: over 220 s
 #   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
-#   tests       every `gpu` test of the repository
+#   tests       every `gpu` test of the repository: 41 tests in 95 s, not finished
 #
-# A first call: `smoke irregular`; then `int-4096 int-11008`, `int-28672 spqr`, `mixed`,
-# `decode`, `decode-spqr`, each carrying .triton-cache. Whatever the GPU measures goes to
-# docs/results/ with the date and the device.
+# The first run's two calls, each stage's output kept in one archive (8 files come back):
+#   export PYTHONUNBUFFERED=1; R=$OUT; export OUT=/tmp/g; mkdir -p $OUT
+#   st(){ timeout $1 bash tools/gpu_session.sh $2 > $OUT/$2.out 2>&1; tar czf $R/gpu.tgz -C $OUT .; }
+#   st 170 smoke; st 150 int-4096        # first call; then, while the machine is warm:
+#   st 220 decode; st 100 int-11008; st 90 mixed; st 70 spqr; st 60 irregular
+# Whatever the GPU measures goes to docs/results/ with the date and the device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -20,6 +20,7 @@ from transformers import TextStreamer
 
 from lowbit.errors import LowbitError
 from lowbit.models.compat import CACHE_KWARG
+from lowbit.models.run import prepare_layouts
 
 
 @dataclass
@@ -221,6 +222,7 @@ def generate(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     if compile:  # an instance attribute shadows the class's forward until it is deleted
+        prepare_layouts(model)  # none made inside a CUDA graph's warm-up
         mode = "reduce-overhead" if device.type == "cuda" else None
         model.forward = torch.compile(model.forward, mode=mode)
     start = time.perf_counter()

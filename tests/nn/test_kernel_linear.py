@@ -149,3 +149,16 @@ def test_a_loaded_model_prepared_for_its_run_gives_the_packed_logits(tmp_path):
     expected = _logits(loaded)
     assert prepare_run(loaded).kernel == 7 * model.config.num_hidden_layers
     assert torch.equal(_logits(loaded), expected)
+
+
+def test_prepare_run_makes_every_layout_before_the_first_call():
+    """A compiled step under CUDA graphs must allocate nothing it keeps: the layouts exist
+    before the first forward, and the forward keeps them as they are."""
+    model = tiny_model("llama")
+    lowbit.quantize(model, "w4a16", progress=False, packed=True)
+    prepare_run(model)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinearBase)]
+    before = [(layer.__dict__["_prepared"], dict(layer.__dict__["_prepared"])) for layer in layers]
+    _logits(model)
+    for layer, (cache, entries) in zip(layers, before, strict=True):
+        assert layer.__dict__["_prepared"] is cache and cache == entries

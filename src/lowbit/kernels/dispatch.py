@@ -43,6 +43,7 @@ __all__ = [
     "backend_names",
     "choose",
     "packed_matmul",
+    "prepare_layer",
     "register_layer",
     "AUTO_ORDER",
     "BACKENDS",
@@ -208,6 +209,22 @@ def _plan(layer, x2d: Tensor, key: tuple) -> tuple:
         cache.clear()  # one prepared layout per layer: a new device or backend replaces it
         cache[prepared_key] = backend.prepare(layer)
     return key, backend, cache[prepared_key], cache
+
+
+def prepare_layer(layer, dtype: torch.dtype) -> None:
+    """Choose ``layer``'s backend and compute its prepared layout now, for inputs of ``dtype`` on
+    the device of its buffers, instead of on its first call.
+
+    Under ``torch.compile(mode="reduce-overhead")`` a first call runs inside CUDA graphs' warm-up,
+    where anything allocated comes from the graph's private pool; a layout cached there outlives
+    the graph and the capture is refused. Prepared beforehand, a compiled step allocates nothing
+    that it keeps."""
+    device = next((b.device for b in layer._buffers.values() if b is not None), None)
+    if device is None or device.type == "meta":
+        return
+    x2d = torch.empty(1, layer.in_features, device=device, dtype=dtype)  # [1, K], never read
+    key = (layer.backend, x2d.device, x2d.dtype, 1, layer.storage_key())
+    layer.__dict__["_plan"] = _plan(layer, x2d, key)
 
 
 #: live packed linears by handle, for the compiled path's custom op

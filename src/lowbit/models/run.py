@@ -10,6 +10,10 @@ weight is swapped for that form, which replaces its packed buffers
   of one input (each block's q/k/v and gate/up) one stacked layout multiplied in one call
   (:func:`~lowbit.nn.run_linear.kernel_form`).
 
+Every packed layer left (on a GPU, or in an fp32 run) has its backend's layout prepared in
+advance (:func:`~lowbit.kernels.dispatch.prepare_layer`), so that the first call of a compiled
+step, CUDA graphs included, allocates nothing it keeps.
+
 Outputs are unchanged bit for bit; ``lowbit eval``, ``generate`` and ``info`` call
 :func:`prepare_run`, so what ``eval`` measures is what ``generate`` runs. An fp32 run keeps the
 packed layers (their exact path reads the codes).
@@ -21,11 +25,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lowbit.kernels.dispatch import prepare_layer
 from lowbit.models.adapter import adapter_for
 from lowbit.nn.packed_linear import PackedLinearBase
 from lowbit.nn.run_linear import decode_for_run, kernel_form
 
-__all__ = ["RunPreparation", "prepare_run", "projection_groups"]
+__all__ = ["RunPreparation", "prepare_run", "prepare_layouts", "projection_groups"]
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,17 @@ def projection_groups(model: nn.Module) -> list[list[PackedLinearBase]]:
 
 
 def prepare_run(model: nn.Module) -> RunPreparation:
-    """:func:`decode_for_run`, then :func:`kernel_form` over :func:`projection_groups`; in
-    place."""
+    """:func:`decode_for_run`, then :func:`kernel_form` over :func:`projection_groups`, then
+    :func:`prepare_layouts`; in place."""
     decoded = decode_for_run(model)
     kernel, shared = kernel_form(model, projection_groups(model))
+    prepare_layouts(model)
     return RunPreparation(decoded, kernel, shared)
+
+
+def prepare_layouts(model: nn.Module) -> None:
+    """:func:`~lowbit.kernels.dispatch.prepare_layer` for every packed layer, in the model's
+    dtype."""
+    for module in model.modules():
+        if isinstance(module, PackedLinearBase):
+            prepare_layer(module, model.dtype)
