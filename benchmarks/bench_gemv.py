@@ -153,6 +153,18 @@ def _tensors(prepared: dict) -> list:
     return out
 
 
+def fused_prefill(layer, dtype):
+    """``(x -> the fused prefill kernel's product at any M, bytes it reads)`` on the layer's
+    prepared layout (the backend takes this kernel below ``DEQUANT_M`` rows only)."""
+    from lowbit.kernels.dispatch import prepare_layer
+    from lowbit.kernels.int_gemm import int_gemm
+
+    prepare_layer(layer, dtype)
+    (prepared,) = layer.__dict__["_prepared"].values()
+    operands = (prepared["words"], prepared["scale"], prepared["zero"], None)
+    return (lambda x: int_gemm(x, *operands, **prepared["static"])), _bytes(*_tensors(prepared))
+
+
 def _fitting_group(group: int, k: int) -> int:
     """``group``, or the largest of 64 and 32 dividing ``k`` when it does not (K = 576)."""
     return next(g for g in (group, 64, 32) if k % g == 0)
@@ -273,6 +285,7 @@ def main() -> None:
 
     from lowbit.formats.intq import IntQuantized
     from lowbit.kernels import dispatch
+    from lowbit.kernels.triton_int import SMALL_M
     from lowbit.nn.packed_linear import PackedLinear
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -369,6 +382,10 @@ def main() -> None:
                     continue
                 name = f"lowbit {backend} W{bits} " + (f"g{group}" if group else "pc")
                 kernels.append((name, layer, None, q.dequantize(torch.float32), act_dtype, None))
+                if backend == "triton":  # the fused prefill kernel, which from DEQUANT_M rows
+                    # gives way to the decoded weight and cuBLAS: both side by side
+                    kernels.append((f"{name} fused prefill", *fused_prefill(layer, act_dtype),
+                                    q.dequantize(torch.float32), act_dtype, None))  # fmt: skip
         if with_spqr:
             spqr_act = torch.float16 if device == "cuda" else act_dtype
             kernels.extend(spqr_rows(weight, device, spqr_act, rows_m))
@@ -380,6 +397,8 @@ def main() -> None:
             t_dense = t_int4 = None
             for name, fn, nbytes, w_ref, dtype, max_m in kernels:
                 if max_m is not None and m > max_m:
+                    continue
+                if name.endswith("fused prefill") and m <= SMALL_M:
                     continue
                 x = x32.to(dtype)
                 y_ref = x.float() @ w_ref.t()  # [M, N] fp32: same weight, same input

@@ -21,7 +21,8 @@
 #               182 s on a fresh machine, compiles included.
 #   irregular   the kernel tests on irregular shapes (tests/kernels, compiled instead of
 #               interpreted) and every `gpu` test of tests/kernels: 46 tests in 60 s, not finished
-#   int-4096    bench_gemv, 4-bit g128 at M = 1, 16, 2048 on 4096x4096 (tuning on)
+#   int-4096    bench_gemv, 4-bit g128 at M = 1, 16, 256, 2048 on 4096x4096 (tuning on; from
+#               M = 256 the decoded weight + cuBLAS beside the fused prefill kernel)
 #   int-11008   the same on 11008x4096: under 100 s
 #   int-28672   the same on 28672x8192
 #   spqr        bench_gemv --formats spqr at M = 1, 16 on 4096x4096 and 11008x4096: over 70 s
@@ -53,7 +54,7 @@ run() {  # run NAME COMMAND...: the command's output to the screen and $dest/NAM
 }
 
 gemv_int() {  # gemv_int NAME SHAPE: 4-bit g128 beside cuBLAS fp16 and torch's int4 kernel
-    run "$1" "$py" benchmarks/bench_gemv.py --device cuda --formats 4:128 --rows 1 16 2048 \
+    run "$1" "$py" benchmarks/bench_gemv.py --device cuda --formats 4:128 --rows 1 16 256 2048 \
         --shapes "$2" --out "$dest/${1}_$stamp.md"
 }
 

@@ -89,6 +89,19 @@ def compile_prefill_kernel(
                     num_warps=num_warps, num_stages=num_stages)  # fmt: skip
 
 
+def compile_dequant_kernel(bits, block_n, arch, dtype="fp16", symmetric=True):
+    """``_int_dequant_kernel``: g128, 32-word tiles, the weight written in ``dtype``."""
+    from lowbit.kernels import int_dequant
+
+    pointers = {"words_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*u8",
+                "out_ptr": f"*{dtype}"}  # fmt: skip
+    scalars = ["N", "K", "stride_wn", "stride_sg", "stride_zg", "stride_on"]
+    constants = dict(BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric,
+                     BLOCK_N=block_n, INTERPRET=False)  # fmt: skip
+    return compile_for(int_dequant._int_dequant_kernel, pointers, scalars, constants, arch,
+                       num_warps=4)  # fmt: skip
+
+
 def compile_spqr_kernel(
     block_m, block_tr, block_g, num_warps, arch, dtype="fp16", split_k=1, has_bias=False
 ):

@@ -3,7 +3,7 @@
 The interpreter tests check what the kernels compute, but the interpreter runs them as Python:
 a constexpr missing from a launch, a type the compiler rejects or a helper that only works
 interpreted pass there and fail on the first CUDA call. This compiles each kernel — integer
-decode (3 and 4 bits, split-K with bias), integer prefill, SpQR, the 2/4/16 GEMV (async and
+decode (3 and 4 bits, split-K with bias), integer prefill and its weight decoder, SpQR, the 2/4/16 GEMV (async and
 sync, split-K with bias) and its 16-row kernel — through Triton's own ptxas to SASS
 (``tools/kernel_sass*.py``) and checks that each has its main loop. It runs in a fresh process
 because ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``, under which ``@triton.jit`` builds
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from kernel_sass import (compile_decode_kernel, compile_prefill_kernel, compile_spqr_kernel,
-                         loop_instructions)
+from kernel_sass import (compile_decode_kernel, compile_dequant_kernel, compile_prefill_kernel,
+                         compile_spqr_kernel, loop_instructions)
 from kernel_sass_mixed import compile_mixed
 
 kernels = {
@@ -41,8 +41,11 @@ kernels = {
     "mixed M=1 sync": lambda: compile_mixed(1, 128, 2, 1, False, False, 90),
     "mixed M=16 async fused": lambda: compile_mixed(16, 64, 16, 4, True, True, 90),
 }
-print(json.dumps({name: len(loop_instructions(make().asm["cubin"]))
-                  for name, make in kernels.items()}))
+loops = {name: len(loop_instructions(make().asm["cubin"])) for name, make in kernels.items()}
+# the prefill weight decoder has no loop (one K tile per program): its 16-byte stores instead
+dequant = compile_dequant_kernel(4, 64, 90, dtype="bf16", symmetric=False)
+loops["dequant stores"] = dequant.asm["ptx"].count("st.global.v4") if dequant.asm["cubin"] else 0
+print(json.dumps(loops))
 """
 
 
@@ -57,6 +60,8 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 7
+    assert len(loops) == 8
+    stores = loops.pop("dequant stores")
+    assert stores >= 8, stores  # 16-byte stores, at least one per slot (measured 16: two per slot)
     for name, instructions in loops.items():
         assert instructions > 50, name  # a real main loop (measured 824 to 5623 instructions)

@@ -15,7 +15,8 @@ triton = pytest.importorskip("triton")
 from lowbit.api import quantize  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.formats.intq import IntQuantized  # noqa: E402
-from lowbit.kernels import dispatch  # noqa: E402
+from lowbit.kernels import dispatch, triton_int  # noqa: E402
+from lowbit.kernels.int_dequant import int_dequant  # noqa: E402
 from lowbit.kernels.int_gemm import int_gemm  # noqa: E402
 from lowbit.kernels.int_gemv import int_gemv  # noqa: E402
 from lowbit.kernels.int_layout import tile_words, tiled_reference  # noqa: E402
@@ -105,6 +106,22 @@ def test_kernels_decode_each_weight_exactly(bits, group, symmetric, k, dtype):
     assert torch.equal(int_gemm(eye, *tensors, None, **static), want)  # prefill
     assert torch.equal(int_gemv(eye[5:6], *tensors, None, **static), want[5:6])  # GEMV
     assert torch.equal(int_gemv(eye[16:32], *tensors, None, **static), want[16:32])  # tl.dot
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits, group, symmetric, k", FORMATS)
+def test_the_decoded_prefill_weight_is_the_reference_weight_bit_for_bit(
+    bits, group, symmetric, k, dtype
+):
+    """From DEQUANT_M rows the backend decodes the weight and calls F.linear: the weight is the
+    reference backend's, so the product is too, bit for bit."""
+    fast, reference = _layers(bits, group, symmetric, k)
+    x = torch.randn(triton_int.DEQUANT_M, k, generator=torch.Generator().manual_seed(1))
+    x = x.to(DEVICE, dtype)  # [DEQUANT_M, K]
+    assert torch.equal(fast(x), reference(x))
+    tensors, static = _operands(fast)
+    weight = int_dequant(*tensors, k=k, dtype=dtype, **static, block_n=16)  # [N, K], 3 blocks
+    assert torch.equal(weight, reference.dequantize_weight(dtype))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 65504 * w: inf in both

@@ -4,7 +4,8 @@
 (:mod:`lowbit.kernels.int_layout`: whole words per thread, ten codes per word at 3 bits) and its
 ``[N, G]`` scales and zeros to ``[G, N]`` (one contiguous row of N per group, the kernels load a
 slot's scales as one coalesced vector). ``matmul`` runs :func:`~lowbit.kernels.int_gemv.int_gemv`
-for M <= 16 (decode) and :func:`~lowbit.kernels.int_gemm.int_gemm` above (prefill).
+for M <= 16 (decode), :func:`~lowbit.kernels.int_gemm.int_gemm` up to ``DEQUANT_M`` rows, and
+from there the weight decoded by :func:`~lowbit.kernels.int_dequant.int_dequant` times cuBLAS.
 
 Runs on CUDA tensors, or on any tensors under ``TRITON_INTERPRET=1`` (set before Triton is
 imported; how the tests run the kernels on CPU). Takes fp16 and bf16 inputs, symmetric or
@@ -16,6 +17,7 @@ product of each shape times a few launch configurations (compiles of a few secon
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from lowbit.formats.packing import unpack_bits
@@ -24,15 +26,22 @@ from lowbit.kernels.int_layout import KERNEL_BITS, pack_tiles, tile_words
 from lowbit.kernels.triton_support import input_refusal
 
 try:  # without Triton the backend stays registered and says why it cannot run (unsupported)
+    from lowbit.kernels.int_dequant import int_dequant
     from lowbit.kernels.int_gemm import int_gemm
     from lowbit.kernels.int_gemv import int_gemv
 except ImportError:
-    int_gemm = int_gemv = None
+    int_dequant = int_gemm = int_gemv = None
 
-__all__ = ["TritonIntBackend", "SMALL_M"]
+__all__ = ["TritonIntBackend", "SMALL_M", "DEQUANT_M"]
 
 #: largest M that takes the decode kernel
 SMALL_M = 16
+#: smallest M that decodes the weight and calls cuBLAS. On the H200 (docs/results/gpu.md) the
+#: fused prefill kernel ran at 0.42x cuBLAS fp16 at M = 2048; decoding costs about one write
+#: and one read of the fp16 weight (~2.5 bytes per weight at ~2.7 TB/s), which the product's
+#: 1 / 0.42 - 1 = 1.4x extra time exceeds from M ~ 200 (2 M N K flops at ~600 TFLOP/s): a
+#: prediction that bench_gemv's M = 256 and 2048 rows are there to check.
+DEQUANT_M = 256
 
 
 def _group(layer) -> int | None:
@@ -67,8 +76,12 @@ class TritonIntBackend(WeightBackend):
         if x.shape[0] <= SMALL_M:  # operands built by prepare: no shape checks per call
             return int_gemv(x, prepared["words"], prepared["scale"], prepared["zero"], bias,
                             **prepared["static"], check=False)  # fmt: skip
-        return int_gemm(x, prepared["words"], prepared["scale"], prepared["zero"], bias,
-                        **prepared["static"])  # [M, N]  # fmt: skip
+        if x.shape[0] < DEQUANT_M:
+            return int_gemm(x, prepared["words"], prepared["scale"], prepared["zero"], bias,
+                            **prepared["static"])  # [M, N]  # fmt: skip
+        weight = int_dequant(prepared["words"], prepared["scale"], prepared["zero"],
+                             k=x.shape[1], dtype=x.dtype, **prepared["static"])  # fmt: skip
+        return F.linear(x, weight, bias)  # [M, N]
 
 
 register_backend(TritonIntBackend())
