@@ -83,6 +83,26 @@ def test_compiled_generation_on_cuda_gives_the_eager_tokens(tiny):
         model.to("cpu")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["w4a16", "spqr", "mixed-2-4-16"])
+def test_a_packed_model_compiled_before_any_call_gives_the_eager_tokens(tiny, recipe):
+    """CUDA graphs (``reduce-overhead``) on a packed model that never ran: a kernel layout made
+    inside the graphs' warm-up would outlive it and be refused (seen on an H200, 2026-11-26),
+    so the compiled call comes first; then the eager tokens."""
+    import lowbit
+    from lowbit.models.tiny import tiny_model
+
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=32)
+    model = tiny_model("llama", seed=0, vocab_size=len(tiny.tokenizer), **shape)
+    calibration = torch.randint(3, len(tiny.tokenizer), (4, 48),
+                                generator=torch.Generator().manual_seed(0))  # fmt: skip
+    lowbit.quantize(model, recipe, calibration=calibration, progress=False, packed=True)
+    model = model.to("cuda", torch.float16)
+    compiled = generate(model, tiny.tokenizer, "The module", max_new_tokens=12, compile=True)
+    eager = generate(model, tiny.tokenizer, "The module", max_new_tokens=12)
+    assert compiled.new_tokens == eager.new_tokens
+
+
 def test_chat_messages_go_through_the_template(tiny):
     tokenizer = tiny.tokenizer
     messages = [{"role": "user", "content": "hello"}]
