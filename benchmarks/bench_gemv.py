@@ -286,6 +286,7 @@ def main() -> None:
     from lowbit.formats.intq import IntQuantized
     from lowbit.kernels import dispatch
     from lowbit.kernels.triton_int import SMALL_M
+    from lowbit.kernels.triton_support import TIMINGS
     from lowbit.nn.packed_linear import PackedLinear
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -345,7 +346,7 @@ def main() -> None:
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     header = ["N x K", "M", "kernel", "µs", "µs L2-hot", "weight GB/s", "% of copy", "GFLOP/s",
               "× dense", "× torch int4", "err"]  # fmt: skip
-    table = []
+    table, timed = [], []  # rows; each tuning's candidates and times
 
     for n, k in shapes:
         weight = torch.randn(n, k, device=device) * 0.02  # [N, K] fp32
@@ -404,6 +405,11 @@ def main() -> None:
                 y_ref = x.float() @ w_ref.t()  # [M, N] fp32: same weight, same input
                 with torch.no_grad():
                     y = fn(x).float()  # prepares (and on the GPU tunes) outside the timing
+                if TIMINGS:  # the candidates that call tuned, L2-hot do_bench times
+                    timed.append(f"- {n}x{k} M={m} {name}: " + ", ".join(
+                        f"{config} {ms * 1e3:.1f} µs" for config, ms in TIMINGS))  # fmt: skip
+                    TIMINGS.clear()
+                with torch.no_grad():
                     hot = timer(lambda fn=fn, x=x: fn(x))
                     seconds = headline_timer(lambda fn=fn, x=x: fn(x)) if headline_timer else hot
                 if nbytes is None and fn.backend == "triton":  # what the kernels read
@@ -442,6 +448,7 @@ def main() -> None:
         + f"\n\n{markdown_table(header, table)}\n"
         + "\nLaunch configurations chosen:\n\n"
         + "\n".join(chosen_configs())
+        + ("\n\nCandidates each tuning timed:\n\n" + "\n".join(timed) if timed else "")
         + "\n"
     )
     print(text)

@@ -166,6 +166,11 @@ def split_for(programs: int, units: int, resident: int) -> int:
     return max(1, min(units, resident // max(programs, 1)))
 
 
+#: every ``(configuration, ms)`` :func:`fastest_config` timed, in order (benchmarks print and
+#: clear it; lowbit never reads it)
+TIMINGS: list[tuple[tuple, float]] = []
+
+
 class ConfigMismatch(LowbitError):
     """A launch configuration computed something other than the reference."""
 
@@ -202,6 +207,7 @@ def fastest_config(
                 refused.append(f"{config}: off the reference by {err:.3g}")
                 continue
         ms = triton.testing.do_bench(lambda c=config: launch(c), warmup=5, rep=20)
+        TIMINGS.append((config, ms))
         if ms < best_ms:
             best, best_ms = config, ms
     if best is None:
