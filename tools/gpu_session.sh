@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of lowbit, in stages that each fit one device call.
 #
-#   bash tools/gpu_session.sh STAGE [STAGE ...]
+#   bash tools/gpu_session.sh STAGE[:SECONDS] [STAGE[:SECONDS] ...]
 #
 # Built around the lent device's limits: one command at most 10 minutes, 15 minutes of device
 # time a session (start-up included), a fresh machine whenever it went idle for 30 s, and at
@@ -11,7 +11,8 @@
 # reuses them -- pass it to the device tool's `carry`. Run from the repository root on a CUDA
 # machine whose Python ($PYTHON, default python3) has torch, triton, transformers, safetensors,
 # pytest and hypothesis; lowbit runs from src/ without being installed. Tables and logs go to
-# $OUT when it is set (the device tool's folder that comes back), else to docs/results/gpu/.
+# $OUT/gpu.tgz when $OUT is set (the device tool's folder that comes back), else to
+# docs/results/gpu/.
 #
 # The plan, in order, with what the first run took (H200, 2026-11-26, docs/results/gpu.md):
 #
@@ -31,26 +32,31 @@
 #   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
 #   tests       every `gpu` test of the repository: 41 tests in 95 s, not finished
 #
-# The first run's two calls, each stage's output kept in one archive (8 files come back):
-#   export PYTHONUNBUFFERED=1; R=$OUT; export OUT=/tmp/g; mkdir -p $OUT
-#   st(){ timeout $1 bash tools/gpu_session.sh $2 > $OUT/$2.out 2>&1; tar czf $R/gpu.tgz -C $OUT .; }
-#   st 170 smoke; st 150 int-4096        # first call; then, while the machine is warm:
-#   st 220 decode; st 100 int-11008; st 90 mixed; st 70 spqr; st 60 irregular
-# Whatever the GPU measures goes to docs/results/ with the date and the device.
+# STAGE:SECONDS stops a stage after SECONDS (its log so far is kept). With $OUT set, the logs
+# and tables are written under /tmp/lowbit-gpu and archived to $OUT/gpu.tgz after every stage
+# (the device tool brings back 8 files at most), so a call cut by its own limit still returns
+# what the stages before it measured. The first run's two calls were, in effect:
+#   bash tools/gpu_session.sh smoke:170 int-4096:150
+#   bash tools/gpu_session.sh decode:220 int-11008:100 mixed:90 spqr:70 irregular:60
+# the second while the machine was still warm (30 s). Whatever the GPU measures goes to
+# docs/results/ with the date and the device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
-dest="${OUT:-docs/results/gpu}"
+archive="${OUT:+$OUT/gpu.tgz}"
+dest="${OUT:+/tmp/lowbit-gpu}"
+dest="${dest:-docs/results/gpu}"
 stamp="$(date +%Y-%m-%d)"
 status=0
 py="${PYTHON:-python3}"
 
+limit=0  # the current stage's seconds (0: none)
 run() {  # run NAME COMMAND...: the command's output to the screen and $dest/NAME.log
     local name="$1"
     shift
     echo "== $name: $*"
-    "$@" 2>&1 | tee "$dest/$name.log" || status=1
+    timeout "$limit" "$@" 2>&1 | tee "$dest/$name.log" || status=1
 }
 
 gemv_int() {  # gemv_int NAME SHAPE: 4-bit g128 beside cuBLAS fp16 and torch's int4 kernel
@@ -60,19 +66,23 @@ gemv_int() {  # gemv_int NAME SHAPE: 4-bit g128 beside cuBLAS fp16 and torch's i
 
 stages="smoke irregular int-4096 int-11008 int-28672 spqr mixed decode decode-spqr tests"
 if [ $# -eq 0 ]; then
-    echo "usage: bash tools/gpu_session.sh STAGE [STAGE ...], STAGE in: $stages" >&2
+    echo "usage: bash tools/gpu_session.sh STAGE[:SECONDS] ..., STAGE in: $stages" >&2
     exit 2
 fi
-for stage in "$@"; do
-    if [[ " $stages " != *" $stage "* ]]; then
-        echo "unknown stage '$stage' (stages: $stages)" >&2
+for arg in "$@"; do
+    stage="${arg%%:*}"
+    if [[ " $stages " != *" $stage "* ]] || ! [[ "${arg#"$stage"}" =~ ^(:[0-9]+)?$ ]]; then
+        echo "unknown stage '$arg' (STAGE or STAGE:SECONDS, stages: $stages)" >&2
         exit 2
     fi
 done
 mkdir -p "$dest" "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
     | tee "$dest/device.txt"
-for stage in "$@"; do
+for arg in "$@"; do
+    stage="${arg%%:*}"
+    limit=0
+    [[ "$arg" == *:* ]] && limit="${arg#*:}"
     case "$stage" in
     smoke)
         "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', \
@@ -94,6 +104,7 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | 
         --new-tokens 128 --rows fp16 "SpQR w3 1%" "SpQR w3 0%" --out "$dest/decode_spqr_$stamp.md" ;;
     tests) run tests "$py" -m pytest -q -p no:cacheprovider -m gpu tests ;;
     esac
+    [ -n "$archive" ] && tar czf "$archive" -C "$dest" .
 done
 du -sh "$TRITON_CACHE_DIR" | tee -a "$dest/device.txt"
 exit $status
