@@ -35,8 +35,12 @@ RECIPES = sorted(list_recipes()) + sorted(PRESETS)
 #: float weights or RTN weights with float activations and cache: only matmul rounding differs
 EXACT = {"fp", "rtn", "w8a16", "w4a16", "w4a16-g128", "w4a16-g64"}
 # tolerance: relative L2 error of the logits, ||cuda - cpu|| / ||cpu||: 1e-4 for EXACT, 5e-2
-# for the others (a few codes may round the other way); not yet measured on a GPU
-EXACT_TOLERANCE, TOLERANCE = 1e-4, 5e-2
+# for the others (a few codes may round the other way), 0.15 for SpQR. What rounding alone
+# does, on the CPU: weights times (1 + 1e-6 noise) move the logits of these tiny models by
+# 2.6e-2 through GPTQ and by 5.8e-2 through SpQR (its outlier choices and quantized statistics
+# flip), which is what the H200 run of 2026-11-26 failed SpQR's three presets on at 5e-2
+SPQR = {"spqr", "spqr-w3-0.5pct", "spqr-w3-1pct"}
+EXACT_TOLERANCE, TOLERANCE, SPQR_TOLERANCE = 1e-4, 5e-2, 0.15
 
 
 def _calibration(samples: int = 8, seqlen: int = 48) -> torch.Tensor:
@@ -64,7 +68,7 @@ def test_recipe_on_cuda_gives_the_cpu_result(name):
     with torch.no_grad():
         expected = on_cpu(ids).logits  # [2, S, V]
         got = on_cuda(ids.cuda()).logits
-    tolerance = EXACT_TOLERANCE if name in EXACT else TOLERANCE
+    tolerance = EXACT_TOLERANCE if name in EXACT else SPQR_TOLERANCE if name in SPQR else TOLERANCE
     error = _relative_error(got, expected)
     assert error <= tolerance, f"{name}: relative logit error {error:.3g} > {tolerance}"
     # evaluation through the quantized cache, windows given on the CPU
