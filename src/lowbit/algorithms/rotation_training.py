@@ -89,7 +89,9 @@ class RotationTrainingSettings:
     Attributes:
         steps: optimizer steps (one calibration piece each).
         seqlen: tokens per piece.
-        lr: Adam's learning rate on the Cayley parameters.
+        lr: Adam's learning rate on the Cayley parameters. Adam moves every entry about this
+            much a step and R1 has hidden² of them: 2e-3 turned R1 far each step; 5e-5 gave
+            the lowest held-out loss of 2e-3 to 3e-5 (docs/results/rotations.md).
         a_bits, a_clip_ratio: activation quantizer in the loop (16: off).
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         save_every: steps between resume states (with a resume directory).
@@ -99,7 +101,7 @@ class RotationTrainingSettings:
 
     steps: int = 100
     seqlen: int = 256
-    lr: float = 2e-3
+    lr: float = 5e-5
     a_bits: int = 4
     a_clip_ratio: float = 0.9
     v_bits: int = 4

@@ -67,7 +67,7 @@ class LearnRotateRecipe(Recipe):
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
     steps: Count = 100
     seqlen: Count | None = None  # DEFAULT_SEQLEN, or the calibration samples' length if shorter
-    lr: float = 2e-3
+    lr: float = 5e-5
     save_every: Count = 10
     bf16: bool = False
 
