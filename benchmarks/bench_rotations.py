@@ -11,9 +11,9 @@ per-channel weights with the MSE clip, per-token activations clipped at 0.9 and 
 clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE). Every model is
 evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``) and the pydoc
 evaluation text (first ``--pydoc-windows`` windows), so each calibration is also measured on
-the other corpus. The rotation is trained once per calibration and bit setting: the RTN row
-reuses the first row's finished training state through the resume directory (its training
-seconds are the first row's). Rows print as they finish.
+the other corpus. The rotation is trained per calibration, bit setting and weight algorithm:
+with the weights float in the loop for GPTQ, quantized in the loop (4-bit RTN per channel) for
+RTN. Rows print as they finish.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
     if kv_bits != 16:
         parts.append("kv-int")
         settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
-    if rotation == "learn-rotate":
+    if rotation == "learn-rotate":  # RTN rows train with their weights in the loop
         settings.update(steps=args.steps, seqlen=args.train_seqlen)
+        settings["train_w_bits"] = 4 if weights == "rtn" else 16
         if args.lr is not None:
             settings["lr"] = args.lr
     return get_recipe("+".join(parts)).with_settings(**settings)
@@ -159,18 +160,12 @@ def main() -> None:
     for bits in args.bits:
         for calib in args.calib:
             for rotation in [r for r in ("rotate", "learn-rotate") if r in args.rotations]:
-                trained = None  # the first row's resume directory holds the training state
                 for weights in args.weights:
                     label = [bits, rotation, weights, calib]
                     recipe = recipe_for(rotation, weights, bits, args)
                     if recipe is None:
                         continue
                     resume = work / f"{bits}-{calib}-{weights}"
-                    if rotation == "learn-rotate" and trained is not None:
-                        shutil.copytree(
-                            trained / "rotation", resume / "rotation", dirs_exist_ok=True
-                        )
-                    trained = trained or resume
                     candidate = copy.deepcopy(model)
                     start = time.perf_counter()
                     with PeakRSS() as peak:

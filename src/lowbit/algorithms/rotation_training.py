@@ -8,7 +8,8 @@ step, visited in order. Adam trains the Cayley parameters; the model's weights s
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric, QuaRot's
 clip) and values (per token and head, asymmetric) are quantized; weights stay float (GPTQ
-quantizes them afterwards, seeing the learned rotation), and keys are not quantized (R1 and R2
+quantizes them afterwards, seeing the learned rotation) unless ``w_bits`` puts them in the loop
+too (for round-to-nearest weights after), and keys are not quantized (R1 and R2
 do not change the keys, so their quantization error is noise the rotations cannot reduce).
 
 Resumable: with a resume directory the state (parameters, Adam's moments, losses) is written
@@ -94,6 +95,8 @@ class RotationTrainingSettings:
             the lowest held-out loss of 2e-3 to 3e-5 (docs/results/rotations.md).
         a_bits, a_clip_ratio: activation quantizer in the loop (16: off).
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
+        w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float
+            weights, as for GPTQ afterwards; 4 for round-to-nearest weights after).
         save_every: steps between resume states (with a resume directory).
         bf16: run the model's matrix products in bfloat16 (CPU autocast); weights stay as
             they are.
@@ -106,6 +109,7 @@ class RotationTrainingSettings:
     a_clip_ratio: float = 0.9
     v_bits: int = 4
     v_clip_ratio: float = 0.95
+    w_bits: int = OFF_BITS
     save_every: int = 10
     bf16: bool = False
 
@@ -216,6 +220,7 @@ def train_rotations(
 
     activation = _quantizer(settings.a_bits, True, settings.a_clip_ratio)
     value = _quantizer(settings.v_bits, False, settings.v_clip_ratio)
+    weight = _quantizer(settings.w_bits, True, 1.0)
     frozen = {p: p.requires_grad for p in model.parameters()}
     was_training = model.training
     bar = tqdm(
@@ -229,7 +234,9 @@ def train_rotations(
         with (
             torch.enable_grad(),
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16),
-            quantized_in_rotated_basis(model, rotations, activation=activation, value=value),
+            quantized_in_rotated_basis(
+                model, rotations, activation=activation, value=value, weight=weight
+            ),
         ):
             for step in range(report.resumed_from, settings.steps):
                 ids = pieces[step % pieces.shape[0]].unsqueeze(0).to(device)  # [1, seqlen]

@@ -65,6 +65,7 @@ class LearnRotateRecipe(Recipe):
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
+    train_w_bits: int = OFF_BITS  # weights in the loop (for RTN weights after); 16: float
     steps: Count = 100
     seqlen: Count | None = None  # DEFAULT_SEQLEN, or the calibration samples' length if shorter
     lr: float = 5e-5
@@ -75,6 +76,7 @@ class LearnRotateRecipe(Recipe):
         check_seed("seed", self.seed)
         check_bits("a_bits", self.a_bits)
         check_bits("v_bits", self.v_bits)
+        check_bits("train_w_bits", self.train_w_bits)
         check_clip("a_clip_ratio", self.a_clip_ratio)
         check_clip("kv_clip_ratio", self.kv_clip_ratio)
         if self.a_bits == OFF_BITS and self.v_bits == OFF_BITS:
@@ -101,6 +103,7 @@ class LearnRotateRecipe(Recipe):
             a_clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, QuaRotRecipe.paper_a_clip),
             v_bits=self.v_bits,
             v_clip_ratio=resolve_clip(self.kv_clip_ratio, self.v_bits, QUAROT_KV_CLIP),
+            w_bits=self.train_w_bits,
             save_every=self.save_every,
             bf16=self.bf16,
         )

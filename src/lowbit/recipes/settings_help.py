@@ -59,6 +59,8 @@ SETTINGS: dict[str, str] = {
     "seqlen": "tokens per training piece, cut from the calibration samples",
     "lr": "Adam's learning rate on the rotations' Cayley parameters (Adam moves every entry "
     "about this much a step, and R1 has hidden² of them: keep it small)",
+    "train_w_bits": "learn-rotate: weights in the training loop, per channel (4 for RTN "
+    "weights after; 16: float, as for GPTQ)",
     "save_every": "steps between resume states (with a resume directory)",
     "bf16": "train with the model's matrix products in bfloat16 (CPU autocast)",
     "gguf_type": "llama.cpp file type: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "

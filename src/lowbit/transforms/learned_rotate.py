@@ -21,7 +21,9 @@ training state is X and the optimizer's own state. X = 0 is QuaRot's model.
 :func:`quantized_in_rotated_basis` shows a training loop the quantization points of the fused
 model without fusing: each point's input is rotated, quantized by the caller's function and
 rotated back, so the network runs in QuaRot's basis and the gradient reaches R through the
-rotated-back error. Nothing here quantizes; the caller passes the quantizers.
+rotated-back error; given a weight quantizer, each block linear's weight is likewise taken to
+the fused basis, quantized per row there and rotated back (a parametrization of the weight,
+removed on exit). Nothing here quantizes; the caller passes the quantizers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lowbit.errors import LowbitError
 from lowbit.models.adapter import DecoderAdapter, adapter_for
@@ -158,6 +161,7 @@ def quantized_in_rotated_basis(
     *,
     activation: Quantizer | None,
     value: Quantizer | None,
+    weight: Quantizer | None = None,
 ) -> Iterator[None]:
     """While inside, the model computes as if R1 and R2 were fused and its quantization points
     quantized, without changing a weight.
@@ -173,6 +177,9 @@ def quantized_in_rotated_basis(
         rotations: the learnable transforms.
         activation: quantizer of a linear's input, ``[..., features] -> same`` (None: off).
         value: quantizer of one head's values, ``[..., D] -> same`` (None: off).
+        weight: quantizer of a block linear's weight ``[out, in]`` as the fused model holds it
+            (rows quantized in R1's and R2's basis, then rotated back), or None (float
+            weights, as for GPTQ afterwards).
     """
     adapter = _check_rotated(model)
     width = adapter.num_heads * adapter.head_dim
@@ -208,7 +215,8 @@ def quantized_in_rotated_basis(
 
         return hook
 
-    saved = {}
+    saved, parametrized = {}, []
+    refresh(model, ())  # the parametrizations below are evaluated once when registered
     try:
         handles.append(model.register_forward_pre_hook(refresh))
         for view in adapter.blocks():
@@ -221,12 +229,58 @@ def quantized_in_rotated_basis(
                 view.down_proj.act_quantizer = _FunctionModule(activation)
             if value is not None:
                 handles.append(view.v_proj.register_forward_hook(value_point(view.index)))
+            if weight is not None:
+                t = o_proj_transform_matrix(view.o_proj, width).float()  # [W, W]
+                for linear, side in _weight_sides(view):
+                    parametrize.register_parametrization(
+                        linear, "weight", _FusedWeight(weight, state, side, view.index, t)
+                    )
+                    parametrized.append(linear)
         yield
     finally:
         for handle in handles:
             handle.remove()
         for module, quantizer in saved.items():
             module.act_quantizer = quantizer
+        for linear in parametrized:
+            parametrize.remove_parametrizations(linear, "weight", leave_parametrized=False)
+
+
+def _weight_sides(view) -> list[tuple[nn.Module, str]]:
+    """Each block linear with how the fused model rotates its weight."""
+    return [(view.q_proj, "input"), (view.k_proj, "input"), (view.v_proj, "value"),
+            (view.gate_proj, "input"), (view.up_proj, "input"), (view.o_proj, "o_proj"),
+            (view.down_proj, "output")]  # fmt: skip
+
+
+class _FusedWeight(nn.Module):
+    """A weight ``[out, in]`` in QuaRot's basis mapped to the fused model's (R1 on the input
+    side of q/k/v/gate/up and the output side of o_proj/down_proj, R2 on v's rows and per head
+    on o_proj's input through its online transform T), quantized there, and mapped back."""
+
+    def __init__(self, quantize: Quantizer, state: dict, side: str, index: int, t: Tensor):
+        super().__init__()
+        self.quantize, self.state, self.side, self.index = quantize, state, side, index
+        self.register_buffer("t", t, persistent=False)  # [W, W] (o_proj)
+
+    def forward(self, w: Tensor) -> Tensor:
+        r1 = self.state["r1"]
+        r2 = self.state["r2"][self.index] if "r2" in self.state else None
+        if self.side == "input":
+            return self.quantize(w @ r1) @ r1.T
+        if self.side == "output":
+            return r1 @ self.quantize(r1.T @ w)
+        if self.side == "value":
+            if r2 is None:
+                return self.quantize(w @ r1) @ r1.T
+            heads = w.reshape(-1, r2.shape[0], w.shape[1])  # [kv, D, in]
+            fused = (r2.T @ heads @ r1).reshape(w.shape)
+            back = r2 @ self.quantize(fused).reshape(heads.shape) @ r1.T
+            return back.reshape(w.shape)
+        inner = w @ self.t.T if r2 is None else _per_head(w @ self.t.T, r2)  # o_proj
+        fused = r1.T @ (inner @ self.t)
+        back = (r1 @ self.quantize(fused)) @ self.t.T
+        return (back if r2 is None else _per_head(back, r2.T)) @ self.t
 
 
 class _FunctionModule(nn.Module):
