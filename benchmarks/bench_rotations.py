@@ -11,9 +11,9 @@ per-channel weights with the MSE clip, per-token activations clipped at 0.9 and 
 clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE). Every model is
 evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``) and the pydoc
 evaluation text (first ``--pydoc-windows`` windows), so each calibration is also measured on
-the other corpus. The rotation is trained per calibration, bit setting and weight algorithm:
-with the weights float in the loop for GPTQ, quantized in the loop (4-bit RTN per channel) for
-RTN. Rows print as they finish.
+the other corpus. The rotation is trained per calibration, bit setting and weight algorithm,
+with the weights float in the loop (``--train-w-bits 4``: the RTN rows' weights quantized in the
+loop). Rows print as they finish.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
     if kv_bits != 16:
         parts.append("kv-int")
         settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
-    if rotation == "learn-rotate":  # RTN rows train with their weights in the loop
+    if rotation == "learn-rotate":
         settings.update(steps=args.steps, seqlen=args.train_seqlen)
-        settings["train_w_bits"] = 4 if weights == "rtn" else 16
+        settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16
         if args.lr is not None:
             settings["lr"] = args.lr
     return get_recipe("+".join(parts)).with_settings(**settings)
@@ -94,6 +94,10 @@ def main() -> None:
         "a rerun with the same one resumes the training",
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=None, help="learn-rotate's lr (its default)")
+    parser.add_argument(
+        "--train-w-bits", type=int, default=16, choices=[4, 16],
+        help="learn-rotate's RTN rows: weights in the training loop at 4 bits (16: float)",
+    )  # fmt: skip
     parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
