@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lowbit.kernels.int_gemm import slot_scale_offset
 from lowbit.kernels.triton_support import round_bf16
 
 __all__ = ["int_dequant"]
@@ -47,13 +48,8 @@ def _int_dequant_kernel(
     for j in tl.static_range(PPW):
         k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
         offs_k = k0 + offs_w  # [TILE_WORDS]
-        group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
-        scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
-        if SYMMETRIC:
-            offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-        else:
-            zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
-            offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
+        scale, offset = slot_scale_offset(scale_ptr, zero_ptr, offs_n, mask_n, k0, K, stride_sg,
+                                          stride_zg, BITS, GROUP_SIZE, SYMMETRIC)  # fmt: skip
         codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
         q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
         w = q * scale.to(tl.float32)[:, None]  # [BLOCK_N, TILE_WORDS] fp32, the reference's

@@ -41,6 +41,24 @@ TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
+def slot_scale_offset(
+    scale_ptr, zero_ptr, offs_n, mask_n, k0, K, stride_sg, stride_zg,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, SYMMETRIC: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_N]`` scales of the group that holds a slot's run from column ``k0``, and the
+    offset ``2**23 + zero`` (``2**23 + 2**(BITS - 1)`` symmetric) that turns the float bits
+    ``code | 0x4B000000`` into ``code - zero``."""
+    group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
+    scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
+    if SYMMETRIC:
+        offset = tl.zeros_like(offs_n).to(tl.float32) + (8388608.0 + (1 << (BITS - 1)))
+    else:
+        zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
+        offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
+    return scale, offset
+
+
+@triton.jit
 def _int_gemm_kernel(
     x_ptr, words_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
     M, N, K,
@@ -76,13 +94,8 @@ def _int_gemm_kernel(
         for j in tl.static_range(PPW):
             k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
             offs_k = k0 + offs_w  # [TILE_WORDS]
-            group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
-            scale = tl.load(scale_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
-            if SYMMETRIC:
-                offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-            else:
-                zero = tl.load(zero_ptr + group * stride_zg + offs_n, mask=mask_n, other=0)
-                offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
+            scale, offset = slot_scale_offset(scale_ptr, zero_ptr, offs_n, mask_n, k0, K,
+                                              stride_sg, stride_zg, BITS, GROUP_SIZE, SYMMETRIC)  # fmt: skip
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
             if x.dtype == tl.float16 and scale.dtype == tl.float16:
