@@ -91,8 +91,8 @@ class RotationTrainingSettings:
         steps: optimizer steps (one calibration piece each).
         seqlen: tokens per piece.
         lr: Adam's learning rate on the Cayley parameters. Adam moves every entry about this
-            much a step and R1 has hidden² of them: 2e-3 turned R1 far each step; 5e-5 gave
-            the lowest held-out loss of 2e-3 to 3e-5 (docs/results/rotations.md).
+            much a step and R1 has hidden² of them, so it stays small (the choice is measured
+            in docs/results/rotations.md).
         a_bits, a_clip_ratio: activation quantizer in the loop (16: off).
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float

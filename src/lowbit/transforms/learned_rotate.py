@@ -266,13 +266,11 @@ class _FusedWeight(nn.Module):
     def forward(self, w: Tensor) -> Tensor:
         r1 = self.state["r1"]
         r2 = self.state["r2"][self.index] if "r2" in self.state else None
-        if self.side == "input":
+        if self.side == "input" or (self.side == "value" and r2 is None):
             return self.quantize(w @ r1) @ r1.T
         if self.side == "output":
             return r1 @ self.quantize(r1.T @ w)
         if self.side == "value":
-            if r2 is None:
-                return self.quantize(w @ r1) @ r1.T
             heads = w.reshape(-1, r2.shape[0], w.shape[1])  # [kv, D, in]
             fused = (r2.T @ heads @ r1).reshape(w.shape)
             back = r2 @ self.quantize(fused).reshape(heads.shape) @ r1.T
