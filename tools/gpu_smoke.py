@@ -27,11 +27,13 @@ def _rel_err(got, want) -> float:
 def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows: int = 512):
     """``(name, config, compiled kernel or None, relative error, dtype)`` of one launch of each
     kernel on an ``n x k`` weight with its default configuration (the compiled kernel is None
-    under Triton's interpreter)."""
+    under Triton's interpreter, or when no configuration could launch: then ``config`` says
+    why)."""
     import torch
 
     from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize
     from lowbit.algorithms.spqr import SpQRSpec
+    from lowbit.errors import LowbitError
     from lowbit.formats.intq import IntQuantized
     from lowbit.kernels import int_gemm, int_gemv, mixed_gemv, spqr_gemv
     from lowbit.kernels.int_layout import tiled_reference
@@ -89,6 +91,23 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
         err = _rel_err(got, mixed_reference(x, q, bias.half()))
         yield f"mixed 2/4/16 M={m}", config, compiled, err, torch.float16
 
+    # the down projection's shape with fused outliers (0.2 %, rows of up to 64): the layer whose
+    # every M = 1 candidate the tuner refused on the first H200 run
+    wide = torch.randn(n, 11008, generator=gen) * 0.02
+    spec = MixedWeightSpec(frac_4bit=0.25, outlier_fraction=0.002, g2=8)
+    q = mixed_quantize(wide, None, spec).quantized.to(device)
+    ops = prepare_mixed(q)
+    x = torch.randn(1, 11008, generator=gen).to(device, torch.float16)
+    name = f"mixed 2/4/16 0.2% outliers M=1 {n}x11008"
+    try:
+        config = mixed_gemv._choose(x, ops, None, True, True, tune=False)
+    except LowbitError as refusal:
+        yield name, str(refusal), None, float("inf"), torch.float16
+        return
+    got = mixed_gemv._launch(x, ops, None, config, True, True)
+    compiled = mixed_gemv._launch(x, ops, None, config, True, True, probe=True)
+    yield name, config, compiled, _rel_err(got, mixed_reference(x, q)), torch.float16
+
 
 def main() -> int:
     import torch
@@ -114,6 +133,10 @@ def main() -> int:
     limits = device_limits(torch.device("cuda"))
     all_ok = True
     for name, config, compiled, err, dtype in smoke_rows():
+        if compiled is None:  # refused before launching: the reason stands in the config
+            all_ok = False
+            print(f"| {name} | {config} | | | | | no | | FAIL |", flush=True)
+            continue
         res = resources_of(compiled)
         ok = err <= TOL[str(dtype).removeprefix("torch.")]
         all_ok &= ok

@@ -258,7 +258,7 @@ def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_produ
     shapes = list(gemv_module._candidates(1))
     assert shapes[0] == (1, 128, 4, 1) and all(s[0] in (1, 16) for s in shapes)
     # shape 1 cannot launch; shape 2 is fastest but wrong; shape 3 beats the default
-    resident = {shapes[0]: 264, shapes[1]: None, shapes[2]: 132, shapes[3]: 132}
+    resident = {shapes[0]: 264, shapes[1]: "it spills", shapes[2]: 132, shapes[3]: 132}
     monkeypatch.setattr(gemv_module, "resident_programs",
                         lambda probe, device: resident[current[0]])  # fmt: skip
     current = [None]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.kernels.triton_support import fastest_config
+from lowbit.kernels.triton_support import fastest_config, tuned_config
 
 triton = pytest.importorskip("triton")
 from triton.runtime.errors import OutOfResources  # noqa: E402
@@ -43,3 +43,31 @@ def test_fastest_config_lets_other_errors_through():
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
         fastest_config(launch, ["a", "b"])
+
+
+def test_tuned_config_names_every_refusal_and_times_only_among_several(monkeypatch):
+    import triton.testing
+
+    refusals = {"s1": "it spills 16 bytes per thread to local memory", "s2": "shared memory"}
+    config_of = {"s1": refusals["s1"], "s2": refusals["s2"], "s3": (3,), "s4": (4,)}.get
+    references = []
+
+    def expected():
+        references.append(1)
+        return torch.ones(2)
+
+    with pytest.raises(LowbitError) as err:
+        tuned_config(["s1", "s2"], config_of, torch.ones, expected, 0.0)
+    assert "s1: it spills 16 bytes" in str(err.value) and "s2: shared memory" in str(err.value)
+    # one shape: taken as it is, no reference computed, nothing timed
+    assert tuned_config(["s3"], config_of, None, expected, 0.0) == (3,) and not references
+    times = {(3,): 2.0, (4,): 1.0}
+    launched = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[launched[-1]])
+
+    def launch(config):
+        launched.append(config)
+        return torch.ones(2)
+
+    assert tuned_config(["s1", "s3", "s4"], config_of, launch, expected, 0.0) == (4,)
+    assert references == [1] and (3,) in launched

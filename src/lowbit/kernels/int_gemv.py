@@ -58,9 +58,9 @@ from lowbit.kernels.int_layout import check_operands, tiled_reference
 from lowbit.kernels.split_k import split_buffers, store_output
 from lowbit.kernels.triton_support import (
     device_limits,
-    fastest_config,
     resident_programs,
     split_for,
+    tuned_config,
 )
 
 __all__ = ["int_gemv", "MAX_ROWS"]
@@ -333,8 +333,8 @@ def _candidates(m: int, bits: int = 4):
 
 
 def _config(args, shape, n_tiles: int):
-    """The launch configuration of a block shape with SPLIT_K filling one wave of the device
-    (None: the shape cannot launch there)."""
+    """The launch configuration of a block shape with SPLIT_K filling one wave of the device,
+    or why the shape cannot launch there."""
     x, words = args[0], args[1]
     block_m, block_n, warps, divisor = shape
     programs = triton.cdiv(words.shape[0], block_n)
@@ -342,8 +342,8 @@ def _config(args, shape, n_tiles: int):
         return block_m, 32, 1, warps
     guess = (block_m, block_n, split_for(programs, n_tiles, 2 * device_limits(x.device).sms), warps)
     resident = resident_programs(lambda: _launch(*args, guess, probe=True), x.device)
-    if resident is None:
-        return None
+    if isinstance(resident, str):
+        return resident
     return block_m, block_n, max(1, split_for(programs, n_tiles, resident) // divisor), warps
 
 
@@ -356,12 +356,10 @@ def _choose(args, m: int, n_tiles: int, tune: bool) -> tuple[int, int, int, int]
     shapes = list(_candidates(m, args[5]))
     if not (tune and TUNE and not INTERPRET):
         shapes = shapes[:1]
-    configs = [c for c in (_config(args, s, n_tiles) for s in shapes) if c is not None]
-    if len(shapes) == 1 and configs:
-        return configs[0]
-    x, words, scale, zero, bias, bits, group_size, tile = args
-    expected = tiled_reference(x, words, scale, zero, bias, bits, group_size, tile)
-    return fastest_config(lambda c: _launch(*args, c), configs, expected, TOL[x.dtype])
+    return tuned_config(
+        shapes, lambda s: _config(args, s, n_tiles), lambda c: _launch(*args, c),
+        lambda: tiled_reference(*args), TOL[args[0].dtype],
+    )  # fmt: skip
 
 
 def int_gemv(

@@ -63,9 +63,9 @@ from lowbit.kernels.mixed_layout import mixed_reference
 from lowbit.kernels.split_k import split_buffers, store_output
 from lowbit.kernels.triton_support import (
     device_limits,
-    fastest_config,
     resident_programs,
     split_for,
+    tuned_config,
 )
 
 __all__ = ["mixed_gemv", "outlier_spmv", "MAX_ROWS"]
@@ -752,8 +752,8 @@ def _candidates(m: int):
 
 
 def _config(x, ops, shape, asynchronous, fuse_outliers):
-    """The launch configuration of a block shape, SPLIT_K filling one wave of the device (None:
-    the shape cannot launch there)."""
+    """The launch configuration of a block shape, SPLIT_K filling one wave of the device, or
+    why the shape cannot launch there."""
     n, words = ops["shape"][0], ops["segments"].words
     block_m, block_n, tile, warps, divisor = shape
     if INTERPRET:  # small blocks, one split: the interpreter runs programs one by one
@@ -765,8 +765,8 @@ def _config(x, ops, shape, asynchronous, fuse_outliers):
     resident = resident_programs(
         lambda: _launch(x, ops, None, guess, asynchronous, fuse_outliers, probe=True), x.device
     )
-    if resident is None:
-        return None
+    if isinstance(resident, str):
+        return resident
     return block_m, block_n, tile, max(1, split_for(programs, steps, resident) // divisor), warps
 
 
@@ -779,14 +779,10 @@ def _choose(x, ops, bias, asynchronous, fuse_outliers, tune):
     shapes = list(_candidates(x.shape[0]))
     if not (tune and TUNE and not INTERPRET):
         shapes = shapes[:1]
-    configs = [_config(x, ops, s, asynchronous, fuse_outliers) for s in shapes]
-    configs = [c for c in configs if c is not None]
-    if len(shapes) == 1 and configs:
-        return configs[0]
-    expected = mixed_reference(x, ops["weight"], bias)
-    return fastest_config(
+    return tuned_config(
+        shapes, lambda s: _config(x, ops, s, asynchronous, fuse_outliers),
         lambda c: _launch(x, ops, bias, c, asynchronous, fuse_outliers),
-        configs, expected, TOL[x.dtype],
+        lambda: mixed_reference(x, ops["weight"], bias), TOL[x.dtype],
     )  # fmt: skip
 
 

@@ -48,9 +48,9 @@ from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.formats.spqr import TILE, SpQRQuantized, unpack_words
 from lowbit.kernels.triton_support import (
     device_limits,
-    fastest_config,
     resident_programs,
     split_for,
+    tuned_config,
 )
 
 try:
@@ -452,8 +452,8 @@ def _candidates(m: int):
 
 
 def _config(args, shape, n_groups: int):
-    """The launch configuration of a block shape, SPLIT_K filling one wave of the device (None:
-    the shape cannot launch there)."""
+    """The launch configuration of a block shape, SPLIT_K filling one wave of the device, or
+    why the shape cannot launch there."""
     x, n = args[0], args[5]
     block_m, block_tr, block_g, warps, divisor = shape
     if INTERPRET:  # small blocks, one split: the interpreter runs programs one by one
@@ -463,8 +463,8 @@ def _config(args, shape, n_groups: int):
     guess_split = split_for(programs, chunks, 2 * device_limits(x.device).sms)
     guess = (block_m, block_tr, block_g, guess_split, warps)
     resident = resident_programs(lambda: _launch(*args, guess, probe=True), x.device)
-    if resident is None:
-        return None
+    if isinstance(resident, str):
+        return resident
     split = max(1, split_for(programs, chunks, resident) // divisor)
     return block_m, block_tr, block_g, split, warps
 
@@ -473,12 +473,10 @@ def _choose(args, m: int, n_groups: int) -> tuple[int, int, int, int, int]:
     shapes = list(_candidates(m))
     if not (TUNE and not INTERPRET):
         shapes = shapes[:1]
-    configs = [c for c in (_config(args, s, n_groups) for s in shapes) if c is not None]
-    if len(shapes) == 1 and configs:
-        return configs[0]
-    x, words, perm, sparse, bias, n = args
-    expected = _reference_of(x, words, perm, sparse, bias, n)
-    return fastest_config(lambda c: _launch(*args, c), configs, expected, TOL[x.dtype])
+    return tuned_config(
+        shapes, lambda s: _config(args, s, n_groups), lambda c: _launch(*args, c),
+        lambda: _reference_of(*args), TOL[args[0].dtype],
+    )  # fmt: skip
 
 
 def _reference_of(x, words, perm, sparse, bias, n) -> Tensor:

@@ -25,6 +25,7 @@ except ImportError:  # the backends explain themselves in unsupported()
     triton = None
 
 __all__ = [
+    "tuned_config",
     "Resources",
     "SMLimits",
     "SM90",
@@ -144,19 +145,19 @@ def device_limits(device: torch.device) -> SMLimits:
     return _LIMITS[device]
 
 
-def resident_programs(probe: Callable[[], object], device: torch.device) -> int | None:
+def resident_programs(probe: Callable[[], object], device: torch.device) -> int | str:
     """Programs of one compiled kernel that run at once on ``device`` (blocks per SM x SMs),
-    or None when it cannot launch there; ``probe()`` compiles it (``kernel.warmup``)."""
+    or the sentence saying why it cannot launch there; ``probe()`` compiles it
+    (``kernel.warmup``)."""
     from triton.runtime.errors import OutOfResources
 
     limits = device_limits(device)
     try:
         res = resources_of(probe())
-    except OutOfResources:
-        return None
-    if launch_refusal(res, limits) is not None:
-        return None
-    return blocks_per_sm(res, limits) * limits.sms
+    except OutOfResources as err:
+        return str(err)
+    refusal = launch_refusal(res, limits)
+    return refusal if refusal is not None else blocks_per_sm(res, limits) * limits.sms
 
 
 def split_for(programs: int, units: int, resident: int) -> int:
@@ -169,6 +170,31 @@ def split_for(programs: int, units: int, resident: int) -> int:
 #: every ``(configuration, ms)`` :func:`fastest_config` timed, in order (benchmarks print and
 #: clear it; lowbit never reads it)
 TIMINGS: list[tuple[tuple, float]] = []
+
+
+def tuned_config(
+    shapes: Sequence[tuple],
+    config_of: Callable[[tuple], Config | str],
+    launch: Callable[[Config], Tensor],
+    expected: Callable[[], Tensor],
+    tolerance: float,
+) -> Config:
+    """The launch configuration of one of ``shapes`` (block shapes, the default first):
+    ``config_of(shape)`` gives its configuration or why it cannot launch; one shape is taken
+    as it is, several are timed by :func:`fastest_config` against ``expected()``. Raises
+    :class:`LowbitError` naming every refusal when no shape can launch."""
+    configs, refused = [], []
+    for shape in shapes:
+        config = config_of(shape)
+        if isinstance(config, str):
+            refused.append(f"{shape}: {config}")
+        else:
+            configs.append(config)
+    if not configs:
+        raise LowbitError(f"no launch configuration runs here ({'; '.join(refused)})")
+    if len(shapes) == 1:
+        return configs[0]
+    return fastest_config(launch, configs, expected(), tolerance)
 
 
 class ConfigMismatch(LowbitError):
