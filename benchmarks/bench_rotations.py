@@ -68,6 +68,8 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
         settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16
         if args.lr is not None:
             settings["lr"] = args.lr
+        if args.train_loss is not None:
+            settings["train_loss"] = args.train_loss
     return get_recipe("+".join(parts)).with_settings(**settings)
 
 
@@ -97,6 +99,10 @@ def main() -> None:
     parser.add_argument(
         "--train-w-bits", type=int, default=16, choices=[4, 16],
         help="learn-rotate's RTN rows: weights in the training loop at 4 bits (16: float)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-loss", default=None, choices=["kl", "ce"],
+        help="learn-rotate's loss: KL to the float model or cross-entropy (its default)",
     )  # fmt: skip
     parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
     args = parser.parse_args()

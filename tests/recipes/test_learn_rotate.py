@@ -79,6 +79,7 @@ def test_composes_with_gptq_and_the_kv_cache_and_resumes(tmp_path):
         (dict(steps=0), "steps >= 1"),
         (dict(a_bits=1), "a_bits must be between 2 and 8"),
         (dict(a_clip_ratio=1.5), r"a_clip_ratio must be in \(0, 1\]"),
+        (dict(train_loss="mse"), "train_loss must be one of"),
     ],
 )
 def test_bad_settings_are_one_sentence(settings, message):

@@ -3,8 +3,8 @@
 The model is QuaRot's (``rotate_model`` done); :mod:`lowbit.transforms.learned_rotate` shows
 it the fused model's quantization points (inputs of every block linear, values per head) in
 the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
-next-token cross-entropy on the calibration tokens cut into ``seqlen`` pieces, one piece a
-step, visited in order. Adam trains the Cayley parameters; the model's weights stay frozen.
+next-token cross-entropy (or the KL divergence from the float model's next-token distribution)
+on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited in order. Adam trains the Cayley parameters; the model's weights stay frozen.
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric, QuaRot's
 clip) and values (per token and head, asymmetric) are quantized; weights stay float (GPTQ
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -44,6 +45,7 @@ __all__ = [
 OFF_BITS = 16
 _TINY = torch.finfo(torch.float32).tiny
 STATE_NAME = "rotations"
+LOSSES = ("kl", "ce")
 
 
 class _RoundSTE(torch.autograd.Function):
@@ -97,6 +99,10 @@ class RotationTrainingSettings:
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float
             weights, as for GPTQ afterwards; 4 for round-to-nearest weights after).
+        loss: ``"ce"``, SpinQuant's next-token cross-entropy on the calibration tokens, or
+            ``"kl"``, the KL divergence from the float model's next-token distribution (a
+            second forward pass each step, without gradient), which measures only what the
+            quantizers change, not the text's own uncertainty.
         save_every: steps between resume states (with a resume directory).
         bf16: run the model's matrix products in bfloat16 (CPU autocast); weights stay as
             they are.
@@ -110,6 +116,7 @@ class RotationTrainingSettings:
     v_bits: int = 4
     v_clip_ratio: float = 0.95
     w_bits: int = OFF_BITS
+    loss: str = "ce"
     save_every: int = 10
     bf16: bool = False
 
@@ -126,6 +133,8 @@ class RotationTrainingSettings:
                 f"rotation training seqlen must be 2 to the calibration length "
                 f"{calibration.shape[1]}, not {self.seqlen}"
             )
+        if self.loss not in LOSSES:
+            raise LowbitError(f"rotation training loss must be one of {LOSSES}, not {self.loss!r}")
         if self.a_bits == OFF_BITS and self.v_bits == OFF_BITS:
             raise LowbitError(
                 "rotation training needs activations or values quantized in the loop "
@@ -151,6 +160,21 @@ def _quantizer(bits: int, symmetric: bool, clip: float):
     if bits == OFF_BITS:
         return None
     return functools.partial(ste_fake_quant, bits=bits, symmetric=symmetric, clip_ratio=clip)
+
+
+def _loss(model: nn.Module, ids: Tensor, kind: str, quantized) -> Tensor:
+    """The step's loss on ``ids`` [1, S]: next-token cross-entropy of the quantized model
+    (``"ce"``), or the KL divergence from the float model's next-token distribution to the
+    quantized model's, per token (``"kl"``; the float model is the same model outside
+    ``quantized()``, its rotations being orthogonal)."""
+    if kind == "ce":
+        with quantized():
+            return model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        target = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)  # [1, S, V]
+    with quantized():
+        log_probs = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)  # [1, S, V]
+    return F.kl_div(log_probs, target, log_target=True, reduction="none").sum(-1).mean()
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
@@ -231,16 +255,17 @@ def train_rotations(
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()
+        quantized = functools.partial(
+            quantized_in_rotated_basis, model, rotations, activation=activation, value=value,
+            weight=weight,
+        )  # fmt: skip
         with (
             torch.enable_grad(),
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16),
-            quantized_in_rotated_basis(
-                model, rotations, activation=activation, value=value, weight=weight
-            ),
         ):
             for step in range(report.resumed_from, settings.steps):
                 ids = pieces[step % pieces.shape[0]].unsqueeze(0).to(device)  # [1, seqlen]
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = _loss(model, ids, settings.loss, quantized)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -18,7 +18,11 @@ from pathlib import Path
 
 import torch
 
-from lowbit.algorithms.rotation_training import RotationTrainingSettings, train_rotations
+from lowbit.algorithms.rotation_training import (
+    LOSSES,
+    RotationTrainingSettings,
+    train_rotations,
+)
 from lowbit.calibrate.resume import NESTED_DIRECTORIES
 from lowbit.errors import LowbitError
 from lowbit.recipes.base import (
@@ -66,6 +70,7 @@ class LearnRotateRecipe(Recipe):
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
     train_w_bits: int = OFF_BITS  # weights in the loop (for RTN weights after); 16: float
+    train_loss: str = "ce"  # SpinQuant's cross-entropy, or "kl" to the float model
     steps: Count = 100
     seqlen: Count | None = None  # DEFAULT_SEQLEN, or the calibration samples' length if shorter
     lr: float = 5e-5
@@ -79,6 +84,10 @@ class LearnRotateRecipe(Recipe):
         check_bits("train_w_bits", self.train_w_bits)
         check_clip("a_clip_ratio", self.a_clip_ratio)
         check_clip("kv_clip_ratio", self.kv_clip_ratio)
+        if self.train_loss not in LOSSES:
+            raise LowbitError(
+                f"learn-rotate train_loss must be one of {LOSSES}, not {self.train_loss!r}"
+            )
         if self.a_bits == OFF_BITS and self.v_bits == OFF_BITS:
             raise LowbitError(
                 "learn-rotate needs a_bits or v_bits below 16: the rotation is learned for "
@@ -104,6 +113,7 @@ class LearnRotateRecipe(Recipe):
             v_bits=self.v_bits,
             v_clip_ratio=resolve_clip(self.kv_clip_ratio, self.v_bits, QUAROT_KV_CLIP),
             w_bits=self.train_w_bits,
+            loss=self.train_loss,
             save_every=self.save_every,
             bf16=self.bf16,
         )

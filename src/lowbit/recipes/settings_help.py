@@ -61,6 +61,8 @@ SETTINGS: dict[str, str] = {
     "about this much a step, and R1 has hidden² of them: keep it small)",
     "train_w_bits": "learn-rotate: weights in the training loop, per channel (4 for RTN "
     "weights after; 16: float, as for GPTQ)",
+    "train_loss": "learn-rotate: what the loop minimises: ce, next-token cross-entropy "
+    "(SpinQuant's), or kl, the KL divergence from the float model's next-token distribution",
     "save_every": "steps between resume states (with a resume directory)",
     "bf16": "train with the model's matrix products in bfloat16 (CPU autocast)",
     "gguf_type": "llama.cpp file type: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "
