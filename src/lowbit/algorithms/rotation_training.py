@@ -4,7 +4,8 @@ The model is QuaRot's (``rotate_model`` done); :mod:`lowbit.transforms.learned_r
 it the fused model's quantization points (inputs of every block linear, values per head) in
 the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
 next-token cross-entropy (or the KL divergence from the float model's next-token distribution)
-on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited in order. Adam trains the Cayley parameters; the model's weights stay frozen.
+on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited in order. Adam
+trains the Cayley parameters; the model's weights stay frozen.
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric, QuaRot's
 clip) and values (per token and head, asymmetric) are quantized; weights stay float (GPTQ
@@ -45,7 +46,7 @@ __all__ = [
 OFF_BITS = 16
 _TINY = torch.finfo(torch.float32).tiny
 STATE_NAME = "rotations"
-LOSSES = ("kl", "ce")
+LOSSES = ("ce", "kl")
 
 
 class _RoundSTE(torch.autograd.Function):
