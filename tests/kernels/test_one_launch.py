@@ -19,6 +19,7 @@ from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize  # noqa: E40
 from lowbit.algorithms.spqr import SpQRSpec  # noqa: E402
 from lowbit.formats.intq import IntQuantized  # noqa: E402
 from lowbit.kernels import int_gemv, mixed_gemv, split_k, spqr_gemv  # noqa: E402
+from lowbit.kernels.triton_support import LaunchRefused  # noqa: E402
 from lowbit.nn.mixed_linear import MixedLinear  # noqa: E402
 from lowbit.nn.packed_linear import PackedLinear  # noqa: E402
 from lowbit.nn.spqr_linear import SpQRLinear  # noqa: E402
@@ -133,3 +134,29 @@ def test_one_launch_per_call_with_splits_bias_and_cast_inside(make, m, dtype, ca
     # tiles' arrival counters are back to zero
     assert torch.equal(fast(x), got)
     assert int(split_k._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("make", [_int_layer, _spqr_layer, _mixed_layer],
+                         ids=["int4-asym-g32", "spqr-3bit", "mixed-2-4"])  # fmt: skip
+@pytest.mark.parametrize("m", [1, 5])
+def test_a_gemv_that_cannot_launch_leaves_the_decoded_weight_path(make, m, monkeypatch):
+    """When no launch configuration of a layer's GEMV kernel runs (every one refused by the
+    device), the layer warns once with the reason and computes the product from its decoded
+    weight; later calls do not try the kernel again."""
+    tried = []
+
+    def refuse(*args, **kwargs):
+        tried.append(1)
+        raise LaunchRefused("no launch configuration runs here ((1, 128): it spills 8 bytes)")
+
+    for module in (int_gemv, spqr_gemv, mixed_gemv):
+        monkeypatch.setattr(module, "_choose", refuse)
+        monkeypatch.setattr(module, "_TUNED", {})
+    fast, reference = make(m)
+    fast, reference = fast.to(dtype=torch.float16), reference.to(dtype=torch.float16)
+    x = torch.randn(m, fast.in_features, generator=torch.Generator().manual_seed(3)).half()
+    with pytest.warns(UserWarning, match="cannot launch .*it spills 8 bytes.*F.linear"):
+        got = fast(x)
+    want = reference(x)
+    assert (got.float() - want.float()).abs().max() / want.float().abs().max() <= TOL[x.dtype]
+    assert torch.equal(fast(x), got) and len(tried) == 1  # no second try, no second warning

@@ -5,7 +5,8 @@
 ``[N, G]`` scales and zeros to ``[G, N]`` (one contiguous row of N per group, the kernels load a
 slot's scales as one coalesced vector). ``matmul`` runs :func:`~lowbit.kernels.int_gemv.int_gemv`
 for M <= 16 (decode), :func:`~lowbit.kernels.int_gemm.int_gemm` up to ``DEQUANT_M`` rows, and
-from there the weight decoded by :func:`~lowbit.kernels.int_dequant.int_dequant` times cuBLAS.
+from there the weight decoded by :func:`~lowbit.kernels.int_dequant.int_dequant` times cuBLAS,
+which also serves a layer whose GEMV kernel the device refuses (warned once).
 
 Runs on CUDA tensors, or on any tensors under ``TRITON_INTERPRET=1`` (set before Triton is
 imported; how the tests run the kernels on CPU). Takes fp16 and bf16 inputs, symmetric or
@@ -23,7 +24,7 @@ from torch import Tensor
 from lowbit.formats.packing import unpack_bits
 from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.int_layout import KERNEL_BITS, pack_tiles, tile_words
-from lowbit.kernels.triton_support import input_refusal
+from lowbit.kernels.triton_support import gemv_unless_refused, input_refusal
 
 try:  # without Triton the backend stays registered and says why it cannot run (unsupported)
     from lowbit.kernels.int_dequant import int_dequant
@@ -73,12 +74,15 @@ class TritonIntBackend(WeightBackend):
         }
 
     def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
+        operands = (prepared["words"], prepared["scale"], prepared["zero"], bias)
         if x.shape[0] <= SMALL_M:  # operands built by prepare: no shape checks per call
-            return int_gemv(x, prepared["words"], prepared["scale"], prepared["zero"], bias,
-                            **prepared["static"], check=False)  # fmt: skip
-        if x.shape[0] < DEQUANT_M:
-            return int_gemm(x, prepared["words"], prepared["scale"], prepared["zero"], bias,
-                            **prepared["static"])  # [M, N]  # fmt: skip
+            out = gemv_unless_refused(
+                prepared, x, lambda: int_gemv(x, *operands, **prepared["static"], check=False)
+            )
+            if out is not None:
+                return out  # [M, N]
+        elif x.shape[0] < DEQUANT_M:
+            return int_gemm(x, *operands, **prepared["static"])  # [M, N]
         weight = int_dequant(prepared["words"], prepared["scale"], prepared["zero"],
                              k=x.shape[1], dtype=x.dtype, **prepared["static"])  # fmt: skip
         return F.linear(x, weight, bias)  # [M, N]

@@ -5,7 +5,7 @@ kernels' layout) plus the column tables of :func:`~lowbit.kernels.mixed_layout.p
 ``matmul`` runs :func:`~lowbit.kernels.mixed_gemv.mixed_gemv` (asynchronous dequantization,
 outliers fused) for up to 16 rows, the decode path. Longer inputs (prefill) decode the weight
 once in fp32 from the same tensors and call ``F.linear``: a compute-bound product whose decode
-is shared by every row.
+is shared by every row; so does a layer whose GEMV kernel the device refuses (warned once).
 
 Runs on CUDA tensors, or on any tensors under ``TRITON_INTERPRET=1``; fp16 and bf16 inputs.
 """
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.mixed_layout import prepare_mixed
-from lowbit.kernels.triton_support import input_refusal
+from lowbit.kernels.triton_support import gemv_unless_refused, input_refusal
 
 try:  # without Triton the backend stays registered and says why it cannot run (unsupported)
     from lowbit.kernels.mixed_gemv import mixed_gemv
@@ -44,7 +44,11 @@ class TritonMixedBackend(WeightBackend):
 
     def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
         if x.shape[0] <= SMALL_M:  # operands built by prepare: no checks per call
-            return mixed_gemv(x, prepared, bias, check=False)  # [M, N]
+            out = gemv_unless_refused(
+                prepared, x, lambda: mixed_gemv(x, prepared, bias, check=False)
+            )
+            if out is not None:
+                return out  # [M, N]
         return F.linear(x, layer.dequantize_weight(x.dtype), bias)
 
 

@@ -12,7 +12,8 @@ overrides every layer set to ``"auto"``.
 ``matmul`` runs the fused dense-and-sparse kernel for M <= 16
 (:func:`~lowbit.kernels.spqr_gemv.spqr_gemv`) and, above, decodes ``D'`` with the Triton decode
 kernel, adds the outliers in fp32, rounds once to the input's dtype (the reference's weight)
-and calls a dense GEMM on the permuted input.
+and calls a dense GEMM on the permuted input; so does a layer whose fused kernel the device
+refuses (warned once).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from torch import Tensor
 from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.spqr_gemv import sparse_operands, spqr_dequantize_dense, spqr_gemv
-from lowbit.kernels.triton_support import fastest_config, input_refusal, interpreting
+from lowbit.kernels.triton_support import (
+    LaunchRefused,
+    fastest_config,
+    gemv_unless_refused,
+    input_refusal,
+    interpreting,
+)
 
 __all__ = ["TritonSpQRBackend", "SMALL_M", "choose_sparse_format"]
 
@@ -67,13 +74,18 @@ def choose_sparse_format(layer, words, perm, device) -> str:
 
 
 def _profile(layer, words, perm, device) -> str:
-    """The faster layout for a one-row product (timed like a launch configuration)."""
+    """The faster layout for a one-row product (timed like a launch configuration); the stored
+    one when the kernel cannot launch for this layer at all (its calls then decode the weight)."""
     x = torch.randn(1, layer.in_features, device=device, dtype=torch.float16)
     sparse = {kind: _convert(layer.outliers(), kind) for kind in ("csr", "ptcsr")}
-    return fastest_config(
-        lambda kind: spqr_gemv(x, words, perm, sparse[kind], None, out_features=layer.out_features),
-        list(sparse),
-    )
+    try:
+        return fastest_config(
+            lambda kind: spqr_gemv(x, words, perm, sparse[kind], None,
+                                   out_features=layer.out_features),
+            list(sparse),
+        )  # fmt: skip
+    except LaunchRefused:
+        return layer.stored_sparse
 
 
 class TritonSpQRBackend(WeightBackend):
@@ -106,9 +118,13 @@ class TritonSpQRBackend(WeightBackend):
 def spqr_product(x: Tensor, prepared: dict, bias, n: int) -> Tensor:
     """``x [M, K] @ W'ᵀ + bias``: the fused kernel for M <= 16, decode + GEMM above."""
     words, perm = prepared["words"], prepared["perm"]
-    if x.shape[0] <= SMALL_M:
-        return spqr_gemv(x, words, perm, prepared["sparse_ops"], bias, out_features=n,
-                         check=False)  # [M, N], operands built by prepare  # fmt: skip
+    if x.shape[0] <= SMALL_M:  # operands built by prepare: no checks per call
+        out = gemv_unless_refused(
+            prepared, x, lambda: spqr_gemv(x, words, perm, prepared["sparse_ops"], bias,
+                                           out_features=n, check=False),
+        )  # fmt: skip
+        if out is not None:
+            return out  # [M, N]
     weight = spqr_dequantize_dense(words, n, x.shape[1]).float()  # [N, K] stored order
     rows, cols, values = prepared["sparse"]._coo()
     weight.index_put_((rows, cols), values, accumulate=True)  # D' + S' in fp32

@@ -25,6 +25,8 @@ except ImportError:  # the backends explain themselves in unsupported()
     triton = None
 
 __all__ = [
+    "LaunchRefused",
+    "gemv_unless_refused",
     "tuned_config",
     "Resources",
     "SMLimits",
@@ -172,6 +174,30 @@ def split_for(programs: int, units: int, resident: int) -> int:
 TIMINGS: list[tuple[tuple, float]] = []
 
 
+class LaunchRefused(LowbitError):
+    """No launch configuration of a kernel runs on this device for these operands."""
+
+
+def gemv_unless_refused(prepared: dict, x: Tensor, gemv: Callable[[], Tensor]) -> Tensor | None:
+    """``gemv()``, or None when its kernel cannot launch for a layer's operands: a backend then
+    takes its decode-and-``F.linear`` path, correct at any M. The refusal is kept in the layer's
+    ``prepared`` layout (per single-row or multi-row input, the kernels' two variants) and
+    warned about once, so later calls go straight to that path."""
+    key = f"gemv refused, M {'= 1' if x.shape[0] == 1 else '> 1'}"
+    if key in prepared:
+        return None
+    try:
+        return gemv()
+    except LaunchRefused as err:
+        prepared[key] = str(err)
+        warnings.warn(
+            f"a Triton GEMV kernel cannot launch for a layer here ({err}); that layer decodes its "
+            f"weight and calls F.linear instead",
+            stacklevel=3,
+        )
+        return None
+
+
 def tuned_config(
     shapes: Sequence[tuple],
     config_of: Callable[[tuple], Config | str],
@@ -182,7 +208,7 @@ def tuned_config(
     """The launch configuration of one of ``shapes`` (block shapes, the default first):
     ``config_of(shape)`` gives its configuration or why it cannot launch; one shape is taken
     as it is, several are timed by :func:`fastest_config` against ``expected()``. Raises
-    :class:`LowbitError` naming every refusal when no shape can launch."""
+    :class:`LaunchRefused` naming every refusal when no shape can launch."""
     configs, refused = [], []
     for shape in shapes:
         config = config_of(shape)
@@ -191,14 +217,10 @@ def tuned_config(
         else:
             configs.append(config)
     if not configs:
-        raise LowbitError(f"no launch configuration runs here ({'; '.join(refused)})")
+        raise LaunchRefused(f"no launch configuration runs here ({'; '.join(refused)})")
     if len(shapes) == 1:
         return configs[0]
     return fastest_config(launch, configs, expected(), tolerance)
-
-
-class ConfigMismatch(LowbitError):
-    """A launch configuration computed something other than the reference."""
 
 
 def fastest_config(
@@ -213,7 +235,7 @@ def fastest_config(
 
     A configuration the GPU refuses for its resources (Triton's ``OutOfResources``) is skipped,
     one that computes something else is skipped with a warning; every other error (a sticky
-    CUDA error above all) propagates. Raises :class:`LowbitError` when none is left.
+    CUDA error above all) propagates. Raises :class:`LaunchRefused` when none is left.
     """
     import triton.testing
     from triton.runtime.errors import OutOfResources
@@ -237,7 +259,7 @@ def fastest_config(
         if ms < best_ms:
             best, best_ms = config, ms
     if best is None:
-        raise LowbitError(f"no launch configuration runs here ({'; '.join(refused)})")
+        raise LaunchRefused(f"no launch configuration runs here ({'; '.join(refused)})")
     return best
 
 
