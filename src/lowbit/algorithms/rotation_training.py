@@ -163,18 +163,16 @@ def _quantizer(bits: int, symmetric: bool, clip: float):
     return functools.partial(ste_fake_quant, bits=bits, symmetric=symmetric, clip_ratio=clip)
 
 
-def _loss(model: nn.Module, ids: Tensor, kind: str, quantized) -> Tensor:
-    """The step's loss on ``ids`` [1, S]: next-token cross-entropy of the quantized model
-    (``"ce"``), or the KL divergence from the float model's next-token distribution to the
-    quantized model's, per token (``"kl"``; the float model is the same model outside
-    ``quantized()``, its rotations being orthogonal)."""
+def _loss(model: nn.Module, ids: Tensor, kind: str, paused) -> Tensor:
+    """The step's loss on ``ids`` [1, S] of the model with its quantization points on:
+    next-token cross-entropy (``"ce"``), or the KL divergence from the float model's next-token
+    distribution, per token (``"kl"``; the float model is the same model inside ``paused()``,
+    its rotations being orthogonal)."""
     if kind == "ce":
-        with quantized():
-            return model(input_ids=ids, labels=ids).loss
-    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss
+    with torch.no_grad(), paused():
         target = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)  # [1, S, V]
-    with quantized():
-        log_probs = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)  # [1, S, V]
+    log_probs = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)  # [1, S, V]
     return F.kl_div(log_probs, target, log_target=True, reduction="none").sum(-1).mean()
 
 
@@ -256,17 +254,16 @@ def train_rotations(
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()
-        quantized = functools.partial(
-            quantized_in_rotated_basis, model, rotations, activation=activation, value=value,
-            weight=weight,
-        )  # fmt: skip
         with (
             torch.enable_grad(),
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16),
+            quantized_in_rotated_basis(
+                model, rotations, activation=activation, value=value, weight=weight
+            ) as paused,
         ):
             for step in range(report.resumed_from, settings.steps):
                 ids = pieces[step % pieces.shape[0]].unsqueeze(0).to(device)  # [1, seqlen]
-                loss = _loss(model, ids, settings.loss, quantized)
+                loss = _loss(model, ids, settings.loss, paused)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

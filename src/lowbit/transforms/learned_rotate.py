@@ -162,9 +162,10 @@ def quantized_in_rotated_basis(
     activation: Quantizer | None,
     value: Quantizer | None,
     weight: Quantizer | None = None,
-) -> Iterator[None]:
+) -> Iterator[Callable[[], contextlib.AbstractContextManager]]:
     """While inside, the model computes as if R1 and R2 were fused and its quantization points
-    quantized, without changing a weight.
+    quantized, without changing a weight. Yields ``paused``: inside ``with paused():`` the
+    model is the float model again (a loss's reference pass), the hooks staying in place.
 
     Points: the inputs of q/k/v and gate/up (the two norms' outputs, in R1's basis), of o_proj
     (``T(o D)``) and of down_proj (its online transform's output), by ``activation``; values
@@ -183,8 +184,16 @@ def quantized_in_rotated_basis(
     """
     adapter = _check_rotated(model)
     width = adapter.num_heads * adapter.head_dim
-    state: dict[str, Tensor] = {}
+    state: dict = {"paused": False}
     handles = []
+
+    @contextlib.contextmanager
+    def paused() -> Iterator[None]:  # the float model: every point and weight left as it is
+        state["paused"] = True
+        try:
+            yield
+        finally:
+            state["paused"] = False
 
     def refresh(module, args):  # once per forward pass, before block 0
         state["r1"] = rotations.residual()
@@ -192,11 +201,15 @@ def quantized_in_rotated_basis(
             state["r2"] = rotations.heads()
 
     def residual_point(module, args, out):  # norm output [B, S, hidden]
+        if state["paused"]:
+            return None
         r1 = state["r1"]
         return activation(out @ r1) @ r1.T
 
     def value_point(index: int):
         def hook(module, args, out):  # v_proj output [B, S, kv · D]
+            if state["paused"]:
+                return None
             r2 = state["r2"][index] if rotations.learns_heads else None
             heads = out.reshape(*out.shape[:-1], -1, adapter.head_dim)  # [B, S, kv, D]
             if r2 is None:
@@ -207,6 +220,8 @@ def quantized_in_rotated_basis(
 
     def o_point(index: int, t: Tensor):
         def hook(module, args):  # o_proj input [B, S, heads · D]
+            if state["paused"]:
+                return None
             (o,) = args
             r2 = state["r2"][index] if rotations.learns_heads else None
             rotated = (o if r2 is None else _per_head(o, r2)) @ t  # what the fused o_proj sees
@@ -220,23 +235,25 @@ def quantized_in_rotated_basis(
     try:
         handles.append(model.register_forward_pre_hook(refresh))
         for view in adapter.blocks():
+            if activation is not None or weight is not None:
+                t = o_proj_transform_matrix(view.o_proj, width).float()  # [W, W]
             if activation is not None:
                 handles.append(view.input_norm.register_forward_hook(residual_point))
                 handles.append(view.post_attention_norm.register_forward_hook(residual_point))
-                t = o_proj_transform_matrix(view.o_proj, width).float()  # [W, W]
                 handles.append(view.o_proj.register_forward_pre_hook(o_point(view.index, t)))
                 saved[view.down_proj] = view.down_proj.act_quantizer  # after its online T
-                view.down_proj.act_quantizer = _FunctionModule(activation)
+                view.down_proj.act_quantizer = _FunctionModule(
+                    lambda x: x if state["paused"] else activation(x)
+                )
             if value is not None:
                 handles.append(view.v_proj.register_forward_hook(value_point(view.index)))
             if weight is not None:
-                t = o_proj_transform_matrix(view.o_proj, width).float()  # [W, W]
                 for linear, side in _weight_sides(view):
                     parametrize.register_parametrization(
                         linear, "weight", _FusedWeight(weight, state, side, view.index, t)
                     )
                     parametrized.append(linear)
-        yield
+        yield paused
     finally:
         for handle in handles:
             handle.remove()
@@ -264,6 +281,8 @@ class _FusedWeight(nn.Module):
         self.register_buffer("t", t, persistent=False)  # [W, W] (o_proj)
 
     def forward(self, w: Tensor) -> Tensor:
+        if self.state["paused"]:
+            return w
         r1 = self.state["r1"]
         r2 = self.state["r2"][self.index] if "r2" in self.state else None
         if self.side == "input" or (self.side == "value" and r2 is None):
