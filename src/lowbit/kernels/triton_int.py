@@ -37,11 +37,10 @@ __all__ = ["TritonIntBackend", "SMALL_M", "DEQUANT_M"]
 
 #: largest M that takes the decode kernel
 SMALL_M = 16
-#: smallest M that decodes the weight and calls cuBLAS. On the H200 (docs/results/gpu.md) the
-#: fused prefill kernel ran at 0.42x cuBLAS fp16 at M = 2048; decoding costs about one write
-#: and one read of the fp16 weight (~2.5 bytes per weight at ~2.7 TB/s), which the product's
-#: 1 / 0.42 - 1 = 1.4x extra time exceeds from M ~ 200 (2 M N K flops at ~600 TFLOP/s): a
-#: prediction that bench_gemv's M = 256 and 2048 rows are there to check.
+#: smallest M that decodes the weight and calls cuBLAS instead of the fused prefill kernel:
+#: decoding costs one write and one read of the fp16 weight, which the fused kernel's slower
+#: MMA loses more than from about 200 rows (docs/results/gpu.md measures both on an H200 with
+#: bench_gemv: at M = 256 0.82x against 0.39x cuBLAS fp16, at 2048 0.96x against 0.42x).
 DEQUANT_M = 256
 
 
@@ -83,8 +82,7 @@ class TritonIntBackend(WeightBackend):
                 return out  # [M, N]
         elif x.shape[0] < DEQUANT_M:
             return int_gemm(x, *operands, **prepared["static"])  # [M, N]
-        weight = int_dequant(prepared["words"], prepared["scale"], prepared["zero"],
-                             k=x.shape[1], dtype=x.dtype, **prepared["static"])  # fmt: skip
+        weight = int_dequant(*operands[:3], k=x.shape[1], dtype=x.dtype, **prepared["static"])
         return F.linear(x, weight, bias)  # [M, N]
 
 

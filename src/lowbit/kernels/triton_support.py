@@ -183,7 +183,7 @@ def gemv_unless_refused(prepared: dict, x: Tensor, gemv: Callable[[], Tensor]) -
     takes its decode-and-``F.linear`` path, correct at any M. The refusal is kept in the layer's
     ``prepared`` layout (per single-row or multi-row input, the kernels' two variants) and
     warned about once, so later calls go straight to that path."""
-    key = f"gemv refused, M {'= 1' if x.shape[0] == 1 else '> 1'}"
+    key = ("gemv refused", x.shape[0] == 1)
     if key in prepared:
         return None
     try:
