@@ -19,7 +19,6 @@ float model per token on the first WikiText-2 test windows. Two tables:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -31,30 +30,28 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_window_arguments, command_line, markdown_table, stamp  # noqa: E402
 
-from lowbit.algorithms.rotation_training import ste_fake_quant  # noqa: E402
+from lowbit.algorithms.rotation_training import LearnedClips, ste_fake_quant  # noqa: E402
 from lowbit.api import load_model, quantize  # noqa: E402
 from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize  # noqa: E402
 from lowbit.models.adapter import adapter_for  # noqa: E402
 from lowbit.recipes.registry import get_recipe  # noqa: E402
+from lowbit.transforms.learned_rotate import ACTIVATION_POINTS  # noqa: E402
 
-#: kind of point -> the linears whose input it is
-POINTS = {
-    "q/k/v input": ("q_proj", "k_proj", "v_proj"),
-    "gate/up input": ("gate_proj", "up_proj"),
-    "o_proj input": ("o_proj",),
-    "down_proj input": ("down_proj",),
-}
+#: label of each kind of point (lowbit.transforms.learned_rotate.ACTIVATION_POINTS)
+LABELS = {"qkv": "q/k/v input", "gate_up": "gate/up input", "o_proj": "o_proj input",
+          "down_proj": "down_proj input"}  # fmt: skip
 
 
 class _LearnedClip(nn.Module):
-    """A 4-bit per-token quantizer whose clip ratio is ``sigmoid(logit)``, trainable."""
+    """A per-token quantizer clipped at one point's learned ratio, trainable."""
 
-    def __init__(self, logit: nn.Parameter, bits: int):
+    def __init__(self, clips: LearnedClips, layer: int, point: str, bits: int):
         super().__init__()
-        self.logit, self.bits = logit, bits
+        self.clips, self.layer, self.point, self.bits = clips, layer, point, bits
 
     def forward(self, x):
-        return ste_fake_quant(x, self.bits, symmetric=True, clip_ratio=torch.sigmoid(self.logit))
+        ratio = self.clips.ratio(self.layer, self.point)
+        return ste_fake_quant(x, self.bits, symmetric=True, clip_ratio=ratio)
 
 
 def _quantizers(model) -> dict[tuple[int, str], list[nn.Module]]:
@@ -62,7 +59,7 @@ def _quantizers(model) -> dict[tuple[int, str], list[nn.Module]]:
     return {
         (view.index, kind): [getattr(view, name) for name in names]
         for view in adapter_for(model).blocks()
-        for kind, names in POINTS.items()
+        for kind, names in ACTIVATION_POINTS.items()
     }
 
 
@@ -78,17 +75,17 @@ def _mean_kl(model, windows, references) -> float:
 def _learn_clips(model, points, pieces, bits: int, start: float, lr: float):
     """Per (layer, kind of point) clip ratios trained on the KL to the float model."""
     saved = {linear: linear.act_quantizer for linears in points.values() for linear in linears}
-    logits = {key: nn.Parameter(torch.tensor(math.log(start / (1 - start)))) for key in points}
-    optimizer = torch.optim.Adam(logits.values(), lr=lr)
+    clips = LearnedClips(adapter_for(model).num_layers, start)
+    optimizer = torch.optim.Adam(clips.parameters(), lr=lr)
     try:
         for ids in pieces:
             for linear in saved:
                 linear.act_quantizer = None
             with torch.no_grad():  # W16: without its quantizers the model is the float model
                 target = F.log_softmax(model(input_ids=ids[None]).logits.float(), -1)
-            for key, linears in points.items():
+            for (layer, point), linears in points.items():
                 for linear in linears:
-                    linear.act_quantizer = _LearnedClip(logits[key], bits)
+                    linear.act_quantizer = _LearnedClip(clips, layer, point, bits)
             log_probs = F.log_softmax(model(input_ids=ids[None]).logits.float(), -1)
             loss = F.kl_div(log_probs, target, log_target=True, reduction="none").sum(-1).mean()
             loss.backward()
@@ -97,7 +94,8 @@ def _learn_clips(model, points, pieces, bits: int, start: float, lr: float):
     finally:
         for linear, quantizer in saved.items():
             linear.act_quantizer = quantizer
-    return {key: torch.sigmoid(logit.detach()).item() for key, logit in logits.items()}
+    return {(layer, point): ratio for layer, ratios in enumerate(clips.ratios())
+            for point, ratio in ratios.items()}  # fmt: skip
 
 
 def main() -> None:
@@ -127,11 +125,11 @@ def main() -> None:
     print(stamp(command_line()))
     print(f"\n{loaded.name}; KL to float over WikiText-2 {len(windows)} x {args.seqlen}.\n")
     rows = []
-    for kind in [*POINTS, "all"]:
+    for kind in [*ACTIVATION_POINTS, "all"]:
         for (_, point), linears in points.items():
             for linear in linears:
                 linear.act_quantizer = quantizers[linear] if kind in (point, "all") else None
-        rows.append([kind, f"{_mean_kl(model, windows, references):.4f}"])
+        rows.append([LABELS.get(kind, kind), f"{_mean_kl(model, windows, references):.4f}"])
     print(markdown_table(["4-bit activations at (clip 0.9)", "KL"], rows) + "\n")
 
     rows = []
@@ -146,8 +144,8 @@ def main() -> None:
         for linear in linears:
             linear.act_quantizer.clip_ratio = learned[key]
     means = " / ".join(
-        f"{sum(c for (_, p), c in learned.items() if p == kind) / len(learned) * len(POINTS):.2f}"
-        for kind in POINTS
+        f"{sum(c for (_, p), c in learned.items() if p == kind) / len(learned) * len(LABELS):.2f}"
+        for kind in ACTIVATION_POINTS
     )
     rows.append([
         f"learned per layer and point ({args.clip_steps} steps, {seconds:.0f} s; means by point "

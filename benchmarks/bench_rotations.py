@@ -5,7 +5,8 @@
 
 For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration text; both
 ``--calib-samples`` x 2048 tokens drawn with seed 0) and each bit setting: QuaRot's rotation
-(``rotate``) and the learned one (``learn-rotate``, trained on that calibration text), each with
+(``rotate``) and the learned one (``learn-rotate``, trained on that calibration text;
+``learn-rotate-clip`` with ``learn_clip``, one activation clip learned per layer and point), each with
 RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's settings: symmetric
 per-channel weights with the MSE clip, per-token activations clipped at 0.9 and a KV cache
 clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE). Every model is
@@ -13,7 +14,8 @@ evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``) 
 evaluation text (first ``--pydoc-windows`` windows), so each calibration is also measured on
 the other corpus. The rotation is trained per calibration, bit setting and weight algorithm,
 with the weights float in the loop (``--train-w-bits 4``: the RTN rows' weights quantized in the
-loop). Rows print as they finish.
+loop); rows whose loop is the same share one training (the second row's "train s" says it
+resumed at the last step). Rows print as they finish.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from lowbit.recipes.registry import get_recipe  # noqa: E402
 
 #: bit setting -> (activation bits, KV bits; 16 = off); weights are 4-bit in every row
 BITS = {"W4A4KV4": (4, 4), "W4A8KV4": (8, 4), "W4A16": (16, 16)}
+#: the rotations' rows, in order
+ROTATIONS = ("rotate", "learn-rotate", "learn-rotate-clip")
 
 
 def recipe_for(rotation: str, weights: str, bits: str, args):
@@ -55,16 +59,18 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
     weight clip, activations clipped at 0.9 at 4 bits, KV asymmetric with keys rotated after
     RoPE), or None for a learned rotation with nothing in its loop (W4A16)."""
     a_bits, kv_bits = BITS[bits]
-    if rotation == "learn-rotate" and a_bits == 16 and kv_bits == 16:
+    learned = rotation.startswith("learn-rotate")
+    if learned and a_bits == 16 and kv_bits == 16:
         return None
     settings = {"w_bits": 4, "w_mse_clip": True, "a_bits": a_bits}
     settings["a_clip_ratio"] = 0.9 if a_bits <= 4 else 1.0
-    parts = [rotation, weights]
+    parts = ["learn-rotate" if learned else rotation, weights]
     if kv_bits != 16:
         parts.append("kv-int")
         settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
-    if rotation == "learn-rotate":
+    if learned:
         settings.update(steps=args.steps, seqlen=args.train_seqlen)
+        settings["learn_clip"] = rotation == "learn-rotate-clip"
         settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16
         if args.lr is not None:
             settings["lr"] = args.lr
@@ -84,7 +90,7 @@ def main() -> None:
     parser.add_argument("--train-seqlen", type=int, default=256)
     parser.add_argument(
         "--rotations", nargs="+", default=["fp", "rotate", "learn-rotate"],
-        choices=["fp", "rotate", "learn-rotate"], help="which rows to run (fp: the float row)",
+        choices=["fp", *ROTATIONS], help="which rows to run (fp: the float row)",
     )  # fmt: skip
     parser.add_argument(
         "--weights", nargs="+", default=["gptq", "rtn"], choices=["gptq", "rtn"],
@@ -135,7 +141,9 @@ def main() -> None:
         """Evaluate ``candidate`` on both corpora and print (and record) its row."""
         train_seconds = None if training is None else training.seconds
         train_cell = fmt(train_seconds, ".0f")
-        if training is not None and training.resumed_from:  # seconds of the remaining steps
+        if training is not None and training.resumed_from == training.steps:
+            train_cell = "(the row above's)"  # the same loop, resumed at its last step
+        elif training is not None and training.resumed_from:  # seconds of the remaining steps
             train_cell += f" (steps {training.resumed_from}-{training.steps})"
         results = {
             name: evaluate(candidate, ids, reference=references[name], progress=False)
@@ -169,19 +177,21 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-rotations-"))
     for bits in args.bits:
         for calib in args.calib:
-            for rotation in [r for r in ("rotate", "learn-rotate") if r in args.rotations]:
+            for rotation in [r for r in ROTATIONS if r in args.rotations]:
                 for weights in args.weights:
                     label = [bits, rotation, weights, calib]
                     recipe = recipe_for(rotation, weights, bits, args)
                     if recipe is None:
                         continue
-                    resume = work / f"{bits}-{calib}-{weights}"
+                    # rows whose training is the same share it (the second resumes the first's)
+                    loop_w_bits = recipe.parts[0].train_w_bits if rotation != "rotate" else 16
+                    resume = work / f"{bits}-{calib}-{rotation}-w{loop_w_bits}"
                     candidate = copy.deepcopy(model)
                     start = time.perf_counter()
                     with PeakRSS() as peak:
                         quantize(
                             candidate, recipe, calibration=calibrations[calib], progress=False,
-                            resume_dir=resume if rotation == "learn-rotate" else None,
+                            resume_dir=resume if rotation != "rotate" else None,
                         )  # fmt: skip
                     seconds = time.perf_counter() - start
                     training = getattr(candidate, "lowbit_rotation_training", None)

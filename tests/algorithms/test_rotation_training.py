@@ -49,17 +49,23 @@ CALIBRATION = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_
 SETTINGS = dict(seqlen=64, lr=1e-2, a_bits=3, v_bits=3, loss="ce")
 
 
-def _quantizers(w_bits=16):
-    act = functools.partial(ste_fake_quant, bits=3, symmetric=True, clip_ratio=0.9)
+def _quantizers(w_bits=16, clips=None):
+    """The loop's quantizers; ``clips``: per layer ``{point: ratio}`` (None: 0.9 everywhere)."""
+
+    def act(x, layer, point):
+        clip = 0.9 if clips is None else clips[layer][point]
+        return ste_fake_quant(x, 3, symmetric=True, clip_ratio=clip)
+
     val = functools.partial(ste_fake_quant, bits=3, symmetric=False, clip_ratio=0.95)
     weight = None if w_bits == 16 else functools.partial(ste_fake_quant, bits=w_bits,
                                                          symmetric=True)  # fmt: skip
     return dict(activation=act, value=val, weight=weight)
 
 
-def _in_loop_loss(model, rotations, w_bits=16):
+def _in_loop_loss(model, rotations, w_bits=16, clips=None):
     """Mean next-token loss over the calibration with the loop's quantizers, no gradient."""
-    with torch.no_grad(), quantized_in_rotated_basis(model, rotations, **_quantizers(w_bits)):
+    quantizers = _quantizers(w_bits, clips)
+    with torch.no_grad(), quantized_in_rotated_basis(model, rotations, **quantizers):
         losses = [model(input_ids=ids[None], labels=ids[None]).loss for ids in CALIBRATION]
     return torch.stack(losses).mean().item()
 
@@ -80,12 +86,12 @@ def test_training_lowers_the_in_loop_loss_and_leaves_the_weights():
     assert [p.requires_grad for p in model.parameters()] == flags
 
 
-def _in_loop_kl(model, rotations):
+def _in_loop_kl(model, rotations, clips=None):
     """Mean per-token KL divergence from the float model to the quantized one over the
     calibration, computed apart from the loop's own code."""
     with torch.no_grad():
         float_logits = [model(input_ids=ids[None]).logits for ids in CALIBRATION]
-        with quantized_in_rotated_basis(model, rotations, **_quantizers()):
+        with quantized_in_rotated_basis(model, rotations, **_quantizers(clips=clips)):
             quantized = [model(input_ids=ids[None]).logits for ids in CALIBRATION]
     kls = [
         (p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))).sum(-1).mean()
@@ -123,8 +129,28 @@ def test_training_with_the_weights_in_the_loop_lowers_their_loss():
     assert after < before - 1e-2
 
 
-def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path):
-    settings = RotationTrainingSettings(steps=7, save_every=3, **SETTINGS)
+def test_learned_clips_lower_the_in_loop_kl_beyond_the_rotations():
+    settings = dict(steps=24, **{**SETTINGS, "loss": "kl", "lr": 3e-3})
+    model, rotations = _setup()
+    train_rotations(model, rotations, CALIBRATION, RotationTrainingSettings(**settings))
+    rotations_only = _in_loop_kl(model, rotations)
+    model, rotations = _setup()
+    report = train_rotations(
+        model, rotations, CALIBRATION, RotationTrainingSettings(learn_clip=True, **settings)
+    )
+    layers = adapter_for(model).num_layers
+    assert len(report.clip_ratios) == layers
+    assert all(set(r) == {"qkv", "gate_up", "o_proj", "down_proj"} for r in report.clip_ratios)
+    ratios = [v for r in report.clip_ratios for v in r.values()]
+    assert all(0 < v < 1 for v in ratios) and max(abs(v - 0.9) for v in ratios) > 0.02
+    with_clips = _in_loop_kl(model, rotations, clips=report.clip_ratios)
+    # measured: 0.00163 with the rotations alone, 0.00133 with the clips (all moved to 0.81-0.83)
+    assert with_clips < 0.9 * rotations_only
+
+
+@pytest.mark.parametrize("learn_clip", [False, True])
+def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip):
+    settings = RotationTrainingSettings(steps=7, save_every=3, learn_clip=learn_clip, **SETTINGS)
     model, straight = _setup()
     expected = train_rotations(model, straight, CALIBRATION, settings)
 
@@ -143,6 +169,7 @@ def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path):
 
     assert report.resumed_from == 3
     assert report.losses == expected.losses
+    assert report.clip_ratios == expected.clip_ratios and bool(report.clip_ratios) == learn_clip
     for got, want in zip(resumed.parameters(), straight.parameters(), strict=True):
         assert torch.equal(got, want)
 

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 import lowbit
 from lowbit.models.tiny import tiny_model, tiny_tokenizer
-from lowbit.recipes.registry import PRESETS, list_recipes
+from lowbit.recipes.registry import PRESETS, get_recipe, list_recipes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from logits_probe import probe  # noqa: E402
@@ -43,10 +43,13 @@ COMPOSITIONS = [
     "rotate+mixed+kivi",
     "rotate+gptq+kv-int",
     "learn-rotate+gptq+kv-int",
+    "learn-rotate+rtn",
     "gptq+kvquant",
     "rtn+kivi",
     "w4a16-g64+ksort-bfp",
 ]
+#: settings a composition above is built with (default: none)
+SETTINGS = {"learn-rotate+rtn": dict(a_bits=4)}  # per-layer activation clips, learned
 RECIPES = sorted(set(list_recipes()) - {"fp"}) + sorted(PRESETS) + COMPOSITIONS
 WAYS = ("lowbit.load", "from_pretrained", "lowbit.load_model")
 
@@ -116,7 +119,8 @@ def loaded_elsewhere(tmp_path_factory):
     jobs = []
     for name in RECIPES:
         model = tiny_model("llama", vocab_size=len(tokenizer), **SHAPE)
-        lowbit.quantize(model, name, calibration=_calibration(), progress=False, packed=True)
+        recipe = get_recipe(name).with_settings(**SETTINGS[name]) if name in SETTINGS else name
+        lowbit.quantize(model, recipe, calibration=_calibration(), progress=False, packed=True)
         slug = re.sub(r"[^a-z0-9.-]", "_", name)
         lowbit.save(model, root / slug, tokenizer=tokenizer)
         save_file(probe(model), str(root / f"{slug}.expected.safetensors"))

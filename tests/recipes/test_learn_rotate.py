@@ -12,6 +12,7 @@ from lowbit.models.tiny import tiny_model
 from lowbit.nn.quant_linear import FakeQuantLinear
 from lowbit.recipes.registry import get_recipe
 from lowbit.transforms.hadamard import OnlineHadamard
+from lowbit.transforms.learned_rotate import ACTIVATION_POINTS
 
 CALIBRATION = torch.randint(3, 256, (4, 48), generator=torch.Generator().manual_seed(0))
 TINY = dict(steps=6, lr=1e-2)
@@ -70,6 +71,20 @@ def test_composes_with_gptq_and_the_kv_cache_and_resumes(tmp_path):
     assert again.lowbit_rotation_training.resumed_from == 6
     ids = CALIBRATION[:1, :20]
     assert torch.equal(_logits(model, ids), _logits(again, ids))
+
+
+def test_learned_clips_reach_the_weight_part_under_the_users_overrides():
+    recipe = get_recipe("learn-rotate+rtn").with_settings(a_bits=4, learn_clip=True, **TINY)
+    model = tiny_model("llama")
+    mine = {"model.layers.0.mlp.down_proj": {"a_clip_ratio": 0.5}}
+    lowbit.quantize(model, recipe, calibration=CALIBRATION, overrides=mine)
+    clips = model.lowbit_rotation_training.clip_ratios
+    assert len({round(c, 6) for layer in clips for c in layer.values()}) > 1  # per point
+    for view in adapter_for(model).blocks():
+        for point, names in ACTIVATION_POINTS.items():
+            for name in names:
+                want = 0.5 if (view.index, name) == (0, "down_proj") else clips[view.index][point]
+                assert getattr(view, name).act_quantizer.clip_ratio == want
 
 
 @pytest.mark.parametrize(

@@ -109,7 +109,8 @@ def test_training_hooks_quantize_what_the_fused_model_would(name):
     logits that the hooks give on the unfused model with the learned rotations."""
     _, model, rotations = _rotated_with_random_rotations(name)
     ids = _tokens()
-    act = functools.partial(ste_fake_quant, bits=6, symmetric=True, clip_ratio=0.9)
+    quantize = functools.partial(ste_fake_quant, bits=6, symmetric=True, clip_ratio=0.9)
+    act = lambda x, layer, point: quantize(x)  # noqa: E731  the same at every point
     val = functools.partial(ste_fake_quant, bits=6, symmetric=False)
     with quantized_in_rotated_basis(model, rotations, activation=act, value=val):
         trained_view = _logits(model, ids)

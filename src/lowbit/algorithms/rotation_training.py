@@ -7,11 +7,15 @@ next-token cross-entropy (or the KL divergence from the float model's next-token
 on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited in order. Adam
 trains the Cayley parameters; the model's weights stay frozen.
 
-In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric, QuaRot's
-clip) and values (per token and head, asymmetric) are quantized; weights stay float (GPTQ
+In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric) and values
+(per token and head, asymmetric) are quantized; weights stay float (GPTQ
 quantizes them afterwards, seeing the learned rotation) unless ``w_bits`` puts them in the loop
 too (for round-to-nearest weights after), and keys are not quantized (R1 and R2
 do not change the keys, so their quantization error is noise the rotations cannot reduce).
+The activations are clipped at QuaRot's ratio, or (``learn_clip``) at one ratio per layer and
+kind of point (:data:`~lowbit.transforms.learned_rotate.ACTIVATION_POINTS`), the sigmoid of a
+parameter trained beside the rotations from that start; the learned ratios are reported for the
+deployed activation quantizers, which then clip exactly as the loop did.
 
 Resumable: with a resume directory the state (parameters, Adam's moments, losses) is written
 every ``save_every`` steps through :class:`~lowbit.calibrate.resume.BlockCheckpoints`, and a
@@ -21,6 +25,7 @@ rerun with the same fingerprint continues from the last one, with the same resul
 from __future__ import annotations
 
 import functools
+import math
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,9 +39,15 @@ from tqdm.auto import tqdm
 from lowbit.calibrate.resume import BlockCheckpoints, run_fingerprint
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import int_qrange
-from lowbit.transforms.learned_rotate import LearnedRotations, quantized_in_rotated_basis
+from lowbit.models.adapter import adapter_for
+from lowbit.transforms.learned_rotate import (
+    ACTIVATION_POINTS,
+    LearnedRotations,
+    quantized_in_rotated_basis,
+)
 
 __all__ = [
+    "LearnedClips",
     "RotationTrainingReport",
     "RotationTrainingSettings",
     "ste_fake_quant",
@@ -86,6 +97,33 @@ def ste_fake_quant(x: Tensor, bits: int, *, symmetric: bool, clip_ratio: float =
     return out.to(x.dtype)
 
 
+class LearnedClips(nn.Module):
+    """One activation clip ratio per layer and kind of point, ``sigmoid(logit)`` in (0, 1).
+
+    Args:
+        num_layers: decoder layers.
+        start: every ratio's initial value, in (0, 1).
+        device: where the parameter is made.
+    """
+
+    def __init__(self, num_layers: int, start: float, *, device: torch.device | None = None):
+        super().__init__()
+        start = min(start, 1 - 1e-3)  # a ratio of 1 is sigmoid(inf)
+        logit = math.log(start / (1 - start))
+        shape = (num_layers, len(ACTIVATION_POINTS))
+        self.logits = nn.Parameter(torch.full(shape, logit, device=device))  # [L, P]
+        self.column = {point: i for i, point in enumerate(ACTIVATION_POINTS)}
+
+    def ratio(self, layer: int, point: str) -> Tensor:
+        """The clip ratio of ``point`` in ``layer`` (a 0-dim tensor that carries gradient)."""
+        return torch.sigmoid(self.logits[layer, self.column[point]])
+
+    def ratios(self) -> list[dict[str, float]]:
+        """Per layer, ``{point: ratio}``."""
+        values = torch.sigmoid(self.logits.detach()).tolist()  # [L][P]
+        return [dict(zip(ACTIVATION_POINTS, row, strict=True)) for row in values]
+
+
 @dataclass
 class RotationTrainingSettings:
     """What the loop trains for and how long.
@@ -97,6 +135,9 @@ class RotationTrainingSettings:
             much a step and R1 has hidden² of them, so it stays small (the choice is measured
             in docs/results/rotations.md).
         a_bits, a_clip_ratio: activation quantizer in the loop (16: off).
+        learn_clip: learn one activation clip ratio per layer and kind of point, starting at
+            ``a_clip_ratio`` (with a_bits below 16).
+        clip_lr: Adam's learning rate on the clip ratios' logits.
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float
             weights, as for GPTQ afterwards; 4 for round-to-nearest weights after).
@@ -114,6 +155,8 @@ class RotationTrainingSettings:
     lr: float = 5e-5
     a_bits: int = 4
     a_clip_ratio: float = 0.9
+    learn_clip: bool = False
+    clip_lr: float = 3e-2
     v_bits: int = 4
     v_clip_ratio: float = 0.95
     w_bits: int = OFF_BITS
@@ -124,10 +167,11 @@ class RotationTrainingSettings:
     def check(self, calibration: Tensor | None) -> None:
         if calibration is None:
             raise LowbitError("training rotations needs calibration tokens ([N, S] ids)")
-        if self.steps < 1 or self.save_every < 1 or self.lr <= 0:
+        if self.steps < 1 or self.save_every < 1 or self.lr <= 0 or self.clip_lr <= 0:
             raise LowbitError(
-                f"rotation training needs steps >= 1, save_every >= 1 and lr > 0, not "
-                f"steps={self.steps}, save_every={self.save_every}, lr={self.lr}"
+                f"rotation training needs steps >= 1, save_every >= 1, lr > 0 and clip_lr > 0, "
+                f"not steps={self.steps}, save_every={self.save_every}, lr={self.lr}, "
+                f"clip_lr={self.clip_lr}"
             )
         if not 2 <= self.seqlen <= calibration.shape[1]:
             raise LowbitError(
@@ -152,6 +196,8 @@ class RotationTrainingReport:
     losses: list[float] = field(default_factory=list)  # per step, from step 0
     seconds: float = 0.0  # this process's training time
     peak_rss_mb: float = 0.0  # the process's peak resident memory when training ended
+    #: per layer ``{point: ratio}``, the learned activation clips (empty: not learned)
+    clip_ratios: list[dict[str, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,6 +207,19 @@ def _quantizer(bits: int, symmetric: bool, clip: float):
     if bits == OFF_BITS:
         return None
     return functools.partial(ste_fake_quant, bits=bits, symmetric=symmetric, clip_ratio=clip)
+
+
+def _activation_quantizer(settings: RotationTrainingSettings, clips: LearnedClips | None):
+    """The loop's ``activation(x, layer, point)``: QuaRot's clip everywhere, or the learned
+    one of each point."""
+    if settings.a_bits == OFF_BITS:
+        return None
+    if clips is None:
+        quantize = _quantizer(settings.a_bits, True, settings.a_clip_ratio)
+        return lambda x, layer, point: quantize(x)
+    return lambda x, layer, point: ste_fake_quant(
+        x, settings.a_bits, symmetric=True, clip_ratio=clips.ratio(layer, point)
+    )
 
 
 def _loss(model: nn.Module, ids: Tensor, kind: str, paused) -> Tensor:
@@ -176,14 +235,17 @@ def _loss(model: nn.Module, ids: Tensor, kind: str, paused) -> Tensor:
     return F.kl_div(log_probs, target, log_target=True, reduction="none").sum(-1).mean()
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+def _state_tensors(trained: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """What a resume state holds: the trained parameters and Adam's moments."""
+    tensors = {f"param.{name}": p for name, p in trained.named_parameters()}
     state = optimizer.state_dict()["state"]
-    return {f"adam.{i}.{key}": value for i, s in state.items() for key, value in s.items()}
+    tensors.update({f"adam.{i}.{key}": value for i, s in state.items() for key, value in s.items()})
+    return tensors
 
 
-def _restore(rotations: LearnedRotations, optimizer, tensors: dict[str, Tensor]) -> None:
+def _restore(trained: nn.ModuleDict, optimizer, tensors: dict[str, Tensor]) -> None:
     with torch.no_grad():
-        for name, param in rotations.named_parameters():
+        for name, param in trained.named_parameters():
             param.copy_(tensors[f"param.{name}"])
     full = optimizer.state_dict()
     state: dict[int, dict[str, Tensor]] = {}
@@ -218,7 +280,7 @@ def train_rotations(
         on_step: ``on_step(step, loss)`` after each step (after its state is saved).
 
     Returns:
-        RotationTrainingReport.
+        RotationTrainingReport, with the learned clip ratios when ``settings.learn_clip``.
     """
     settings.check(calibration)
     start = time.perf_counter()
@@ -226,7 +288,15 @@ def train_rotations(
     pieces = calibration[:, : calibration.shape[1] // settings.seqlen * settings.seqlen]
     pieces = pieces.reshape(-1, settings.seqlen)  # [P, seqlen]
     rotations.to(device)
-    optimizer = torch.optim.Adam(rotations.parameters(), lr=settings.lr)
+    clips = None
+    if settings.learn_clip and settings.a_bits != OFF_BITS:
+        layers = adapter_for(model).num_layers
+        clips = LearnedClips(layers, settings.a_clip_ratio, device=device)
+    trained = nn.ModuleDict({"rotations": rotations, **({"clips": clips} if clips else {})})
+    groups = [{"params": list(rotations.parameters()), "lr": settings.lr}]
+    if clips is not None:
+        groups.append({"params": [clips.logits], "lr": settings.clip_lr})
+    optimizer = torch.optim.Adam(groups)
     report = RotationTrainingReport(steps=settings.steps)
     checkpoints = None
     if resume_dir is not None:
@@ -237,11 +307,11 @@ def train_rotations(
         saved = checkpoints.load_state(STATE_NAME)
         if saved is not None:
             tensors, record = saved
-            _restore(rotations, optimizer, tensors)
+            _restore(trained, optimizer, tensors)
             report.resumed_from = int(record["step"])
             report.losses = list(record["losses"])
 
-    activation = _quantizer(settings.a_bits, True, settings.a_clip_ratio)
+    activation = _activation_quantizer(settings, clips)
     value = _quantizer(settings.v_bits, False, settings.v_clip_ratio)
     weight = _quantizer(settings.w_bits, True, 1.0)
     frozen = {p: p.requires_grad for p in model.parameters()}
@@ -274,10 +344,10 @@ def train_rotations(
                 if checkpoints is not None and (
                     done % settings.save_every == 0 or done == settings.steps
                 ):
-                    tensors = {f"param.{n}": p for n, p in rotations.named_parameters()}
-                    tensors.update(_optimizer_tensors(optimizer))
                     checkpoints.save_state(
-                        STATE_NAME, tensors, {"step": done, "losses": report.losses}
+                        STATE_NAME,
+                        _state_tensors(trained, optimizer),
+                        {"step": done, "losses": report.losses},
                     )
                 if on_step is not None:
                     on_step(step, report.losses[-1])
@@ -286,6 +356,8 @@ def train_rotations(
         model.train(was_training)
         for p, flag in frozen.items():
             p.requires_grad_(flag)
+    if clips is not None:
+        report.clip_ratios = clips.ratios()
     report.seconds = time.perf_counter() - start
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     return report

@@ -199,8 +199,13 @@ class Recipe:
         return recipe
 
     # -- work ---------------------------------------------------------------------------------
-    def apply(self, model: torch.nn.Module, context: QuantizeContext) -> None:
-        """Quantize ``model`` in place."""
+    def apply(
+        self, model: torch.nn.Module, context: QuantizeContext
+    ) -> dict[str, dict[str, Any]] | None:
+        """Quantize ``model`` in place. Returns None, or settings this method learned for the
+        parts after it in a composition, per layer (``{layer name: {setting: value}}``, e.g.
+        a learned rotation's activation clips), which they apply before the user's
+        overrides."""
         raise NotImplementedError
 
     def kv_bytes_per_token(self, adapter, context_length: int) -> float | None:

@@ -2,8 +2,10 @@
 
 A composed recipe holds its parts and applies them in order on the same model: a transform
 (``rotate``), then a weight method, then a KV-cache method. Each part sees only the settings
-and per-layer overrides it has; a ``--set key=value`` goes to every part that has ``key``. The
-checkpoint stores the parts' own ``to_dict()``.
+and per-layer overrides it has; a ``--set key=value`` goes to every part that has ``key``. What
+a part learns per layer for the parts after it (``learn-rotate``'s activation clips) reaches
+them as per-layer settings, under the user's overrides. The checkpoint stores the parts' own
+``to_dict()``; the per-layer values live in the quantized modules.
 
 What may compose follows from what each part does, not from a list of pairs: every recipe
 declares the :data:`~lowbit.recipes.base.ROLES` it plays (``rotate``: rotation; ``gptq``:
@@ -118,9 +120,12 @@ class ComposedRecipe(Recipe):
 
     def apply(self, model, context: QuantizeContext) -> None:
         self.check_model(model, context)  # every part's cheap checks before any part's work
+        learned: dict[str, dict[str, Any]] = {}  # what earlier parts learned, per layer
         for part in self.parts:
-            overrides = {p: _own(part, v) for p, v in context.overrides.items()}
-            part.apply(model, dataclasses.replace(context, overrides=overrides))
+            layers = {**learned, **context.overrides}  # the user's overrides applied last
+            overrides = {p: own for p, v in layers.items() if (own := _own(part, v))}
+            part_context = dataclasses.replace(context, overrides=overrides)
+            learned.update(part.apply(model, part_context) or {})
 
     def kv_bytes_per_token(self, adapter, context_length: int) -> float | None:
         sizes = [part.kv_bytes_per_token(adapter, context_length) for part in self.parts]

@@ -1,6 +1,8 @@
 """The ``learn-rotate`` recipe: QuaRot's rotation with R1 (residual) and R2 (per head) learned
 on the calibration text with the quantizers in the loop (SpinQuant, Liu et al., 2024), then
-fused, so the model leaves with QuaRot's structure and cost; quantizes nothing.
+fused, so the model leaves with QuaRot's structure and cost; quantizes nothing. With
+``learn_clip`` it also learns one activation clip ratio per layer and kind of point, which it
+hands to the weight part that follows (per-layer ``a_clip_ratio``): free at inference.
 
 ``learn-rotate+gptq+kv-int``: the rotation is trained for the activation and value bits it
 is given (``a_bits``, ``v_bits``; a composition's ``--set a_bits=8`` reaches the weight part
@@ -8,7 +10,7 @@ and this one alike), GPTQ then quantizes the weights of the rotated model. Steps
 the module that owns it: :func:`~lowbit.transforms.rotate.rotate_model` (Hadamard start),
 :func:`~lowbit.algorithms.rotation_training.train_rotations` (the loop),
 :func:`~lowbit.transforms.learned_rotate.fuse_learned_rotations`. What the training cost is
-left on the model as ``model.lowbit_rotation_training``.
+left on the model as ``model.lowbit_rotation_training``, with the learned clips.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lowbit.algorithms.rotation_training import (
 )
 from lowbit.calibrate.resume import NESTED_DIRECTORIES
 from lowbit.errors import LowbitError
+from lowbit.models.adapter import adapter_for
 from lowbit.recipes.base import (
     OFF_BITS,
     QuantizeContext,
@@ -39,6 +42,7 @@ from lowbit.recipes.quarot import QuaRotRecipe
 from lowbit.recipes.registry import register
 from lowbit.settings import Count
 from lowbit.transforms.learned_rotate import (
+    ACTIVATION_POINTS,
     LearnedRotations,
     fuse_learned_rotations,
 )
@@ -67,6 +71,7 @@ class LearnRotateRecipe(Recipe):
     learn_heads: bool = True
     a_bits: int = 4
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
+    learn_clip: bool = True  # learn a_clip_ratio per layer and point, from a_clip_ratio
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
     train_w_bits: int = OFF_BITS  # weights in the loop (for RTN weights after); 16: float
@@ -110,6 +115,7 @@ class LearnRotateRecipe(Recipe):
             lr=self.lr,
             a_bits=self.a_bits,
             a_clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, QuaRotRecipe.paper_a_clip),
+            learn_clip=self.learn_clip,
             v_bits=self.v_bits,
             v_clip_ratio=resolve_clip(self.kv_clip_ratio, self.v_bits, QUAROT_KV_CLIP),
             w_bits=self.train_w_bits,
@@ -128,7 +134,7 @@ class LearnRotateRecipe(Recipe):
                 f"calibration samples have {calibration.shape[1]}"
             )
 
-    def apply(self, model, context: QuantizeContext) -> None:
+    def apply(self, model, context: QuantizeContext) -> dict[str, dict[str, float]] | None:
         self.check_model(model, context)
         report = rotate_model(
             model,
@@ -141,7 +147,7 @@ class LearnRotateRecipe(Recipe):
         resume = None
         if context.resume_dir is not None:
             resume = Path(context.resume_dir) / NESTED_DIRECTORIES[0]
-        model.lowbit_rotation_training = train_rotations(
+        training = model.lowbit_rotation_training = train_rotations(
             model,
             rotations,
             context.calibration,
@@ -153,3 +159,18 @@ class LearnRotateRecipe(Recipe):
         fuse_learned_rotations(model, rotations)
         report.residual += " x learned R1" + (", learned R2 per head" if self.learn_heads else "")
         context.transformed(model)
+        return _clip_overrides(model, training.clip_ratios) or None
+
+
+def _clip_overrides(model, clip_ratios: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Learned clips (per layer ``{point: ratio}``, a training report's ``clip_ratios``) as
+    per-layer ``a_clip_ratio`` settings, ``{linear's name: {"a_clip_ratio": ratio}}``."""
+    if not clip_ratios:
+        return {}
+    names = {module: name for name, module in model.named_modules()}
+    overrides = {}
+    for view, ratios in zip(adapter_for(model).blocks(), clip_ratios, strict=True):
+        for point, ratio in ratios.items():
+            for linear in ACTIVATION_POINTS[point]:
+                overrides[names[getattr(view, linear)]] = {"a_clip_ratio": ratio}
+    return overrides

@@ -41,6 +41,7 @@ from lowbit.transforms.hadamard import has_hadamard, random_hadamard_matrix
 from lowbit.transforms.rotate import _assign, rotate_residual
 
 __all__ = [
+    "ACTIVATION_POINTS",
     "LearnedRotations",
     "cayley",
     "fuse_learned_rotations",
@@ -50,6 +51,16 @@ __all__ = [
 ]
 
 Quantizer = Callable[[Tensor], Tensor]
+#: ``activation(x, layer, point)``: a quantization point's input quantized
+PointQuantizer = Callable[[Tensor, int, str], Tensor]
+
+#: each kind of activation quantization point of a block -> the linears whose input it is
+ACTIVATION_POINTS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),  # the input norm's output
+    "gate_up": ("gate_proj", "up_proj"),  # the post-attention norm's output
+    "o_proj": ("o_proj",),
+    "down_proj": ("down_proj",),  # after its online transform
+}
 
 
 def cayley(x: Tensor) -> Tensor:
@@ -159,7 +170,7 @@ def quantized_in_rotated_basis(
     model: nn.Module,
     rotations: LearnedRotations,
     *,
-    activation: Quantizer | None,
+    activation: PointQuantizer | None,
     value: Quantizer | None,
     weight: Quantizer | None = None,
 ) -> Iterator[Callable[[], contextlib.AbstractContextManager]]:
@@ -176,7 +187,8 @@ def quantized_in_rotated_basis(
     Args:
         model: a model rotated by ``rotate_model`` (online transforms in place), in float.
         rotations: the learnable transforms.
-        activation: quantizer of a linear's input, ``[..., features] -> same`` (None: off).
+        activation: quantizer of a linear's input, ``activation(x, layer, point)`` with x
+            [..., features] and point a key of :data:`ACTIVATION_POINTS` (None: off).
         value: quantizer of one head's values, ``[..., D] -> same`` (None: off).
         weight: quantizer of a block linear's weight ``[out, in]`` as the fused model holds it
             (rows quantized in R1's and R2's basis, then rotated back), or None (float
@@ -200,11 +212,14 @@ def quantized_in_rotated_basis(
         if rotations.learns_heads:
             state["r2"] = rotations.heads()
 
-    def residual_point(module, args, out):  # norm output [B, S, hidden]
-        if state["paused"]:
-            return None
-        r1 = state["r1"]
-        return activation(out @ r1) @ r1.T
+    def residual_point(index: int, point: str):
+        def hook(module, args, out):  # norm output [B, S, hidden]
+            if state["paused"]:
+                return None
+            r1 = state["r1"]
+            return activation(out @ r1, index, point) @ r1.T
+
+        return hook
 
     def value_point(index: int):
         def hook(module, args, out):  # v_proj output [B, S, kv · D]
@@ -225,7 +240,7 @@ def quantized_in_rotated_basis(
             (o,) = args
             r2 = state["r2"][index] if rotations.learns_heads else None
             rotated = (o if r2 is None else _per_head(o, r2)) @ t  # what the fused o_proj sees
-            back = activation(rotated) @ t.T
+            back = activation(rotated, index, "o_proj") @ t.T
             return (back if r2 is None else _per_head(back, r2.T),)  # o_proj applies T itself
 
         return hook
@@ -238,12 +253,13 @@ def quantized_in_rotated_basis(
             if activation is not None or weight is not None:
                 t = o_proj_transform_matrix(view.o_proj, width).float()  # [W, W]
             if activation is not None:
-                handles.append(view.input_norm.register_forward_hook(residual_point))
-                handles.append(view.post_attention_norm.register_forward_hook(residual_point))
+                norms = (view.input_norm, "qkv"), (view.post_attention_norm, "gate_up")
+                for norm, point in norms:
+                    handles.append(norm.register_forward_hook(residual_point(view.index, point)))
                 handles.append(view.o_proj.register_forward_pre_hook(o_point(view.index, t)))
                 saved[view.down_proj] = view.down_proj.act_quantizer  # after its online T
                 view.down_proj.act_quantizer = _FunctionModule(
-                    lambda x: x if state["paused"] else activation(x)
+                    lambda x, i=view.index: x if state["paused"] else activation(x, i, "down_proj")
                 )
             if value is not None:
                 handles.append(view.v_proj.register_forward_hook(value_point(view.index)))
