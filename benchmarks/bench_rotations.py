@@ -14,7 +14,7 @@ evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``) 
 evaluation text (first ``--pydoc-windows`` windows), so each calibration is also measured on
 the other corpus. The rotation is trained per calibration, bit setting and weight algorithm,
 with the weights float in the loop (``--train-w-bits 4``: the RTN rows' weights quantized in the
-loop); rows whose loop is the same share one training (the second row's "train s" says it
+loop; at W4A16, where nothing else is quantized, every learned row's weights are); rows whose loop is the same share one training (the second row's "train s" says it
 resumed at the last step). Rows print as they finish.
 """
 
@@ -57,11 +57,10 @@ ROTATIONS = ("rotate", "learn-rotate", "learn-rotate-clip")
 def recipe_for(rotation: str, weights: str, bits: str, args):
     """One row's composed recipe with QuaRot's quantizer settings (the quarot recipe's: MSE
     weight clip, activations clipped at 0.9 at 4 bits, KV asymmetric with keys rotated after
-    RoPE), or None for a learned rotation with nothing in its loop (W4A16)."""
+    RoPE); a learned rotation at W4A16 has its weights in the loop (4 bits), nothing else to
+    learn for."""
     a_bits, kv_bits = BITS[bits]
     learned = rotation.startswith("learn-rotate")
-    if learned and a_bits == 16 and kv_bits == 16:
-        return None
     settings = {"w_bits": 4, "w_mse_clip": True, "a_bits": a_bits}
     settings["a_clip_ratio"] = 0.9 if a_bits <= 4 else 1.0
     parts = ["learn-rotate" if learned else rotation, weights]
@@ -72,6 +71,8 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
         settings.update(steps=args.steps, seqlen=args.train_seqlen)
         settings["learn_clip"] = rotation == "learn-rotate-clip"
         settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16
+        if a_bits == kv_bits == 16:  # weight-only: the weights are all the loop can see
+            settings["train_w_bits"] = 4
         if args.lr is not None:
             settings["lr"] = args.lr
         if args.train_loss is not None:
@@ -181,8 +182,6 @@ def main() -> None:
                 for weights in args.weights:
                     label = [bits, rotation, weights, calib]
                     recipe = recipe_for(rotation, weights, bits, args)
-                    if recipe is None:
-                        continue
                     # rows whose training is the same share it (the second resumes the first's)
                     loop_w_bits = recipe.parts[0].train_w_bits if rotation != "rotate" else 16
                     resume = work / f"{bits}-{calib}-{rotation}-w{loop_w_bits}"

@@ -125,8 +125,15 @@ def test_a_named_mix_types_every_tensor_by_llama_cpps_rules(shape, tokenizer, tm
     assert types >= ({"Q5_K", "Q4_K", "Q3_K"} if shape is SHAPE_256 else {"Q4_0", "Q5_1"})
 
 
-def test_rotated_model_exports_its_own_output_matrix(tokenizer, tmp_path):
-    model = _quantized("llama", tokenizer, "rotate+gguf", online=False, gguf_type="Q4_0")
+LEARNED_WEIGHT_ONLY = dict(a_bits=16, v_bits=16, train_w_bits=4, steps=3, lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("rotation", "settings"), [("rotate", {}), ("learn-rotate", LEARNED_WEIGHT_ONLY)]
+)
+def test_rotated_model_exports_its_own_output_matrix(tokenizer, tmp_path, rotation, settings):
+    recipe = f"{rotation}+gguf"
+    model = _quantized("llama", tokenizer, recipe, online=False, gguf_type="Q4_0", **settings)
     export_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer)
     _, tensors = _check_file(tmp_path / "m.gguf", model)
     assert tensors["output.weight"].tensor_type.name == "Q8_0"
@@ -160,6 +167,10 @@ def test_a_saved_packed_model_exports_the_same_blocks(tokenizer, tmp_path):
         (
             {"method": "compose", "parts": [{"method": "gguf"}, {"method": "kvquant"}]},
             "kvquant is not one of llama.cpp's block grids",
+        ),  # fmt: skip
+        (
+            {"method": "compose", "parts": [{"method": "learn-rotate"}, {"method": "gguf"}]},
+            "learn-rotate adds online Hadamards",
         ),  # fmt: skip
         ({"method": "rotate", "settings": {"online": False}}, "leaves the block linears in float"),
     ],

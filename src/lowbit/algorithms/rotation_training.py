@@ -180,10 +180,10 @@ class RotationTrainingSettings:
             )
         if self.loss not in LOSSES:
             raise LowbitError(f"rotation training loss must be one of {LOSSES}, not {self.loss!r}")
-        if self.a_bits == OFF_BITS and self.v_bits == OFF_BITS:
+        if self.a_bits == self.v_bits == self.w_bits == OFF_BITS:
             raise LowbitError(
-                "rotation training needs activations or values quantized in the loop "
-                "(a_bits or v_bits below 16): with neither there is nothing to learn"
+                "rotation training needs activations, values or weights quantized in the loop "
+                "(a_bits, v_bits or w_bits below 16): with none there is nothing to learn"
             )
 
 

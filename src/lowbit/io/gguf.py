@@ -44,12 +44,13 @@ def check_gguf_recipe(recipe: dict) -> None:
         method = part.get("method")
         if method == "gguf":
             continue
-        if method == "rotate" and (part.get("settings") or {}).get("online") is False:
+        rotation = method in ("rotate", "learn-rotate")
+        if rotation and (part.get("settings") or {}).get("online") is False:
             continue
-        if method == "rotate":
+        if rotation:
             raise LowbitError(
-                "rotate adds online Hadamards that a GGUF file cannot hold; use rotate with "
-                "--set online=false (the residual rotation alone) in front of gguf"
+                f"{method} adds online Hadamards that a GGUF file cannot hold; use {method} "
+                "with --set online=false (the residual rotation alone) in front of gguf"
             )
         raise LowbitError(
             f"recipe {'+'.join(methods)} has no GGUF form: {method} is not one of llama.cpp's "

@@ -68,6 +68,7 @@ class LearnRotateRecipe(Recipe):
 
     seed: Count = 0
     online_fp16: bool = False
+    online: bool = True
     learn_heads: bool = True
     a_bits: int = 4
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
@@ -93,10 +94,10 @@ class LearnRotateRecipe(Recipe):
             raise LowbitError(
                 f"learn-rotate train_loss must be one of {LOSSES}, not {self.train_loss!r}"
             )
-        if self.a_bits == OFF_BITS and self.v_bits == OFF_BITS:
+        if self.a_bits == self.v_bits == self.train_w_bits == OFF_BITS:
             raise LowbitError(
-                "learn-rotate needs a_bits or v_bits below 16: the rotation is learned for "
-                "the quantizers in the loop, and with none there is nothing to learn"
+                "learn-rotate needs a_bits, v_bits or train_w_bits below 16: the rotation is "
+                "learned for the quantizers in the loop, and with none there is nothing to learn"
             )
         seqlen_ok = self.seqlen is None or self.seqlen >= 2
         if self.steps < 1 or not seqlen_ok or self.save_every < 1 or not self.lr > 0:
@@ -140,6 +141,7 @@ class LearnRotateRecipe(Recipe):
             model,
             seed=self.seed,
             online_dtype=torch.float16 if self.online_fp16 else torch.float32,
+            online=self.online,
         )
         rotations = LearnedRotations.for_model(
             context.adapter, report.o_proj_hadamard, heads=self.learn_heads, seed=self.seed
