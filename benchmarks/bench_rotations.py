@@ -109,7 +109,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--train-loss", default=None, choices=["kl", "ce"],
-        help="learn-rotate's loss: KL to the float model or cross-entropy (its default)",
+        help="learn-rotate's loss: KL to the float model or cross-entropy (default: the recipe's)",
     )  # fmt: skip
     parser.add_argument("--jsonl", default=None, help="append one JSON object per row here")
     args = parser.parse_args()

@@ -11,6 +11,7 @@ from lowbit.errors import LowbitError
 from lowbit.models.adapter import adapter_for
 from lowbit.models.tiny import tiny_model
 from lowbit.transforms.learned_rotate import (
+    ACTIVATION_POINTS,
     LearnedRotations,
     cayley,
     fuse_learned_rotations,
@@ -37,6 +38,7 @@ SHAPES = {
         dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=48),
         {},
     ),
+    "llama-6x16-standard-graph": ("llama", {}, dict(online=False)),  # no online transforms
     "llama-47x4-random": (
         "llama",
         dict(num_attention_heads=47, num_key_value_heads=1, head_dim=4, hidden_size=188),
@@ -103,17 +105,26 @@ def test_fused_learned_rotations_keep_the_function(name):
     assert not torch.allclose(adapter_for(model).block(0).v_proj.weight, v_before)
 
 
-@pytest.mark.parametrize("name", ["llama-6x16-gqa3-full-tied", "qwen2-8x8-factorized-bias"])
+@pytest.mark.parametrize(
+    "name", ["llama-6x16-gqa3-full-tied", "qwen2-8x8-factorized-bias", "llama-6x16-standard-graph"]
+)
 def test_training_hooks_quantize_what_the_fused_model_would(name):
     """Quantizers at the hooks' points of the *fused* model (rotations at the identity) give the
     logits that the hooks give on the unfused model with the learned rotations."""
     _, model, rotations = _rotated_with_random_rotations(name)
     ids = _tokens()
     quantize = functools.partial(ste_fake_quant, bits=6, symmetric=True, clip_ratio=0.9)
-    act = lambda x, layer, point: quantize(x)  # noqa: E731  the same at every point
+    seen = set()
+
+    def act(x, layer, point):  # the same at every point
+        seen.add((layer, point))
+        return quantize(x)
+
     val = functools.partial(ste_fake_quant, bits=6, symmetric=False)
     with quantized_in_rotated_basis(model, rotations, activation=act, value=val):
         trained_view = _logits(model, ids)
+    layers = range(adapter_for(model).num_layers)
+    assert seen == {(layer, point) for layer in layers for point in ACTIVATION_POINTS}
     with quantized_in_rotated_basis(model, rotations, activation=None, value=None):
         float_view = _logits(model, ids)
 

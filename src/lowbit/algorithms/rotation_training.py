@@ -2,9 +2,9 @@
 
 The model is QuaRot's (``rotate_model`` done); :mod:`lowbit.transforms.learned_rotate` shows
 it the fused model's quantization points (inputs of every block linear, values per head) in
-the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
-next-token cross-entropy (or the KL divergence from the float model's next-token distribution)
-on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited in order. Adam
+the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising the
+KL divergence from the float model's next-token distribution (or SpinQuant's next-token
+cross-entropy) on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited in order. Adam
 trains the Cayley parameters; the model's weights stay frozen.
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric) and values
@@ -141,10 +141,10 @@ class RotationTrainingSettings:
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float
             weights, as for GPTQ afterwards; 4 for round-to-nearest weights after).
-        loss: ``"ce"``, SpinQuant's next-token cross-entropy on the calibration tokens, or
-            ``"kl"``, the KL divergence from the float model's next-token distribution (a
+        loss: ``"kl"``, the KL divergence from the float model's next-token distribution (a
             second forward pass each step, without gradient), which measures only what the
-            quantizers change, not the text's own uncertainty.
+            quantizers change, not the text's own uncertainty; or ``"ce"``, SpinQuant's
+            next-token cross-entropy on the calibration tokens.
         save_every: steps between resume states (with a resume directory).
         bf16: run the model's matrix products in bfloat16 (CPU autocast); weights stay as
             they are.
@@ -160,7 +160,7 @@ class RotationTrainingSettings:
     v_bits: int = 4
     v_clip_ratio: float = 0.95
     w_bits: int = OFF_BITS
-    loss: str = "ce"
+    loss: str = "kl"
     save_every: int = 10
     bf16: bool = False
 

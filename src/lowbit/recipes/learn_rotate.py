@@ -76,7 +76,7 @@ class LearnRotateRecipe(Recipe):
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
     train_w_bits: int = OFF_BITS  # weights in the loop (for RTN weights after); 16: float
-    train_loss: str = "ce"  # SpinQuant's cross-entropy, or "kl" to the float model
+    train_loss: str = "kl"  # KL to the float model, or SpinQuant's cross-entropy "ce"
     steps: Count = 100
     seqlen: Count | None = None  # DEFAULT_SEQLEN, or the calibration samples' length if shorter
     lr: float = 5e-5

@@ -61,8 +61,8 @@ SETTINGS: dict[str, str] = {
     "about this much a step, and R1 has hidden² of them: keep it small)",
     "train_w_bits": "learn-rotate: weights in the training loop, per channel (4 for RTN "
     "weights after; 16: float, as for GPTQ)",
-    "train_loss": "learn-rotate: what the loop minimises: ce, next-token cross-entropy "
-    "(SpinQuant's), or kl, the KL divergence from the float model's next-token distribution",
+    "train_loss": "learn-rotate: what the loop minimises: kl, the KL divergence from the float "
+    "model's next-token distribution, or ce, next-token cross-entropy (SpinQuant's)",
     "learn_clip": "learn-rotate: learn one activation clip ratio per layer and kind of point "
     "(q/k/v, gate/up, o_proj and down_proj inputs) beside the rotations, starting at "
     "a_clip_ratio, and hand them to the weight part that follows",

@@ -257,10 +257,17 @@ def quantized_in_rotated_basis(
                 for norm, point in norms:
                     handles.append(norm.register_forward_hook(residual_point(view.index, point)))
                 handles.append(view.o_proj.register_forward_pre_hook(o_point(view.index, t)))
-                saved[view.down_proj] = view.down_proj.act_quantizer  # after its online T
-                view.down_proj.act_quantizer = _FunctionModule(
+                down = view.down_proj
+                quantize = _FunctionModule(
                     lambda x, i=view.index: x if state["paused"] else activation(x, i, "down_proj")
                 )
+                if hasattr(down, "act_quantizer"):  # after its online transform
+                    saved[down] = down.act_quantizer
+                    down.act_quantizer = quantize
+                else:  # a plain linear (no online transform): its input is what it multiplies
+                    handles.append(
+                        down.register_forward_pre_hook(lambda m, args, q=quantize: (q(args[0]),))
+                    )
             if value is not None:
                 handles.append(view.v_proj.register_forward_hook(value_point(view.index)))
             if weight is not None:
