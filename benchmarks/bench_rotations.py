@@ -5,16 +5,16 @@
 
 For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration text; both
 ``--calib-samples`` x 2048 tokens drawn with seed 0) and each bit setting: QuaRot's rotation
-(``rotate``) and the learned one (``learn-rotate``, trained on that calibration text;
-``learn-rotate-clip`` with ``learn_clip``, one activation clip learned per layer and point), each with
-RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's settings: symmetric
-per-channel weights with the MSE clip, per-token activations clipped at 0.9 and a KV cache
-clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE). Every model is
-evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``) and the pydoc
-evaluation text (first ``--pydoc-windows`` windows), so each calibration is also measured on
-the other corpus. The rotation is trained per calibration, bit setting and weight algorithm,
-with the weights float in the loop (``--train-w-bits 4``: the RTN rows' weights quantized in the
-loop; at W4A16, where nothing else is quantized, every learned row's weights are); rows whose loop is the same share one training (the second row's "train s" says it
+(``rotate``) and the learned one, trained on that calibration text (``learn-rotate``: R1 and R2
+alone; ``learn-rotate-clip``: with ``learn_clip``, one activation clip learned per layer and
+point), each with RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's settings:
+symmetric per-channel weights with the MSE clip, per-token activations clipped at 0.9 unless
+learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE).
+Every model is evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``)
+and the pydoc evaluation text (first ``--pydoc-windows`` windows), so each calibration is also
+measured on the other corpus. The weights stay float in the training loop (``--train-w-bits
+4``: the RTN rows' weights are quantized there; at W4A16, where nothing else is, every learned
+row's are); rows whose loop is the same share one training (the second row's "train s" says it
 resumed at the last step). Rows print as they finish.
 """
 

@@ -2,10 +2,10 @@
 
 The model is QuaRot's (``rotate_model`` done); :mod:`lowbit.transforms.learned_rotate` shows
 it the fused model's quantization points (inputs of every block linear, values per head) in
-the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising the
-KL divergence from the float model's next-token distribution (or SpinQuant's next-token
-cross-entropy) on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited in order. Adam
-trains the Cayley parameters; the model's weights stay frozen.
+the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
+the KL divergence from the float model's next-token distribution (or SpinQuant's next-token
+cross-entropy) on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited
+in order. Adam trains the Cayley parameters; the model's weights stay frozen.
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric) and values
 (per token and head, asymmetric) are quantized; weights stay float (GPTQ
@@ -97,6 +97,9 @@ def ste_fake_quant(x: Tensor, bits: int, *, symmetric: bool, clip_ratio: float =
     return out.to(x.dtype)
 
 
+_POINT_COLUMN = {point: i for i, point in enumerate(ACTIVATION_POINTS)}  # LearnedClips' columns
+
+
 class LearnedClips(nn.Module):
     """One activation clip ratio per layer and kind of point, ``sigmoid(logit)`` in (0, 1).
 
@@ -112,11 +115,10 @@ class LearnedClips(nn.Module):
         logit = math.log(start / (1 - start))
         shape = (num_layers, len(ACTIVATION_POINTS))
         self.logits = nn.Parameter(torch.full(shape, logit, device=device))  # [L, P]
-        self.column = {point: i for i, point in enumerate(ACTIVATION_POINTS)}
 
     def ratio(self, layer: int, point: str) -> Tensor:
         """The clip ratio of ``point`` in ``layer`` (a 0-dim tensor that carries gradient)."""
-        return torch.sigmoid(self.logits[layer, self.column[point]])
+        return torch.sigmoid(self.logits[layer, _POINT_COLUMN[point]])
 
     def ratios(self) -> list[dict[str, float]]:
         """Per layer, ``{point: ratio}``."""
@@ -292,9 +294,10 @@ def train_rotations(
     if settings.learn_clip and settings.a_bits != OFF_BITS:
         layers = adapter_for(model).num_layers
         clips = LearnedClips(layers, settings.a_clip_ratio, device=device)
-    trained = nn.ModuleDict({"rotations": rotations, **({"clips": clips} if clips else {})})
+    trained = nn.ModuleDict({"rotations": rotations})  # what the resume state holds
     groups = [{"params": list(rotations.parameters()), "lr": settings.lr}]
     if clips is not None:
+        trained["clips"] = clips
         groups.append({"params": [clips.logits], "lr": settings.clip_lr})
     optimizer = torch.optim.Adam(groups)
     report = RotationTrainingReport(steps=settings.steps)
