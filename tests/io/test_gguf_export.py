@@ -203,18 +203,25 @@ def test_cli_exports_from_a_recipe_in_another_process(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family, gguf_type, pure",
-    [(family, "Q4_0", False) for family in FAMILIES]
-    + [("llama", t, False) for t in ("Q8_0", "Q5_0", "Q5_1", "Q4_1", "IQ4_NL")]
+    "family, gguf_type, pure, rotation",
+    [(family, "Q4_0", False, None) for family in FAMILIES]
+    + [("llama", t, False, None) for t in ("Q8_0", "Q5_0", "Q5_1", "Q4_1", "IQ4_NL")]
     # the mixes: every K type among their tensors, the output matrix on Q6_K (lowbit's own
     # logits come from the float output matrix; a pure Q2_K one moves them by 0.4)
-    + [("llama", t, False) for t in K_TYPES],
+    + [("llama", t, False, None) for t in K_TYPES]
+    # a learned rotation fused into a standard graph
+    + [("llama", "Q4_0", False, "learn-rotate")],
 )
-def test_llama_cpp_loads_and_runs_the_export(family, gguf_type, pure, tokenizer, tmp_path):
+def test_llama_cpp_loads_and_runs_the_export(
+    family, gguf_type, pure, rotation, tokenizer, tmp_path
+):
     llama_cpp = pytest.importorskip("llama_cpp")
     shape = SHAPE_256 if "K" in gguf_type else SHAPE
-    model = _quantized(family, tokenizer, shape=shape, gguf_type=gguf_type, pure=pure,
-                       w_algo="rtn")  # fmt: skip
+    recipe, settings = "gguf", {}
+    if rotation is not None:
+        recipe, settings = f"{rotation}+gguf", dict(online=False, **LEARNED_WEIGHT_ONLY)
+    model = _quantized(family, tokenizer, recipe, shape=shape, gguf_type=gguf_type, pure=pure,
+                       w_algo="rtn", **settings)  # fmt: skip
     export_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer)
     ids = torch.randint(3, len(tokenizer), (24,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
