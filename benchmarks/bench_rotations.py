@@ -7,9 +7,11 @@ For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration 
 ``--calib-samples`` x 2048 tokens drawn with seed 0) and each bit setting: QuaRot's rotation
 (``rotate``) and the learned one, trained on that calibration text (``learn-rotate``: R1 and R2
 alone; ``learn-rotate-clip``: with ``learn_clip``, one activation clip learned per layer and
-point), each with RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's settings:
-symmetric per-channel weights with the MSE clip, per-token activations clipped at 0.9 unless
-learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after RoPE).
+point; ``learn-rotate-scale``: with the clips and ``learn_scale``, a scale per channel of each
+down_proj input), each with RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's
+settings: symmetric per-channel weights with the MSE clip, per-token activations clipped at 0.9
+unless learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after
+RoPE).
 Every model is evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``)
 and the pydoc evaluation text (first ``--pydoc-windows`` windows), so each calibration is also
 measured on the other corpus. The weights stay float in the training loop (``--train-w-bits
@@ -51,7 +53,7 @@ from lowbit.recipes.registry import get_recipe  # noqa: E402
 #: bit setting -> (activation bits, KV bits; 16 = off); weights are 4-bit in every row
 BITS = {"W4A4KV4": (4, 4), "W4A8KV4": (8, 4), "W4A16": (16, 16)}
 #: the rotations' rows, in order
-ROTATIONS = ("rotate", "learn-rotate", "learn-rotate-clip")
+ROTATIONS = ("rotate", "learn-rotate", "learn-rotate-clip", "learn-rotate-scale")
 
 
 def recipe_for(rotation: str, weights: str, bits: str, args):
@@ -69,8 +71,10 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
         settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
     if learned:
         settings.update(steps=args.steps, seqlen=args.train_seqlen)
-        settings["learn_clip"] = rotation == "learn-rotate-clip"
+        settings["learn_clip"] = rotation in ("learn-rotate-clip", "learn-rotate-scale")
+        settings["learn_scale"] = rotation == "learn-rotate-scale"
         settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16
+        settings["v_bits"] = kv_bits  # the loop's values quantized as the deployed cache's
         if a_bits == kv_bits == 16:  # weight-only: the weights are all the loop can see
             settings["train_w_bits"] = 4
         if args.lr is not None:

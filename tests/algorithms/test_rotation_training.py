@@ -36,12 +36,17 @@ def test_ste_fake_quant_matches_the_format_and_passes_gradients(symmetric, clip)
     assert not torch.allclose(x.grad[0], torch.arange(33.0))
 
 
-def _setup(seed=0):
+def _setup(seed=0, scales=False, outliers=False):
     torch.manual_seed(seed)
     model = tiny_model("llama")
+    if outliers:  # a few loud channels into every down_proj, the same function
+        with torch.no_grad():
+            for view in adapter_for(model).blocks():
+                view.up_proj.weight[:4] *= 30.0
+                view.down_proj.weight[:, :4] /= 30.0
     report = rotate_model(model)
     adapter = adapter_for(model)
-    rotations = LearnedRotations.for_model(adapter, report.o_proj_hadamard)
+    rotations = LearnedRotations.for_model(adapter, report.o_proj_hadamard, scales=scales)
     return model, rotations
 
 
@@ -148,13 +153,13 @@ def test_learned_clips_lower_the_in_loop_kl_beyond_the_rotations():
     assert with_clips < 0.9 * rotations_only
 
 
-@pytest.mark.parametrize("learn_clip", [False, True])
-def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip):
+@pytest.mark.parametrize(("learn_clip", "scales"), [(False, False), (True, True)])
+def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip, scales):
     settings = RotationTrainingSettings(steps=7, save_every=3, learn_clip=learn_clip, **SETTINGS)
-    model, straight = _setup()
+    model, straight = _setup(scales=scales)
     expected = train_rotations(model, straight, CALIBRATION, settings)
 
-    model, rotations = _setup()
+    model, rotations = _setup(scales=scales)
 
     def interrupt(step, loss):
         if step == 4:  # after the state of step 3 was saved, before that of step 6
@@ -164,7 +169,7 @@ def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip):
         train_rotations(
             model, rotations, CALIBRATION, settings, resume_dir=tmp_path, on_step=interrupt
         )
-    model, resumed = _setup()  # a new process would start from scratch
+    model, resumed = _setup(scales=scales)  # a new process would start from scratch
     report = train_rotations(model, resumed, CALIBRATION, settings, resume_dir=tmp_path)
 
     assert report.resumed_from == 3
@@ -172,6 +177,24 @@ def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip):
     assert report.clip_ratios == expected.clip_ratios and bool(report.clip_ratios) == learn_clip
     for got, want in zip(resumed.parameters(), straight.parameters(), strict=True):
         assert torch.equal(got, want)
+    if scales:  # S trained too, and came back from the resume state (compared above)
+        assert resumed.down_log_scales.abs().max() > 0
+
+
+def test_learned_down_scales_lower_the_in_loop_kl_beyond_the_rotations():
+    kl = {**SETTINGS, "loss": "kl", "lr": 3e-3}
+    settings = RotationTrainingSettings(steps=24, scale_lr=5e-2, **kl)
+    model, rotations = _setup(outliers=True)
+    train_rotations(model, rotations, CALIBRATION, settings)
+    rotations_only = _in_loop_kl(model, rotations)
+    model, rotations = _setup(scales=True, outliers=True)
+    train_rotations(model, rotations, CALIBRATION, settings)
+    scales = rotations.down_scales()  # [L, intermediate]
+    assert scales.shape == (adapter_for(model).num_layers, adapter_for(model).intermediate_size)
+    with_scales = _in_loop_kl(model, rotations)
+    assert (scales[:, :4] > 1.5).all()  # the loud channels are divided down
+    # measured: 0.00217 with the rotations alone, 0.00166 with S (loud channels' s 2.0-2.6)
+    assert with_scales < 0.9 * rotations_only
 
 
 def test_a_resume_directory_of_another_run_is_refused(tmp_path):

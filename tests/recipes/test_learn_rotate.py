@@ -24,18 +24,24 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize(
-    ("family", "overrides"),
+    ("family", "overrides", "learn_scale"),
     [
-        ("llama", {}),
-        ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1)),
-        ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_size=64)),
+        ("llama", {}, False),
+        ("llama", {}, True),
+        ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1), False),
+        (
+            "qwen2",
+            dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_size=64),
+            True,
+        ),
     ],
 )
-def test_learned_rotation_alone_keeps_the_function(family, overrides):
+def test_learned_rotation_alone_keeps_the_function(family, overrides, learn_scale):
     model = tiny_model(family, **overrides)
     original = copy.deepcopy(model)
     ids = CALIBRATION[:2, :21]
-    lowbit.quantize(model, get_recipe("learn-rotate", **TINY), calibration=CALIBRATION)
+    recipe = get_recipe("learn-rotate", learn_scale=learn_scale, **TINY)
+    lowbit.quantize(model, recipe, calibration=CALIBRATION)
 
     reference, got = _logits(original, ids), _logits(model, ids)
     p = reference.log_softmax(-1)
@@ -45,6 +51,7 @@ def test_learned_rotation_alone_keeps_the_function(family, overrides):
     training = model.lowbit_rotation_training
     assert training.steps == 6 and len(training.losses) == 6
     assert "learned R1" in model.lowbit_rotation.residual
+    assert ("down_proj input scales" in model.lowbit_rotation.residual) == learn_scale
     # the rotation moved: not QuaRot's weights
     quarot = copy.deepcopy(original)
     lowbit.quantize(quarot, "rotate")

@@ -67,7 +67,7 @@ def _rotated_with_random_rotations(name, seed=3):
     original = copy.deepcopy(model)
     report = rotate_model(model, **options)
     adapter = adapter_for(model)
-    rotations = LearnedRotations.for_model(adapter, report.o_proj_hadamard)
+    rotations = LearnedRotations.for_model(adapter, report.o_proj_hadamard, scales=True)
     with torch.no_grad():  # far from the identity: a real rotation, not a perturbation
         generator = torch.Generator().manual_seed(seed)
         for param in rotations.parameters():
@@ -91,6 +91,7 @@ def test_fused_learned_rotations_keep_the_function(name):
     reference = _logits(original, ids)
     rotated = {n: type(m) for n, m in model.named_modules()}
     v_before = adapter_for(model).block(0).v_proj.weight.clone()
+    up_norms = adapter_for(model).block(0).up_proj.weight.norm(dim=1)  # R1 keeps them, S not
 
     with quantized_in_rotated_basis(model, rotations, activation=None, value=lambda v: v):
         hooked = _logits(model, ids)  # a value point that does not quantize: exact
@@ -103,6 +104,7 @@ def test_fused_learned_rotations_keep_the_function(name):
     assert _kl(reference, fused) < 1e-4
     assert {n: type(m) for n, m in model.named_modules()} == rotated  # QuaRot's structure
     assert not torch.allclose(adapter_for(model).block(0).v_proj.weight, v_before)
+    assert not torch.allclose(adapter_for(model).block(0).up_proj.weight.norm(dim=1), up_norms)
 
 
 @pytest.mark.parametrize(

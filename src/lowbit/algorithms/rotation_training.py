@@ -5,7 +5,8 @@ it the fused model's quantization points (inputs of every block linear, values p
 the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
 the KL divergence from the float model's next-token distribution (or SpinQuant's next-token
 cross-entropy) on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited
-in order. Adam trains the Cayley parameters; the model's weights stay frozen.
+in order. Adam trains the Cayley parameters (and down_proj's input scales, when the
+rotations hold them); the model's weights stay frozen.
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric) and values
 (per token and head, asymmetric) are quantized; weights stay float (GPTQ
@@ -140,6 +141,7 @@ class RotationTrainingSettings:
         learn_clip: learn one activation clip ratio per layer and kind of point, starting at
             ``a_clip_ratio`` (with a_bits below 16).
         clip_lr: Adam's learning rate on the clip ratios' logits.
+        scale_lr: Adam's learning rate on down_proj's log input scales (when learned).
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float
             weights, as for GPTQ afterwards; 4 for round-to-nearest weights after).
@@ -159,6 +161,7 @@ class RotationTrainingSettings:
     a_clip_ratio: float = 0.9
     learn_clip: bool = False
     clip_lr: float = 3e-2
+    scale_lr: float = 1e-2
     v_bits: int = 4
     v_clip_ratio: float = 0.95
     w_bits: int = OFF_BITS
@@ -169,11 +172,12 @@ class RotationTrainingSettings:
     def check(self, calibration: Tensor | None) -> None:
         if calibration is None:
             raise LowbitError("training rotations needs calibration tokens ([N, S] ids)")
-        if self.steps < 1 or self.save_every < 1 or self.lr <= 0 or self.clip_lr <= 0:
+        rates = {"lr": self.lr, "clip_lr": self.clip_lr, "scale_lr": self.scale_lr}
+        if self.steps < 1 or self.save_every < 1 or min(rates.values()) <= 0:
             raise LowbitError(
-                f"rotation training needs steps >= 1, save_every >= 1, lr > 0 and clip_lr > 0, "
-                f"not steps={self.steps}, save_every={self.save_every}, lr={self.lr}, "
-                f"clip_lr={self.clip_lr}"
+                f"rotation training needs steps >= 1, save_every >= 1 and positive learning "
+                f"rates, not steps={self.steps}, save_every={self.save_every}, "
+                + ", ".join(f"{name}={rate}" for name, rate in rates.items())
             )
         if not 2 <= self.seqlen <= calibration.shape[1]:
             raise LowbitError(
@@ -295,7 +299,9 @@ def train_rotations(
         layers = adapter_for(model).num_layers
         clips = LearnedClips(layers, settings.a_clip_ratio, device=device)
     trained = nn.ModuleDict({"rotations": rotations})  # what the resume state holds
-    groups = [{"params": list(rotations.parameters()), "lr": settings.lr}]
+    groups = [{"params": rotations.rotation_parameters(), "lr": settings.lr}]
+    if rotations.learns_scales:
+        groups.append({"params": [rotations.down_log_scales], "lr": settings.scale_lr})
     if clips is not None:
         trained["clips"] = clips
         groups.append({"params": [clips.logits], "lr": settings.clip_lr})

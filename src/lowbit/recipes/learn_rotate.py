@@ -73,6 +73,7 @@ class LearnRotateRecipe(Recipe):
     a_bits: int = 4
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
     learn_clip: bool = True  # learn a_clip_ratio per layer and point, from a_clip_ratio
+    learn_scale: bool = False  # learn a scale per channel of down_proj's input
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
     train_w_bits: int = OFF_BITS  # weights in the loop (for RTN weights after); 16: float
@@ -144,7 +145,11 @@ class LearnRotateRecipe(Recipe):
             online=self.online,
         )
         rotations = LearnedRotations.for_model(
-            context.adapter, report.o_proj_hadamard, heads=self.learn_heads, seed=self.seed
+            context.adapter,
+            report.o_proj_hadamard,
+            heads=self.learn_heads,
+            scales=self.learn_scale,
+            seed=self.seed,
         )
         resume = None
         if context.resume_dir is not None:
@@ -160,6 +165,7 @@ class LearnRotateRecipe(Recipe):
         )
         fuse_learned_rotations(model, rotations)
         report.residual += " x learned R1" + (", learned R2 per head" if self.learn_heads else "")
+        report.residual += ", learned down_proj input scales" if self.learn_scale else ""
         context.transformed(model)
         return _clip_overrides(model, training.clip_ratios) or None
 

@@ -66,6 +66,9 @@ SETTINGS: dict[str, str] = {
     "learn_clip": "learn-rotate: learn one activation clip ratio per layer and kind of point "
     "(q/k/v, gate/up, o_proj and down_proj inputs) beside the rotations, starting at "
     "a_clip_ratio, and hand them to the weight part that follows",
+    "learn_scale": "learn-rotate: learn a positive scale per channel of each down_proj input "
+    "beside the rotations (FlatQuant's and OSTQuant's smoothing; fused into up_proj's rows and "
+    "down_proj's weight, free at inference)",
     "save_every": "steps between resume states (with a resume directory)",
     "bf16": "train with the model's matrix products in bfloat16 (CPU autocast)",
     "gguf_type": "llama.cpp file type: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "

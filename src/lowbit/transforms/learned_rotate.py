@@ -13,7 +13,16 @@ function and change only what the quantizers see:
   ``W ← W Tᵀ D T`` (row vectors; ``T = I`` where o_proj has none). Its base is the per-head
   Hadamard B when QuaRot's o_proj path is ``"full"`` (values are not rotated there), else I.
 
-Both are the Cayley transform of a free parameter, ``R = base · (I + A)⁻¹ (I - A)`` with
+Optionally, a third transform that is not a rotation:
+
+* **S** [L, intermediate], a positive scale per channel of each down_proj input (the smoothing
+  that FlatQuant and OSTQuant learn beside their rotations): down_proj's input becomes
+  ``x / s`` ahead of its online transform T (up_proj's rows divided by s, exact because the
+  gate multiplies up's output channel by channel) and its weight ``W ← (W Tᵀ diag(s)) T``.
+  Down_proj's input is a point R1 and R2 do not reach; S trades its large channels' share of
+  the per-token scale against the error its weight columns then amplify. Free at inference.
+
+R1 and R2 are the Cayley transform of a free parameter, ``R = base · (I + A)⁻¹ (I - A)`` with
 ``A = X - Xᵀ``: every value of X gives an exactly orthogonal R (to float rounding; fusion
 evaluates it in float64), so any torch optimizer trains X with no retraction step and the
 training state is X and the optimizer's own state. X = 0 is QuaRot's model.
@@ -46,7 +55,7 @@ __all__ = [
     "cayley",
     "fuse_learned_rotations",
     "head_base_for",
-    "o_proj_transform_matrix",
+    "input_transform_matrix",
     "quantized_in_rotated_basis",
 ]
 
@@ -71,7 +80,8 @@ def cayley(x: Tensor) -> Tensor:
 
 
 class LearnedRotations(nn.Module):
-    """R1 and (optionally) one R2 per layer, as Cayley transforms of free parameters.
+    """R1 and (optionally) one R2 per layer, as Cayley transforms of free parameters, and
+    (optionally) down_proj's input scales S, as the exponential of free parameters.
 
     Args:
         hidden_size: residual width (R1 is hidden × hidden).
@@ -79,6 +89,7 @@ class LearnedRotations(nn.Module):
         num_layers: number of R2s.
         heads: learn R2 (False: values and the o_proj input are left as QuaRot has them).
         head_base: R2's base [head_dim, head_dim] (None: the identity).
+        down_width: down_proj's input width, to learn S (0: S is not learned).
         device: where the parameters are made (the model's device).
     """
 
@@ -90,6 +101,7 @@ class LearnedRotations(nn.Module):
         *,
         heads: bool = True,
         head_base: Tensor | None = None,
+        down_width: int = 0,
         device: torch.device | None = None,
     ):
         super().__init__()
@@ -97,6 +109,8 @@ class LearnedRotations(nn.Module):
         self.residual_param = nn.Parameter(zeros)  # X1 [n, n]
         shape = (num_layers, head_dim, head_dim) if heads else (0, head_dim, head_dim)
         self.head_params = nn.Parameter(torch.zeros(shape, device=device))  # X2 [L, D, D]
+        shape = (num_layers if down_width else 0, down_width)
+        self.down_log_scales = nn.Parameter(torch.zeros(shape, device=device))  # log S [L, I]
         if head_base is None:
             head_base = torch.eye(head_dim, dtype=torch.float64, device=device)
         base = head_base.to(device=device, dtype=torch.float64)
@@ -104,11 +118,17 @@ class LearnedRotations(nn.Module):
 
     @classmethod
     def for_model(
-        cls, adapter: DecoderAdapter, o_proj_path: str, *, heads: bool = True, seed: int = 0
+        cls,
+        adapter: DecoderAdapter,
+        o_proj_path: str,
+        *,
+        heads: bool = True,
+        scales: bool = False,
+        seed: int = 0,
     ) -> LearnedRotations:
-        """Rotations for a model QuaRot has rotated (``o_proj_path``: its report's
+        """Transforms for a model QuaRot has rotated (``o_proj_path``: its report's
         ``o_proj_hadamard``), starting at the identity on top of QuaRot's rotation, on the
-        model's device."""
+        model's device; ``scales``: learn S too."""
         device = adapter.embed_tokens.weight.device
         return cls(
             adapter.hidden_size,
@@ -116,12 +136,21 @@ class LearnedRotations(nn.Module):
             adapter.num_layers,
             heads=heads,
             head_base=head_base_for(adapter, o_proj_path, seed=seed, device=device),
+            down_width=adapter.intermediate_size if scales else 0,
             device=device,
         )
 
     @property
     def learns_heads(self) -> bool:
         return self.head_params.shape[0] > 0
+
+    @property
+    def learns_scales(self) -> bool:
+        return self.down_log_scales.shape[0] > 0
+
+    def rotation_parameters(self) -> list[nn.Parameter]:
+        """The Cayley parameters (X1, X2), apart from S's."""
+        return [self.residual_param, self.head_params]
 
     def residual(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """R1 [hidden, hidden]."""
@@ -131,16 +160,27 @@ class LearnedRotations(nn.Module):
         """R2 per layer [L, head_dim, head_dim] (empty when R2 is not learned)."""
         return self.head_base.to(dtype) @ cayley(self.head_params.to(dtype))
 
+    def down_scales(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """S per layer [L, intermediate] (empty when S is not learned)."""
+        return self.down_log_scales.to(dtype).exp()
 
-def o_proj_transform_matrix(o_proj: nn.Module, width: int) -> Tensor:
-    """The online transform ahead of o_proj as a float64 matrix T [width, width] (``x ↦ x T``);
-    the identity where o_proj has none (QuaRot's per-head path)."""
-    transform = getattr(o_proj, "input_transform", None)
-    eye = torch.eye(width, dtype=torch.float64, device=o_proj.weight.device)
+
+def _exact_transform(linear: nn.Module) -> nn.Module | None:
+    """The linear's online transform computing in its input's dtype (None: it has none)."""
+    transform = getattr(linear, "input_transform", None)
     if transform is None:
-        return eye
+        return None
     exact = type(transform).from_spec({**transform.spec(), "compute_dtype": None})
-    return exact.to(eye.device)(eye)  # row i: e_i T
+    return exact.to(linear.weight.device)
+
+
+def input_transform_matrix(linear: nn.Module, width: int) -> Tensor:
+    """The online transform ahead of a linear as a float64 matrix T [width, width]
+    (``x ↦ x T``); the identity where it has none (QuaRot's per-head o_proj path, a standard
+    graph)."""
+    eye = torch.eye(width, dtype=torch.float64, device=linear.weight.device)
+    transform = _exact_transform(linear)
+    return eye if transform is None else transform(eye)  # row i: e_i T
 
 
 def head_base_for(
@@ -181,8 +221,10 @@ def quantized_in_rotated_basis(
     Points: the inputs of q/k/v and gate/up (the two norms' outputs, in R1's basis), of o_proj
     (``T(o D)``) and of down_proj (its online transform's output), by ``activation``; values
     per head (``v R2``, [..., D]) by ``value``. Each is rotated, quantized and rotated back.
-    R1 and R2 are recomputed from the parameters on each forward pass, so a loss backpropagates
-    into them. Hooks are removed on exit.
+    With S, down_proj's input is divided by it and its weight takes S as the fused one does
+    (the exact online transform of ``W Tᵀ diag(s)``'s rows). R1, R2 and S are recomputed from
+    the parameters on each forward pass, so a loss backpropagates into them. Hooks are removed
+    on exit.
 
     Args:
         model: a model rotated by ``rotate_model`` (online transforms in place), in float.
@@ -211,6 +253,8 @@ def quantized_in_rotated_basis(
         state["r1"] = rotations.residual()
         if rotations.learns_heads:
             state["r2"] = rotations.heads()
+        if rotations.learns_scales:
+            state["s"] = rotations.down_scales()
 
     def residual_point(index: int, point: str):
         def hook(module, args, out):  # norm output [B, S, hidden]
@@ -245,13 +289,26 @@ def quantized_in_rotated_basis(
 
         return hook
 
-    saved, parametrized = {}, []
+    def scaled_input(index: int):
+        def hook(module, args):  # down_proj input [B, S, I], before its online transform
+            return None if state["paused"] else (args[0] / state["s"][index],)
+
+        return hook
+
+    saved, parametrized = {}, set()
     refresh(model, ())  # the parametrizations below are evaluated once when registered
     try:
         handles.append(model.register_forward_pre_hook(refresh))
         for view in adapter.blocks():
+            if rotations.learns_scales:  # first: the quantizers below see the scaled input
+                down = view.down_proj
+                handles.append(down.register_forward_pre_hook(scaled_input(view.index)))
+                parametrize.register_parametrization(
+                    down, "weight", _ScaledDown(down, state, view.index)
+                )
+                parametrized.add(down)
             if activation is not None or weight is not None:
-                t = o_proj_transform_matrix(view.o_proj, width).float()  # [W, W]
+                t = input_transform_matrix(view.o_proj, width).float()  # [W, W]
             if activation is not None:
                 norms = (view.input_norm, "qkv"), (view.post_attention_norm, "gate_up")
                 for norm, point in norms:
@@ -275,7 +332,7 @@ def quantized_in_rotated_basis(
                     parametrize.register_parametrization(
                         linear, "weight", _FusedWeight(weight, state, side, view.index, t)
                     )
-                    parametrized.append(linear)
+                    parametrized.add(linear)
         yield paused
     finally:
         for handle in handles:
@@ -323,6 +380,25 @@ class _FusedWeight(nn.Module):
         return (back if r2 is None else _per_head(back, r2.T)) @ self.t
 
 
+class _ScaledDown(nn.Module):
+    """down_proj's weight for an input divided by S, ``(W Tᵀ diag(s)) T``, with ``W Tᵀ`` (the
+    weight in the basis ahead of the online transform T) taken once: the weights are frozen."""
+
+    def __init__(self, down: nn.Module, state: dict, index: int):
+        super().__init__()
+        self.state, self.index = state, index
+        weight = down.weight.detach()  # [out, I]
+        t = input_transform_matrix(down, weight.shape[1])  # [I, I]
+        self.register_buffer("base", (weight.double() @ t.T).to(weight.dtype), persistent=False)
+        self.transform = _exact_transform(down)
+
+    def forward(self, w: Tensor) -> Tensor:
+        if self.state["paused"]:
+            return w
+        scaled = self.base * self.state["s"][self.index]  # [out, I]
+        return scaled if self.transform is None else self.transform(scaled)
+
+
 class _FunctionModule(nn.Module):
     """A function in a module slot (a linear's ``act_quantizer``) while training."""
 
@@ -336,8 +412,8 @@ class _FunctionModule(nn.Module):
 
 @torch.no_grad()
 def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> None:
-    """Fuse R1 and R2 into the weights, in place (float64 products): the model keeps QuaRot's
-    structure and online transforms, and computes the same function.
+    """Fuse R1, R2 and S into the weights, in place (float64 products): the model keeps
+    QuaRot's structure and online transforms, and computes the same function.
 
     Args:
         model: the model ``rotate_model`` rotated, still in float.
@@ -346,6 +422,8 @@ def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> Non
     adapter = _check_rotated(model)
     device = adapter.lm_head.weight.device
     rotate_residual(model, rotations.residual(torch.float64).to(device))
+    if rotations.learns_scales:
+        _fuse_down_scales(adapter, rotations.down_scales(torch.float64).to(device))
     if not rotations.learns_heads:
         return
     head_dim, width = adapter.head_dim, adapter.num_heads * adapter.head_dim
@@ -357,6 +435,18 @@ def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> Non
         _assign(view.v_proj.weight, (r2.T @ per_head).reshape(v_weight.shape))  # v ← v R2
         if view.v_proj.bias is not None:
             _assign(view.v_proj.bias, _per_head(view.v_proj.bias.detach().double(), r2))
-        t = o_proj_transform_matrix(view.o_proj, width)  # [W, W]
+        t = input_transform_matrix(view.o_proj, width)  # [W, W]
         o_weight = view.o_proj.weight.detach().to(torch.float64)  # [out, W]
         _assign(view.o_proj.weight, _per_head(o_weight @ t.T, r2) @ t)  # W Tᵀ D T
+
+
+def _fuse_down_scales(adapter: DecoderAdapter, scales: Tensor) -> None:
+    """Divide each up_proj's rows by S [L, I] and give down_proj the weight
+    ``(W Tᵀ diag(s)) T`` (float64)."""
+    for view, s in zip(adapter.blocks(), scales, strict=True):
+        up, down = view.up_proj, view.down_proj
+        _assign(up.weight, up.weight.detach().double() / s[:, None])  # [I, hidden]
+        if up.bias is not None:
+            _assign(up.bias, up.bias.detach().double() / s)
+        t = input_transform_matrix(down, s.shape[0])  # [I, I]
+        _assign(down.weight, (down.weight.detach().double() @ t.T * s) @ t)
