@@ -80,10 +80,34 @@ def test_composes_with_gptq_and_the_kv_cache_and_resumes(tmp_path):
     assert torch.equal(_logits(model, ids), _logits(again, ids))
 
 
+WEIGHT_ONLY = dict(a_bits=16, v_bits=16, train_w_bits=4)
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "bound"),
+    [  # measured KL to float: 1.7e-4, 8.6e-4, 5.5e-4
+        ("learn-rotate+spqr", WEIGHT_ONLY, 2e-3),
+        ("learn-rotate+mixed", WEIGHT_ONLY, 5e-3),
+        ("learn-rotate+gptq+kvquant", {}, 5e-3),
+    ],
+)
+def test_composes_with_spqr_mixed_and_kvquant(name, settings, bound):
+    model = tiny_model("llama")
+    original = copy.deepcopy(model)
+    recipe = get_recipe(name).with_settings(**settings, **TINY)
+    lowbit.quantize(model, recipe, calibration=CALIBRATION)
+    assert len(model.lowbit_rotation_training.losses) == TINY["steps"]
+    for view in adapter_for(model).blocks():  # QuaRot's online transform stays in front
+        assert isinstance(view.down_proj.input_transform, OnlineHadamard)
+    ids = CALIBRATION[:1, :32]
+    reference, got = _logits(original, ids), _logits(model, ids)
+    p = reference.log_softmax(-1)
+    kl = (p.exp() * (p - got.log_softmax(-1))).sum(-1).mean().item()
+    assert 0 < kl < bound
+
+
 def test_a_weight_only_composition_learns_with_the_weights_in_the_loop():
-    recipe = get_recipe("learn-rotate+gptq").with_settings(
-        a_bits=16, v_bits=16, train_w_bits=4, **TINY
-    )
+    recipe = get_recipe("learn-rotate+gptq").with_settings(**WEIGHT_ONLY, **TINY)
     model = tiny_model("llama")
     original = copy.deepcopy(model)
     lowbit.quantize(model, recipe, calibration=CALIBRATION)
@@ -95,7 +119,7 @@ def test_a_weight_only_composition_learns_with_the_weights_in_the_loop():
     reference, got = _logits(original, ids), _logits(model, ids)
     p = reference.log_softmax(-1)
     kl = (p.exp() * (p - got.log_softmax(-1))).sum(-1).mean().item()
-    assert 0 < kl < 5e-3  # 4-bit weights only; measured: 5.3e-4
+    assert 0 < kl < 5e-3  # 4-bit weights only; measured: 2.3e-4 (5.3e-4 without learn_scale)
 
 
 def test_learned_clips_reach_the_weight_part_under_the_users_overrides():

@@ -1,8 +1,10 @@
 """The ``learn-rotate`` recipe: QuaRot's rotation with R1 (residual) and R2 (per head) learned
 on the calibration text with the quantizers in the loop (SpinQuant, Liu et al., 2024), then
 fused, so the model leaves with QuaRot's structure and cost; quantizes nothing. With
-``learn_clip`` it also learns one activation clip ratio per layer and kind of point, which it
-hands to the weight part that follows (per-layer ``a_clip_ratio``): free at inference.
+``learn_scale`` it also learns a scale per channel of each down_proj input (fused into up_proj
+and down_proj), and with ``learn_clip`` one activation clip ratio per layer and kind of point,
+which it hands to the weight part that follows (per-layer ``a_clip_ratio``): both free at
+inference, both on by default.
 
 ``learn-rotate+gptq+kv-int``: the rotation is trained for the activation and value bits it
 is given (``a_bits``, ``v_bits``; a composition's ``--set a_bits=8`` reaches the weight part
@@ -73,12 +75,12 @@ class LearnRotateRecipe(Recipe):
     a_bits: int = 4
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
     learn_clip: bool = True  # learn a_clip_ratio per layer and point, from a_clip_ratio
-    learn_scale: bool = False  # learn a scale per channel of down_proj's input
+    learn_scale: bool = True  # learn a scale per channel of down_proj's input
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
     train_w_bits: int = OFF_BITS  # weights in the loop (for RTN weights after); 16: float
     train_loss: str = "kl"  # KL to the float model, or SpinQuant's cross-entropy "ce"
-    steps: Count = 100
+    steps: Count = 300
     seqlen: Count | None = None  # DEFAULT_SEQLEN, or the calibration samples' length if shorter
     lr: float = 5e-5
     save_every: Count = 10
