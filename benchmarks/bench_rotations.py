@@ -1,7 +1,7 @@
 """Learned rotations against QuaRot's random Hadamard on the embedded model, side by side.
 
     python benchmarks/bench_rotations.py --windows 8 --calib-samples 16 --calib wiki pydoc \
-        --bits W4A4KV4 [--steps 100 --train-seqlen 256]
+        --bits W4A4KV4 [--steps 300 --train-seqlen 256]
 
 For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration text; both
 ``--calib-samples`` x 2048 tokens drawn with seed 0) and each bit setting: QuaRot's rotation
@@ -91,11 +91,12 @@ def main() -> None:
     parser.add_argument("--calib", nargs="+", default=["wiki", "pydoc"], choices=["wiki", "pydoc"])
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--bits", nargs="+", default=["W4A4KV4"], choices=list(BITS))
-    parser.add_argument("--steps", type=int, default=100, help="learn-rotate training steps")
+    parser.add_argument("--steps", type=int, default=300, help="learn-rotate training steps")
     parser.add_argument("--train-seqlen", type=int, default=256)
     parser.add_argument(
-        "--rotations", nargs="+", default=["fp", "rotate", "learn-rotate"],
-        choices=["fp", *ROTATIONS], help="which rows to run (fp: the float row)",
+        "--rotations", nargs="+", default=["fp", "rotate", "learn-rotate-scale"],
+        choices=["fp", *ROTATIONS],
+        help="which rows to run (fp: the float row; learn-rotate-scale: the recipe's defaults)",
     )  # fmt: skip
     parser.add_argument(
         "--weights", nargs="+", default=["gptq", "rtn"], choices=["gptq", "rtn"],
