@@ -300,8 +300,8 @@ def quantized_in_rotated_basis(
     try:
         handles.append(model.register_forward_pre_hook(refresh))
         for view in adapter.blocks():
+            down = view.down_proj
             if rotations.learns_scales:  # first: the quantizers below see the scaled input
-                down = view.down_proj
                 handles.append(down.register_forward_pre_hook(scaled_input(view.index)))
                 parametrize.register_parametrization(
                     down, "weight", _ScaledDown(down, state, view.index)
@@ -314,7 +314,6 @@ def quantized_in_rotated_basis(
                 for norm, point in norms:
                     handles.append(norm.register_forward_hook(residual_point(view.index, point)))
                 handles.append(view.o_proj.register_forward_pre_hook(o_point(view.index, t)))
-                down = view.down_proj
                 quantize = _FunctionModule(
                     lambda x, i=view.index: x if state["paused"] else activation(x, i, "down_proj")
                 )
