@@ -5,7 +5,7 @@ prefill a fixed prompt into a transformers ``StaticCache``, then time ``--new-to
 steps (prefill excluded). tokens/s counts every sequence's tokens (batch x steps / seconds).
 With ``--compile`` each row is also run with ``model.forward = torch.compile(model.forward)``
 (default mode on CPU, ``reduce-overhead``, i.e. CUDA graphs, on GPU); a row whose compile
-fails says so and keeps its eager figures. Peak memory: on CPU the process's resident set
+fails says so and keeps its eager figures; ``--compiled-only`` skips the eager runs. Peak memory: on CPU the process's resident set
 sampled during decoding (after ``malloc_trim``, so quantization's freed memory is not counted),
 on GPU ``torch.cuda.max_memory_allocated`` during decoding.
 
@@ -531,6 +531,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rows", nargs="+", default=None, help="row labels (default: all)")
     parser.add_argument("--compile", action="store_true", help="also run each row compiled")
+    parser.add_argument(
+        "--compiled-only",
+        action="store_true",
+        help="run each row compiled only (on a GPU eager decoding measures Python, not kernels)",
+    )
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--llama-cpp-venv", default=str(LLAMA_CPP_VENV), metavar="PATH")
     parser.add_argument(
@@ -559,7 +564,7 @@ def main() -> None:
     rows = args.rows or list(CPU_ROWS if args.device == "cpu" else GPU_ROWS)
     results = []
     for row in rows:
-        modes = [False, True] if args.compile else [False]
+        modes = [True] if args.compiled_only else [False, True] if args.compile else [False]
         if "reference" in row:
             modes = [False]  # the reference dequantizes every call: compile is measured apart
         for compiled in modes:

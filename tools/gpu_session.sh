@@ -18,8 +18,9 @@
 #
 #   smoke       versions; every kernel compiled and launched once with tuning off against its
 #               torch reference, with the resources the driver loaded it with
-#               (tools/gpu_smoke.py). Stop here if anything fails. Smoke and int-4096 together:
-#               182 s on a fresh machine, compiles included.
+#               (tools/gpu_smoke.py), the 2/4/16 down projection first. Stop here if anything
+#               fails. Smoke and int-4096 together: 182 s on a fresh H200, compiles included;
+#               smoke alone over 90 s on a fresh H100 (give it 150)
 #   irregular   the kernel tests on irregular shapes (tests/kernels, compiled instead of
 #               interpreted) and every `gpu` test of tests/kernels: 46 tests in 60 s, not finished
 #   int-4096    bench_gemv, 4-bit g128 at M = 1, 16, 256, 2048 on 4096x4096 (tuning on; from
@@ -28,10 +29,12 @@
 #   int-28672   the same on 28672x8192
 #   spqr        bench_gemv --formats spqr at M = 1, 16 on 4096x4096 and 11008x4096: over 70 s
 #   mixed       bench_gemv --mixed at M = 1, 16 on 4096x4096 and 11008x4096: over 90 s
-#   decode      bench_decode on the 7B-shaped random Llama: fp16, W4 g128, 2/4/16: over 220 s
+#   decode      bench_decode on the 7B-shaped random Llama, compiled (CUDA graphs) only: fp16,
+#               W4 g128, 2/4/16 (with eager rows as well: over 240 s before W4 compiled)
 #   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
 #   tests       every `gpu` test of the repository: 41 tests in 95 s, not finished (second run:
-#               41 passed in 82 s, then the 2/4/16 kernel refused at 4096x11008)
+#               41 passed in 82 s, then the 2/4/16 kernel refused at 4096x11008; third, H100:
+#               41 passed in 120 s, the 42nd still running at the limit)
 #
 # STAGE:SECONDS stops a stage after SECONDS (its log so far is kept). With $OUT set, the logs
 # and tables are written under /tmp/lowbit-gpu and archived to $OUT/gpu.tgz after every stage
@@ -41,7 +44,9 @@
 #   bash tools/gpu_session.sh decode:220 int-11008:100 mixed:90 spqr:70 irregular:60
 # the second while the machine was still warm (30 s). The second run (same day) was
 #   bash tools/gpu_session.sh smoke:100 int-4096:110 tests:130 decode:210
-# (444 s; decode did not reach the compiled W4 row). Whatever the GPU measures goes to
+# (444 s; decode did not reach the compiled W4 row). The third (H100, same day) was
+#   bash tools/gpu_session.sh smoke:90 decode:240 int-11008:90 mixed:80 spqr:60 irregular:50
+# (546 s; every stage cut by its limit but int-11008), then tests:120 while warm. Whatever the GPU measures goes to
 # docs/results/ with the date and the device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,10 +105,10 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | 
         --shapes 4096x4096 11008x4096 --out "$dest/spqr_gemv_$stamp.md" ;;
     mixed) run mixed "$py" benchmarks/bench_gemv.py --device cuda --mixed --rows 1 16 \
         --formats 4:128 --shapes 4096x4096 11008x4096 --out "$dest/mixed_gemv_$stamp.md" ;;
-    decode) run decode "$py" benchmarks/bench_decode.py --device cuda --compile --cost \
+    decode) run decode "$py" benchmarks/bench_decode.py --device cuda --compiled-only --cost \
         --new-tokens 128 --rows fp16 "W4 g128 (GPTQ 4-bit format)" "2/4/16 mixed" \
         --out "$dest/decode_$stamp.md" ;;
-    decode-spqr) run decode-spqr "$py" benchmarks/bench_decode.py --device cuda --compile \
+    decode-spqr) run decode-spqr "$py" benchmarks/bench_decode.py --device cuda --compiled-only \
         --new-tokens 128 --rows fp16 "SpQR w3 1%" "SpQR w3 0%" --out "$dest/decode_spqr_$stamp.md" ;;
     tests) run tests "$py" -m pytest -q -p no:cacheprovider -m gpu tests ;;
     esac
