@@ -84,25 +84,27 @@ def kernel_variants(arch: int = 90):
     seen = set()
     for bits in (2, 3, 4, 8):
         for m in (1, 16):
-            for block_m, block_n, warps, _ in int_gemv._candidates(m, bits):
-                if (bits, block_m, block_n, warps) in seen:
+            for block_m, block_n, warps, _, stages in int_gemv._candidates(m, bits):
+                if (bits, block_m, block_n, warps, stages) in seen:
                     continue
-                seen.add((bits, block_m, block_n, warps))
-                config = f"BLOCK_M {block_m} BLOCK_N {block_n} warps {warps}"
+                seen.add((bits, block_m, block_n, warps, stages))
+                config = f"BLOCK_M {block_m} BLOCK_N {block_n} warps {warps} stages {stages}"
                 shape = (bits, block_m, block_n, warps)
                 if block_m == 1:  # the symmetric GEMV decodes differently (codes in place)
                     yield (
                         "int decode",
                         config,
                         f"{bits}-bit fp16 sym split 4",
-                        lambda a=shape: compile_decode_kernel(*a, arch, split_k=4),
+                        lambda a=shape, s=stages: compile_decode_kernel(
+                            *a, arch, split_k=4, stages=s
+                        ),
                     )
                 yield (
                     "int decode",
                     config,
                     f"{bits}-bit bf16 asym split 4 bias",
-                    lambda a=shape: compile_decode_kernel(
-                        *a, arch, dtype="bf16", split_k=4, has_bias=True, symmetric=False
+                    lambda a=shape, s=stages: compile_decode_kernel(
+                        *a, arch, dtype="bf16", split_k=4, has_bias=True, symmetric=False, stages=s
                     ),
                 )
     for block_m, block_n, warps, stages in int_gemm._candidates():

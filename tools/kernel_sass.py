@@ -55,10 +55,11 @@ def compile_for(kernel, pointers, scalars, constants, arch, **options):
 
 def compile_decode_kernel(
     bits, block_m, block_n, num_warps, arch, dtype="fp16", split_k=1, has_bias=False,
-    symmetric=True, even_k=False,
+    symmetric=True, even_k=False, stages=1,
 ):  # fmt: skip
     """``_int_gemv_kernel``: g128, 32-word tiles, 16 tiles (``split_k`` splits); ``even_k``:
-    K a multiple of the tile's codes (unmasked activation loads, most layers' shapes)."""
+    K a multiple of the tile's codes (unmasked activation loads, most layers' shapes);
+    ``stages`` > 1: the tile loop software-pipelined."""
     from lowbit.kernels import int_gemv
 
     scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_ps",
@@ -66,7 +67,7 @@ def compile_decode_kernel(
     constants = dict(
         BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
         K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=16 // split_k, BLOCK_M=block_m,
-        BLOCK_N=block_n, EVEN_K=even_k, INTERPRET=False,
+        BLOCK_N=block_n, EVEN_K=even_k, STAGES=stages, INTERPRET=False,
     )  # fmt: skip
     return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch,
                     num_warps=num_warps)  # fmt: skip
@@ -173,29 +174,31 @@ def main() -> None:
     if args.spqr:
         spqr_table(args.arch)
         return
-    print("| kernel | bits | x | zeros | BLOCK_M | BLOCK_N | warps | loop instrs | per code | "
-          "barriers per tile | most frequent |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    runs = [("decode", bm, bn, w, "fp16", sym)
+    print("| kernel | bits | x | zeros | BLOCK_M | BLOCK_N | warps | stages | shared bytes | "
+          "loop instrs | per code | barriers per tile | most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    runs = [("decode", bm, bn, w, "fp16", sym, 1)
             for bm, bn, w in ((1, 64, 4), (1, 128, 4)) for sym in (True, False)]  # fmt: skip
-    runs += [("decode", 16, bn, 4, "fp16", True) for bn in (64, 128)]
-    runs += [("decode", 16, 128, 4, "bf16", True)]
-    runs += [("prefill", 128, 128, 8, dt, True) for dt in ("fp16", "bf16")]  # 2 stages: it fits
+    runs += [("decode", 1, 128, 4, "fp16", True, 3)]  # the pipelined tile loop
+    runs += [("decode", 16, bn, 4, "fp16", True, 1) for bn in (64, 128)]
+    runs += [("decode", 16, 64, 4, "fp16", True, 3), ("decode", 16, 128, 4, "bf16", True, 1)]
+    runs += [("prefill", 128, 128, 8, dt, True, 2) for dt in ("fp16", "bf16")]  # 2: it fits
     for bits in args.bits:
-        for name, block_m, block_n, warps, dtype, sym in runs:
+        for name, block_m, block_n, warps, dtype, sym, stages in runs:
             if name == "decode":
                 kernel = compile_decode_kernel(bits, block_m, block_n, warps, args.arch, dtype,
-                                               symmetric=sym, even_k=args.even_k)  # fmt: skip
+                                               symmetric=sym, even_k=args.even_k,
+                                               stages=stages)  # fmt: skip
             else:
                 kernel = compile_prefill_kernel(bits, block_m, block_n, warps, args.arch, dtype,
-                                                num_stages=2)  # fmt: skip
+                                                num_stages=stages)  # fmt: skip
             ops = loop_instructions(kernel.asm["cubin"])
             codes_per_thread = block_n * 32 * (32 // bits) / (32 * warps)  # one tile
             barriers = sum(op == "BAR" for op in ops)
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
             print(f"| {name} | {bits} | {dtype} | {'no' if sym else 'yes'} | {block_m} | "
-                  f"{block_n} | {warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | "
-                  f"{barriers} | {top} |", flush=True)  # fmt: skip
+                  f"{block_n} | {warps} | {stages} | {kernel.metadata.shared} | {len(ops)} | "
+                  f"{len(ops) / codes_per_thread:.2f} | {barriers} | {top} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The interpreter tests check what the kernels compute, but the interpreter runs them as Python:
 a constexpr missing from a launch, a type the compiler rejects or a helper that only works
 interpreted pass there and fail on the first CUDA call. This compiles each kernel — integer
-decode (3 and 4 bits, split-K with bias), integer prefill and its weight decoder, SpQR, the
+decode (3 and 4 bits, split-K with bias, the pipelined tile loop's asynchronous copies), integer prefill and its weight decoder, SpQR, the
 2/4/16 GEMV (async and sync, split-K with bias) and its 16-row kernel — through Triton's own
 ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its main loop (the decoder,
 which has none, its 16-byte stores). It runs in a fresh process
@@ -46,6 +46,9 @@ loops = {name: len(loop_instructions(make().asm["cubin"])) for name, make in ker
 # the prefill weight decoder has no loop (one K tile per program): its 16-byte stores instead
 dequant = compile_dequant_kernel(4, 64, 90, dtype="bf16", symmetric=False)
 loops["dequant stores"] = dequant.asm["ptx"].count("st.global.v4") if dequant.asm["cubin"] else 0
+# the pipelined tile loop (STAGES = 3) copies the next tiles' words with cp.async
+piped = compile_decode_kernel(4, 1, 128, 4, 90, even_k=True, stages=3)
+loops["pipelined cp.async"] = piped.asm["ptx"].count("cp.async.")
 print(json.dumps(loops))
 """
 
@@ -61,8 +64,9 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 8
+    assert len(loops) == 9
     stores = loops.pop("dequant stores")
     assert stores >= 8, stores  # 16-byte stores, at least one per slot (measured 16: two per slot)
+    assert loops.pop("pipelined cp.async") > 0  # measured 84 (copies, commits and waits)
     for name, instructions in loops.items():
         assert instructions > 50, name  # a real main loop (measured 824 to 5623 instructions)

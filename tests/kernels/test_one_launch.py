@@ -100,7 +100,7 @@ def _force_splits(monkeypatch):
     """Launch configurations with several splits and several output tiles (N = 37 rows in
     blocks of 16), instead of the interpreter's single split."""
     monkeypatch.setattr(int_gemv, "_choose", lambda args, m, n_tiles, tune: (
-        (1 if m == 1 else 16), 16, 3, 4))  # fmt: skip
+        (1 if m == 1 else 16), 16, 3, 4, 1))  # fmt: skip
     monkeypatch.setattr(int_gemv, "_TUNED", {})
     monkeypatch.setattr(spqr_gemv, "_choose", lambda args, m, n_groups: (
         (1, 1, 4, 3, 4) if m == 1 else (16, 1, 16, 2, 4)))  # fmt: skip

@@ -147,7 +147,12 @@ def test_fp16_gemv_is_exact_at_the_ends_of_the_fp16_range(symmetric, k):
 
 @pytest.mark.parametrize(
     "m, config",
-    [(1, (1, 16, 2, 4)), (1, (16, 32, 2, 4)), (5, (16, 32, 2, 4)), (13, (16, 16, 3, 2))],
+    [
+        (1, (1, 16, 2, 4, 1)),
+        (1, (16, 32, 2, 4, 1)),
+        (5, (16, 32, 2, 4, 1)),
+        (13, (16, 16, 3, 2, 1)),
+    ],
     ids=["gemv-split2", "dot-m1-split2", "dot-split2", "dot-split3"],
 )
 def test_decode_kernel_configs_split_k_and_the_dot_path(m, config):
@@ -233,13 +238,33 @@ def test_the_wrappers_refuse_bad_calls_in_a_sentence():
     with pytest.raises(LowbitError, match="1 to 16 rows"):
         int_gemv(x, *tensors, None, **static)
     with pytest.raises(LowbitError, match="BLOCK_M"):
-        int_gemv(x[:3], *tensors, None, **static, config=(1, 32, 1, 4))
+        int_gemv(x[:3], *tensors, None, **static, config=(1, 32, 1, 4, 1))
+    with pytest.raises(LowbitError, match="num_warps, stages"):
+        int_gemv(x[:1], *tensors, None, **static, config=(1, 32, 1, 4))
     with pytest.raises(LowbitError, match="fp16 or bf16"):
         int_gemm(x.float(), *tensors, None, **static)
     with pytest.raises(LowbitError, match="words must be"):
         int_gemm(x, tensors[0][:, :8], *tensors[1:], None, **static)
     with pytest.raises(LowbitError, match="scale must be"):
         int_gemm(x[:, :64], *tensors, None, **static)
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (3, False)])
+def test_the_pipelined_tile_loop_computes_the_unpipelined_product(bits, symmetric):
+    """STAGES > 1 only changes how the tile loop's loads are scheduled (compiled: cp.async into
+    shared memory); the sums, their order and so the outputs are the same bit for bit. K = 800
+    in groups of 32: 7 tiles at 4 bits, 5 at 3, over 2 splits, the last one short."""
+    fast, _ = _layers(bits, 32, symmetric, 800)
+    x = torch.randn(5, 800, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    fast(x[:1])  # prepares the layout
+    tensors, static = _operands(fast)
+    bias = fast.bias.half()
+    for m, block_m in ((1, 1), (5, 16)):
+        plain = int_gemv(x[:m], *tensors, bias, **static, config=(block_m, 32, 2, 4, 1))
+        piped = int_gemv(x[:m], *tensors, bias, **static, config=(block_m, 32, 2, 4, 3))
+        assert torch.equal(plain, piped), m
+        want = tiled_reference(x[:m], *tensors, bias, **static)
+        assert _rel_err(piped, want) <= TOL[torch.float16], m
 
 
 def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_product(monkeypatch):
@@ -256,9 +281,12 @@ def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_produ
     tensors, static = _operands(fast)
     want = gemv_module.int_gemv(x, *tensors, None, **static)
     shapes = list(gemv_module._candidates(1))
-    assert shapes[0] == (1, 128, 4, 1) and all(s[0] in (1, 16) for s in shapes)
-    # shape 1 cannot launch; shape 2 is fastest but wrong; shape 3 beats the default
+    assert shapes[0] == (1, 128, 4, 1, 1) and all(s[0] in (1, 16) for s in shapes)
+    # shape 1 cannot launch; shape 2 is fastest but wrong; shape 3 beats the default; the
+    # pipelined shapes after them cannot launch either
     resident = {shapes[0]: 264, shapes[1]: "it spills", shapes[2]: 132, shapes[3]: 132}
+    resident.update({s: "it needs more shared memory" for s in shapes[4:]})
+    assert shapes[4:] and all(s[4] > 1 for s in shapes[4:])
     monkeypatch.setattr(gemv_module, "resident_programs",
                         lambda probe, device: resident[current[0]])  # fmt: skip
     current = [None]
@@ -287,7 +315,7 @@ def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_produ
     gemv_module.int_gemv(x, *tensors, None, **static)  # cached: no second sweep
     # N = 37: one program; SPLIT_K = min(3 tiles, resident programs // 1)
     assert tensors[0].shape[1] // static["tile"] == 3
-    assert launched[-2:] == [(16, 64, 3, 4)] * 2
+    assert launched[-2:] == [(16, 64, 3, 4, 1)] * 2
     assert all(c[:2] != shapes[1][:2] for c in launched)
     assert len(gemv_module._TUNED) == 1
 
@@ -338,3 +366,28 @@ def test_tuning_picks_a_configuration_that_computes_the_same():
     for m in (1, 8, 512):
         x = torch.randn(m, 4096, generator=gen).to("cuda", torch.float16)
         assert _rel_err(fast(x), reference(x)) <= TOL[torch.float16], m
+
+
+@pytest.mark.gpu
+def test_every_gemv_candidate_launches_and_computes_the_product():
+    """Every block shape the tuner may time, pipelined ones included, launches on this GPU at
+    the up projection's shape and computes the reference's product."""
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled")
+    from lowbit.kernels import int_gemv as gemv_module
+
+    gen = torch.Generator().manual_seed(0)
+    q = IntQuantized.from_float(torch.randn(11008, 4096, generator=gen), 4, group_size=128)
+    fast = PackedLinear.from_quantized(q, backend="triton").cuda()
+    fast(torch.randn(1, 4096, device="cuda", dtype=torch.float16))  # prepares the layout
+    tensors, static = _operands(fast)
+    n_tiles = tensors[0].shape[1] // static["tile"]
+    for m in (1, 16):
+        x = torch.randn(m, 4096, generator=gen).to("cuda", torch.float16)
+        args = (x, *tensors, None, static["bits"], static["group_size"], static["tile"])
+        want = tiled_reference(*args)
+        for shape in gemv_module._candidates(m):
+            config = gemv_module._config(args, shape, n_tiles)
+            assert not isinstance(config, str), (shape, config)
+            got = gemv_module._launch(*args, config)
+            assert _rel_err(got, want) <= TOL[torch.float16], (m, shape)

@@ -38,9 +38,15 @@ trick, an FADD per code (bf16's range would overflow ``x * 2**100``).
 Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. A 4096-row layer at 128 rows per
 program gives 32 programs for 132 SMs, too few bytes in flight; splitting K fills the machine.
 Partial sums go to an fp32 buffer (:mod:`lowbit.kernels.split_k`; at M = 1 it is under 2% of
-a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits there). Which
-(BLOCK_M, BLOCK_N, SPLIT_K) wins is measured per shape on the GPU by :func:`int_gemv` (whole
-call timed with ``triton.testing.do_bench``, cached), never under the interpreter.
+a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits there).
+
+Bytes in flight: each thread issues one tile's word loads, then decodes them; with ``STAGES``
+above 1 the tile loop is software-pipelined (``tl.range(num_stages=STAGES)``: the next tiles'
+words copied into shared memory asynchronously, ``cp.async``, while this one decodes), which
+raises the bytes each program keeps in flight at the cost of shared memory and a few
+instructions per code (a shared-memory load per word). Which (BLOCK_M, BLOCK_N, SPLIT_K,
+STAGES) wins is measured per shape on the GPU by :func:`int_gemv` (whole call timed with
+``triton.testing.do_bench``, cached), never under the interpreter.
 Accumulation is fp32 throughout.
 """
 
@@ -138,7 +144,8 @@ def _int_gemv_kernel(
     BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     PPW: tl.constexpr = 32 // BITS  # codes per word
     HALF: tl.constexpr = PPW // 2  # codes in a word's lower half (at most 16 bits)
@@ -183,8 +190,9 @@ def _int_gemv_kernel(
     # a bit-field extract of words (SHF + SGXT) and an OR, not one LOP3 on the shifted words
     low_mask = tl.where(K > 0, CODE_MASK, 0).to(tl.uint32)
     # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
-    # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked
-    for i in range(TILES_PER_SPLIT):
+    # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked.
+    # STAGES > 1: the word loads of the next STAGES - 1 tiles are in flight during this one's
+    for i in tl.range(TILES_PER_SPLIT, num_stages=STAGES):
         t = pid_k * TILES_PER_SPLIT + i
         # unmasked: rows past N read row N - 1 and a tile past K_TILES (the last split's) reads
         # the last tile, against x masked to 0 there; their products are never stored
@@ -298,7 +306,7 @@ def _int_gemv_kernel(
 def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=False):
     """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only."""
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
-    block_m, block_n, split_k, num_warps = config
+    block_m, block_n, split_k, num_warps, stages = config
     n_tiles = words.shape[1] // tile
     per_split = -(-n_tiles // split_k)
     split_k = -(-n_tiles // per_split)  # no empty splits
@@ -313,46 +321,51 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
         BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
         HAS_BIAS=bias is not None, K_TILES=n_tiles, SPLIT_K=split_k, TILES_PER_SPLIT=per_split,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_K=k == n_tiles * tile * (32 // bits) and n_tiles % per_split == 0,
+        EVEN_K=k == n_tiles * tile * (32 // bits) and n_tiles % per_split == 0, STAGES=stages,
         INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
     )  # fmt: skip
     return compiled if probe else out
 
 
 def _candidates(m: int, bits: int = 4):
-    """Block shapes ``(BLOCK_M, BLOCK_N, warps, split divisor)`` timed on a GPU, the default
-    first; SPLIT_K is derived from the compiled kernel's occupancy (one wave), divided by the
-    divisor (fewer, longer splits: less fp32 partial traffic at 16 rows). Every shape compiles
-    for sm_90 within its limits at its width (tests/kernels/test_kernel_resources.py: at 2 bits
-    with zero points, 128 rows at M = 1 spill)."""
+    """Block shapes ``(BLOCK_M, BLOCK_N, warps, split divisor, stages)`` timed on a GPU, the
+    default first; SPLIT_K is derived from the compiled kernel's occupancy (one wave), divided
+    by the divisor (fewer, longer splits: less fp32 partial traffic at 16 rows, and more tiles
+    for a pipelined loop to overlap). Every shape compiles for sm_90 within its limits at its
+    width (tests/kernels/test_kernel_resources.py: at 2 bits with zero points, 128 rows at
+    M = 1 spill)."""
     if m == 1:
-        gemv = ((1, 64, 4, 1),) if bits == 2 else ((1, 128, 4, 1), (1, 64, 4, 1))
-        yield from (*gemv, (MAX_ROWS, 128, 4, 1), (MAX_ROWS, 64, 4, 1))
+        gemv = ((1, 64, 4, 1, 1),) if bits == 2 else ((1, 128, 4, 1, 1), (1, 64, 4, 1, 1))
+        yield from (*gemv, (MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1))
+        yield from ((1, 64, 4, 2, 3),) if bits == 2 else ((1, 128, 4, 2, 3), (1, 64, 4, 2, 3))
     else:
-        yield from ((MAX_ROWS, 128, 4, 1), (MAX_ROWS, 64, 4, 1), (MAX_ROWS, 128, 4, 4))
+        yield from ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 4, 4, 1))
+        yield (MAX_ROWS, 64, 4, 2, 3)
 
 
 def _config(args, shape, n_tiles: int):
     """The launch configuration of a block shape with SPLIT_K filling one wave of the device,
     or why the shape cannot launch there."""
     x, words = args[0], args[1]
-    block_m, block_n, warps, divisor = shape
+    block_m, block_n, warps, divisor, stages = shape
     programs = triton.cdiv(words.shape[0], block_n)
     if INTERPRET:  # small blocks, one split: the interpreter runs programs one by one
-        return block_m, 32, 1, warps
-    guess = (block_m, block_n, split_for(programs, n_tiles, 2 * device_limits(x.device).sms), warps)
+        return block_m, 32, 1, warps, stages
+    split = split_for(programs, n_tiles, 2 * device_limits(x.device).sms)
+    guess = (block_m, block_n, split, warps, stages)
     resident = resident_programs(lambda: _launch(*args, guess, probe=True), x.device)
     if isinstance(resident, str):
         return resident
-    return block_m, block_n, max(1, split_for(programs, n_tiles, resident) // divisor), warps
+    split = max(1, split_for(programs, n_tiles, resident) // divisor)
+    return block_m, block_n, split, warps, stages
 
 
 #: |kernel - reference| <= TOL * max|reference| for a tuning candidate (the tests' bounds)
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+_TUNED: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
-def _choose(args, m: int, n_tiles: int, tune: bool) -> tuple[int, int, int, int]:
+def _choose(args, m: int, n_tiles: int, tune: bool) -> tuple[int, int, int, int, int]:
     shapes = list(_candidates(m, args[5]))
     if not (tune and TUNE and not INTERPRET):
         shapes = shapes[:1]
@@ -372,7 +385,7 @@ def int_gemv(
     bits: int,
     group_size: int | None,
     tile: int,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
     tune: bool = True,
     check: bool = True,
 ) -> Tensor:
@@ -382,7 +395,8 @@ def int_gemv(
         x: ``[M, K]`` fp16/bf16, M <= 16.
         words, scale, zero, bias, bits, group_size, tile: see
             :func:`lowbit.kernels.int_layout.check_operands`.
-        config: ``(BLOCK_M, BLOCK_N, SPLIT_K, num_warps)`` to force one launch configuration.
+        config: ``(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, stages)`` to force one launch
+            configuration (``stages`` > 1: the tile loop software-pipelined).
         tune: on a GPU, time the candidate configurations once per shape and keep the fastest.
         check: validate the operands (False: the caller built them, as the backend does).
 
@@ -395,6 +409,8 @@ def int_gemv(
         m, n, k = x.shape[0], words.shape[0], x.shape[1]
     if not 1 <= m <= MAX_ROWS:
         raise LowbitError(f"int_gemv takes 1 to {MAX_ROWS} rows, not {m}")
+    if config is not None and len(config) != 5:
+        raise LowbitError("config is (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, stages)")
     if config is not None and (config[0] not in (1, MAX_ROWS) or config[0] < m):
         raise LowbitError(f"BLOCK_M must be 1 (M = 1) or {MAX_ROWS}, not {config[0]} for M={m}")
     if not x.is_contiguous():
