@@ -6,8 +6,9 @@ steps (prefill excluded). tokens/s counts every sequence's tokens (batch x steps
 With ``--compile`` each row is also run with ``model.forward = torch.compile(model.forward)``
 (default mode on CPU, ``reduce-overhead``, i.e. CUDA graphs, on GPU); a row whose compile
 fails says so and keeps its eager figures; ``--compiled-only`` skips the eager runs. Peak
-memory: on CPU the process's resident set sampled during decoding (after ``malloc_trim``, so quantization's freed memory is not counted),
-on GPU ``torch.cuda.max_memory_allocated`` during decoding.
+memory: on CPU the process's resident set sampled during decoding (after ``malloc_trim``, so
+quantization's freed memory is not counted), on GPU ``torch.cuda.max_memory_allocated`` during
+decoding.
 
 CPU rows (``--shape smollm2``, the default): the embedded SmolLM2-135M in transformers fp32 and
 bf16; lowbit W8 per channel and W4/W3/W2 g64 RTN-packed on each CPU backend that runs the
