@@ -3,10 +3,11 @@
 The interpreter tests check what the kernels compute, but the interpreter runs them as Python:
 a constexpr missing from a launch, a type the compiler rejects or a helper that only works
 interpreted pass there and fail on the first CUDA call. This compiles each kernel — integer
-decode (3 and 4 bits, split-K with bias, the pipelined tile loop's asynchronous copies), integer prefill and its weight decoder, SpQR, the
+decode (3 and 4 bits, split-K with bias), integer prefill and its weight decoder, SpQR, the
 2/4/16 GEMV (async and sync, split-K with bias) and its 16-row kernel — through Triton's own
 ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its main loop (the decoder,
-which has none, its 16-byte stores). It runs in a fresh process
+which has none, its 16-byte stores; the pipelined integer decode, its asynchronous copies).
+It runs in a fresh process
 because ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``, under which ``@triton.jit`` builds
 interpreted functions that cannot be compiled.
 """
