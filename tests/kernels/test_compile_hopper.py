@@ -7,9 +7,8 @@ decode (3 and 4 bits, split-K with bias), integer prefill and its weight decoder
 2/4/16 GEMV (async and sync, split-K with bias) and its 16-row kernel — through Triton's own
 ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its main loop (the decoder,
 which has none, its 16-byte stores; the pipelined integer decode, its asynchronous copies).
-It runs in a fresh process
-because ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``, under which ``@triton.jit`` builds
-interpreted functions that cannot be compiled.
+It runs in a fresh process because ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``, under
+which ``@triton.jit`` builds interpreted functions that cannot be compiled.
 """
 
 import json
