@@ -8,7 +8,8 @@ For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration 
 (``rotate``) and the learned one, trained on that calibration text (``learn-rotate``: R1 and R2
 alone; ``learn-rotate-clip``: with ``learn_clip``, one activation clip learned per layer and
 point; ``learn-rotate-scale``: with the clips and ``learn_scale``, a scale per channel of each
-down_proj input), each with RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's
+down_proj input; ``learn-rotate-weights``: with those and ``learn_weights``, the block linears'
+weights fine-tuned in the same loop), each with RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's
 settings: symmetric per-channel weights with the MSE clip, per-token activations clipped at 0.9
 unless learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after
 RoPE).
@@ -53,7 +54,9 @@ from lowbit.recipes.registry import get_recipe  # noqa: E402
 #: bit setting -> (activation bits, KV bits; 16 = off); weights are 4-bit in every row
 BITS = {"W4A4KV4": (4, 4), "W4A8KV4": (8, 4), "W4A16": (16, 16)}
 #: the rotations' rows, in order
-ROTATIONS = ("rotate", "learn-rotate", "learn-rotate-clip", "learn-rotate-scale")
+ROTATIONS = (
+    "rotate", "learn-rotate", "learn-rotate-clip", "learn-rotate-scale", "learn-rotate-weights"
+)  # fmt: skip
 
 
 def recipe_for(rotation: str, weights: str, bits: str, args):
@@ -71,14 +74,17 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
         settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
     if learned:
         settings.update(steps=args.steps, seqlen=args.train_seqlen)
-        settings["learn_clip"] = rotation in ("learn-rotate-clip", "learn-rotate-scale")
-        settings["learn_scale"] = rotation == "learn-rotate-scale"
+        settings["learn_clip"] = rotation not in ("learn-rotate",)
+        settings["learn_scale"] = rotation in ("learn-rotate-scale", "learn-rotate-weights")
+        settings["learn_weights"] = rotation == "learn-rotate-weights"
         settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16
         settings["v_bits"] = kv_bits  # the loop's values quantized as the deployed cache's
         if a_bits == kv_bits == 16:  # weight-only: the weights are all the loop can see
             settings["train_w_bits"] = 4
         if args.lr is not None:
             settings["lr"] = args.lr
+        if args.weight_lr is not None:
+            settings["weight_lr"] = args.weight_lr
         if args.train_loss is not None:
             settings["train_loss"] = args.train_loss
     return get_recipe("+".join(parts)).with_settings(**settings)
@@ -108,6 +114,10 @@ def main() -> None:
         "a rerun with the same one resumes the training",
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=None, help="learn-rotate's lr (its default)")
+    parser.add_argument(
+        "--weight-lr", type=float, default=None,
+        help="learn-rotate's weight_lr, for learn-rotate-weights (its default)",
+    )  # fmt: skip
     parser.add_argument(
         "--train-w-bits", type=int, default=16, choices=[4, 16],
         help="learn-rotate's RTN rows: weights in the training loop at 4 bits (16: float)",

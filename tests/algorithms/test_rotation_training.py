@@ -36,7 +36,7 @@ def test_ste_fake_quant_matches_the_format_and_passes_gradients(symmetric, clip)
     assert not torch.allclose(x.grad[0], torch.arange(33.0))
 
 
-def _setup(seed=0, scales=False, outliers=False):
+def _setup(seed=0, scales=False, outliers=False, weights=False):
     torch.manual_seed(seed)
     model = tiny_model("llama")
     if outliers:  # a few loud channels into every down_proj, the same function
@@ -46,7 +46,9 @@ def _setup(seed=0, scales=False, outliers=False):
                 view.down_proj.weight[:, :4] /= 30.0
     report = rotate_model(model)
     adapter = adapter_for(model)
-    rotations = LearnedRotations.for_model(adapter, report.o_proj_hadamard, scales=scales)
+    rotations = LearnedRotations.for_model(
+        adapter, report.o_proj_hadamard, scales=scales, weights=weights
+    )
     return model, rotations
 
 
@@ -153,13 +155,15 @@ def test_learned_clips_lower_the_in_loop_kl_beyond_the_rotations():
     assert with_clips < 0.9 * rotations_only
 
 
-@pytest.mark.parametrize(("learn_clip", "scales"), [(False, False), (True, True)])
-def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip, scales):
+@pytest.mark.parametrize(
+    ("learn_clip", "scales", "weights"), [(False, False, False), (True, True, True)]
+)
+def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip, scales, weights):
     settings = RotationTrainingSettings(steps=7, save_every=3, learn_clip=learn_clip, **SETTINGS)
-    model, straight = _setup(scales=scales)
+    model, straight = _setup(scales=scales, weights=weights)
     expected = train_rotations(model, straight, CALIBRATION, settings)
 
-    model, rotations = _setup(scales=scales)
+    model, rotations = _setup(scales=scales, weights=weights)
 
     def interrupt(step, loss):
         if step == 4:  # after the state of step 3 was saved, before that of step 6
@@ -169,7 +173,7 @@ def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip, 
         train_rotations(
             model, rotations, CALIBRATION, settings, resume_dir=tmp_path, on_step=interrupt
         )
-    model, resumed = _setup(scales=scales)  # a new process would start from scratch
+    model, resumed = _setup(scales=scales, weights=weights)  # a new process starts afresh
     report = train_rotations(model, resumed, CALIBRATION, settings, resume_dir=tmp_path)
 
     assert report.resumed_from == 3
@@ -179,6 +183,8 @@ def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip, 
         assert torch.equal(got, want)
     if scales:  # S trained too, and came back from the resume state (compared above)
         assert resumed.down_log_scales.abs().max() > 0
+    if weights:  # so did ΔW
+        assert min(d.abs().max() for d in resumed.weight_deltas.values()) > 0
 
 
 def test_learned_down_scales_lower_the_in_loop_kl_beyond_the_rotations():
@@ -195,6 +201,21 @@ def test_learned_down_scales_lower_the_in_loop_kl_beyond_the_rotations():
     assert (scales[:, :4] > 1.5).all()  # the loud channels are divided down
     # measured: 0.00217 with the rotations alone, 0.00166 with S (loud channels' s 2.0-2.6)
     assert with_scales < 0.9 * rotations_only
+
+
+def test_fine_tuned_weights_lower_the_in_loop_kl_beyond_the_rotations():
+    settings = RotationTrainingSettings(steps=24, weight_lr=1e-4, **{**SETTINGS, "loss": "kl"})
+    model, rotations = _setup()
+    train_rotations(model, rotations, CALIBRATION, settings)
+    rotations_only = _in_loop_kl(model, rotations)
+    model, rotations = _setup(weights=True)
+    weights = {n: p.clone() for n, p in model.state_dict().items()}
+    train_rotations(model, rotations, CALIBRATION, settings)
+    with_weights = _in_loop_kl(model, rotations)
+    assert all(torch.equal(p, weights[n]) for n, p in model.state_dict().items())  # ΔW apart
+    # measured: 0.00204 with the rotations alone, 0.00160 with ΔW (max |ΔW| 0.0019; weight_lr
+    # 1e-3 gives 0.0034: Adam's steps of that size swamp the tiny model's weights, std 0.02)
+    assert with_weights < 0.9 * rotations_only
 
 
 def test_a_resume_directory_of_another_run_is_refused(tmp_path):

@@ -5,8 +5,9 @@ it the fused model's quantization points (inputs of every block linear, values p
 the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
 the KL divergence from the float model's next-token distribution (or SpinQuant's next-token
 cross-entropy) on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited
-in order. Adam trains the Cayley parameters (and down_proj's input scales, when the
-rotations hold them); the model's weights stay frozen.
+in order. Adam trains the Cayley parameters (and down_proj's input scales and the weight
+corrections ΔW, when the rotations hold them); the model's own weights stay frozen (ΔW is added
+to them in the loop and fused after).
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric) and values
 (per token and head, asymmetric) are quantized; weights stay float (GPTQ
@@ -142,6 +143,7 @@ class RotationTrainingSettings:
             ``a_clip_ratio`` (with a_bits below 16).
         clip_lr: Adam's learning rate on the clip ratios' logits.
         scale_lr: Adam's learning rate on down_proj's log input scales (when learned).
+        weight_lr: Adam's learning rate on the weight corrections ΔW (when learned).
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float
             weights, as for GPTQ afterwards; 4 for round-to-nearest weights after).
@@ -162,6 +164,7 @@ class RotationTrainingSettings:
     learn_clip: bool = False
     clip_lr: float = 3e-2
     scale_lr: float = 1e-2
+    weight_lr: float = 1e-5
     v_bits: int = 4
     v_clip_ratio: float = 0.95
     w_bits: int = OFF_BITS
@@ -172,7 +175,10 @@ class RotationTrainingSettings:
     def check(self, calibration: Tensor | None) -> None:
         if calibration is None:
             raise LowbitError("training rotations needs calibration tokens ([N, S] ids)")
-        rates = {"lr": self.lr, "clip_lr": self.clip_lr, "scale_lr": self.scale_lr}
+        rates = {
+            "lr": self.lr, "clip_lr": self.clip_lr, "scale_lr": self.scale_lr,
+            "weight_lr": self.weight_lr,
+        }  # fmt: skip
         if self.steps < 1 or self.save_every < 1 or min(rates.values()) <= 0:
             raise LowbitError(
                 f"rotation training needs steps >= 1, save_every >= 1 and positive learning "
@@ -302,6 +308,8 @@ def train_rotations(
     groups = [{"params": rotations.rotation_parameters(), "lr": settings.lr}]
     if rotations.learns_scales:
         groups.append({"params": [rotations.down_log_scales], "lr": settings.scale_lr})
+    if rotations.learns_weights:
+        groups.append({"params": list(rotations.weight_deltas.values()), "lr": settings.weight_lr})
     if clips is not None:
         trained["clips"] = clips
         groups.append({"params": [clips.logits], "lr": settings.clip_lr})

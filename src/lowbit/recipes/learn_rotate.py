@@ -4,7 +4,8 @@ fused, so the model leaves with QuaRot's structure and cost; quantizes nothing. 
 ``learn_scale`` it also learns a scale per channel of each down_proj input (fused into up_proj
 and down_proj), and with ``learn_clip`` one activation clip ratio per layer and kind of point,
 which it hands to the weight part that follows (per-layer ``a_clip_ratio``): both free at
-inference, both on by default.
+inference, both on by default. With ``learn_weights`` it fine-tunes the block linears' weights
+in the same loop (a correction ΔW each, fused before the rotations), also free at inference.
 
 ``learn-rotate+gptq+kv-int``: the rotation is trained for the activation and value bits it
 is given (``a_bits``, ``v_bits``; a composition's ``--set a_bits=8`` reaches the weight part
@@ -76,6 +77,8 @@ class LearnRotateRecipe(Recipe):
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
     learn_clip: bool = True  # learn a_clip_ratio per layer and point, from a_clip_ratio
     learn_scale: bool = True  # learn a scale per channel of down_proj's input
+    learn_weights: bool = False  # fine-tune the block linears' weights in the loop
+    weight_lr: float = 1e-5
     v_bits: int = 4
     kv_clip_ratio: float | None = None  # 0.95 at 4 bits or fewer, none above
     train_w_bits: int = OFF_BITS  # weights in the loop (for RTN weights after); 16: float
@@ -103,11 +106,12 @@ class LearnRotateRecipe(Recipe):
                 "learned for the quantizers in the loop, and with none there is nothing to learn"
             )
         seqlen_ok = self.seqlen is None or self.seqlen >= 2
-        if self.steps < 1 or not seqlen_ok or self.save_every < 1 or not self.lr > 0:
+        rates_ok = self.lr > 0 and self.weight_lr > 0
+        if self.steps < 1 or not seqlen_ok or self.save_every < 1 or not rates_ok:
             raise LowbitError(
-                f"learn-rotate needs steps >= 1, seqlen >= 2, save_every >= 1 and lr > 0, not "
-                f"steps={self.steps}, seqlen={self.seqlen}, save_every={self.save_every}, "
-                f"lr={self.lr}"
+                f"learn-rotate needs steps >= 1, seqlen >= 2, save_every >= 1, lr > 0 and "
+                f"weight_lr > 0, not steps={self.steps}, seqlen={self.seqlen}, "
+                f"save_every={self.save_every}, lr={self.lr}, weight_lr={self.weight_lr}"
             )
 
     def training_settings(self, calibration_length: int) -> RotationTrainingSettings:
@@ -120,6 +124,7 @@ class LearnRotateRecipe(Recipe):
             a_bits=self.a_bits,
             a_clip_ratio=resolve_clip(self.a_clip_ratio, self.a_bits, QuaRotRecipe.paper_a_clip),
             learn_clip=self.learn_clip,
+            weight_lr=self.weight_lr,
             v_bits=self.v_bits,
             v_clip_ratio=resolve_clip(self.kv_clip_ratio, self.v_bits, QUAROT_KV_CLIP),
             w_bits=self.train_w_bits,
@@ -151,6 +156,7 @@ class LearnRotateRecipe(Recipe):
             report.o_proj_hadamard,
             heads=self.learn_heads,
             scales=self.learn_scale,
+            weights=self.learn_weights,
             seed=self.seed,
         )
         resume = None
@@ -168,6 +174,7 @@ class LearnRotateRecipe(Recipe):
         fuse_learned_rotations(model, rotations)
         report.residual += " x learned R1" + (", learned R2 per head" if self.learn_heads else "")
         report.residual += ", learned down_proj input scales" if self.learn_scale else ""
+        report.residual += ", fine-tuned weights" if self.learn_weights else ""
         context.transformed(model)
         return _clip_overrides(model, training.clip_ratios) or None
 

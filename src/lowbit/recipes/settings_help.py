@@ -69,6 +69,10 @@ SETTINGS: dict[str, str] = {
     "learn_scale": "learn-rotate: learn a positive scale per channel of each down_proj input "
     "beside the rotations (FlatQuant's and OSTQuant's smoothing; fused into up_proj's rows and "
     "down_proj's weight, free at inference)",
+    "learn_weights": "learn-rotate: fine-tune the block linears' weights in the training loop "
+    "(a correction per weight, distilled from the float model with the quantizers in the loop; "
+    "fused before the rotations, free at inference)",
+    "weight_lr": "learn-rotate: Adam's learning rate on the weight corrections (learn_weights)",
     "save_every": "steps between resume states (with a resume directory)",
     "bf16": "train with the model's matrix products in bfloat16 (CPU autocast)",
     "gguf_type": "llama.cpp file type: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "

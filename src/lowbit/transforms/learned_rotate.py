@@ -22,6 +22,14 @@ Optionally, a third transform that is not a rotation:
   Down_proj's input is a point R1 and R2 do not reach; S trades its large channels' share of
   the per-token scale against the error its weight columns then amplify. Free at inference.
 
+And optionally corrections to the weights themselves:
+
+* **ΔW** per block linear, added to its weight as the training loop sees it (after S, for
+  down_proj): the weights learn to absorb what the activation and value quantizers lose,
+  distilled from the float model (quantization-aware fine-tuning with the quantizers of the
+  deployed model in the loop, as FlatQuant and EfficientQAT train block weights). Fused into
+  the weights before R1 and R2, so they too are free at inference.
+
 R1 and R2 are the Cayley transform of a free parameter, ``R = base · (I + A)⁻¹ (I - A)`` with
 ``A = X - Xᵀ``: every value of X gives an exactly orthogonal R (to float rounding; fusion
 evaluates it in float64), so any torch optimizer trains X with no retraction step and the
@@ -90,6 +98,8 @@ class LearnedRotations(nn.Module):
         heads: learn R2 (False: values and the o_proj input are left as QuaRot has them).
         head_base: R2's base [head_dim, head_dim] (None: the identity).
         down_width: down_proj's input width, to learn S (0: S is not learned).
+        weight_shapes: ``{key: shape}`` of the block linears whose weights get a learned
+            correction ΔW (keys ``"{layer}_{linear}"``; None: the weights are not learned).
         device: where the parameters are made (the model's device).
     """
 
@@ -102,6 +112,7 @@ class LearnedRotations(nn.Module):
         heads: bool = True,
         head_base: Tensor | None = None,
         down_width: int = 0,
+        weight_shapes: dict[str, torch.Size] | None = None,
         device: torch.device | None = None,
     ):
         super().__init__()
@@ -115,6 +126,9 @@ class LearnedRotations(nn.Module):
             head_base = torch.eye(head_dim, dtype=torch.float64, device=device)
         base = head_base.to(device=device, dtype=torch.float64)
         self.register_buffer("head_base", base, persistent=False)  # [D, D]
+        self.weight_deltas = nn.ParameterDict(
+            {key: torch.zeros(shape, device=device) for key, shape in (weight_shapes or {}).items()}
+        )  # ΔW [out, in] per block linear
 
     @classmethod
     def for_model(
@@ -124,12 +138,21 @@ class LearnedRotations(nn.Module):
         *,
         heads: bool = True,
         scales: bool = False,
+        weights: bool = False,
         seed: int = 0,
     ) -> LearnedRotations:
         """Transforms for a model QuaRot has rotated (``o_proj_path``: its report's
         ``o_proj_hadamard``), starting at the identity on top of QuaRot's rotation, on the
-        model's device; ``scales``: learn S too."""
+        model's device; ``scales``: learn S too; ``weights``: learn ΔW for every block
+        linear."""
         device = adapter.embed_tokens.weight.device
+        shapes = None
+        if weights:
+            shapes = {
+                _weight_key(view.index, name): linear.weight.shape
+                for view in adapter.blocks()
+                for linear, name in _block_linears(view)
+            }
         return cls(
             adapter.hidden_size,
             adapter.head_dim,
@@ -137,6 +160,7 @@ class LearnedRotations(nn.Module):
             heads=heads,
             head_base=head_base_for(adapter, o_proj_path, seed=seed, device=device),
             down_width=adapter.intermediate_size if scales else 0,
+            weight_shapes=shapes,
             device=device,
         )
 
@@ -148,8 +172,12 @@ class LearnedRotations(nn.Module):
     def learns_scales(self) -> bool:
         return self.down_log_scales.shape[0] > 0
 
+    @property
+    def learns_weights(self) -> bool:
+        return len(self.weight_deltas) > 0
+
     def rotation_parameters(self) -> list[nn.Parameter]:
-        """The Cayley parameters (X1, X2), apart from S's."""
+        """The Cayley parameters (X1, X2), apart from S's and ΔW."""
         return [self.residual_param, self.head_params]
 
     def residual(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -222,9 +250,9 @@ def quantized_in_rotated_basis(
     (``T(o D)``) and of down_proj (its online transform's output), by ``activation``; values
     per head (``v R2``, [..., D]) by ``value``. Each is rotated, quantized and rotated back.
     With S, down_proj's input is divided by it and its weight takes S as the fused one does
-    (the exact online transform of ``W Tᵀ diag(s)``'s rows). R1, R2 and S are recomputed from
-    the parameters on each forward pass, so a loss backpropagates into them. Hooks are removed
-    on exit.
+    (the exact online transform of ``W Tᵀ diag(s)``'s rows). With ΔW, every block linear
+    multiplies ``W + ΔW`` (W after S). R1, R2 and S are recomputed from the parameters on each
+    forward pass, so a loss backpropagates into them. Hooks are removed on exit.
 
     Args:
         model: a model rotated by ``rotate_model`` (online transforms in place), in float.
@@ -326,11 +354,14 @@ def quantized_in_rotated_basis(
                     )
             if value is not None:
                 handles.append(view.v_proj.register_forward_hook(value_point(view.index)))
-            if weight is not None:
-                for linear, side in _weight_sides(view):
-                    parametrize.register_parametrization(
-                        linear, "weight", _FusedWeight(weight, state, side, view.index, t)
-                    )
+            for linear, name in _block_linears(view):
+                if rotations.learns_weights:  # after S: ΔW is in the basis the loop multiplies
+                    delta = _WeightDelta(rotations, _weight_key(view.index, name), state)
+                    parametrize.register_parametrization(linear, "weight", delta)
+                    parametrized.add(linear)
+                if weight is not None:
+                    fused = _FusedWeight(weight, state, _WEIGHT_SIDES[name], view.index, t)
+                    parametrize.register_parametrization(linear, "weight", fused)
                     parametrized.add(linear)
         yield paused
     finally:
@@ -342,11 +373,19 @@ def quantized_in_rotated_basis(
             parametrize.remove_parametrizations(linear, "weight", leave_parametrized=False)
 
 
-def _weight_sides(view) -> list[tuple[nn.Module, str]]:
-    """Each block linear with how the fused model rotates its weight."""
-    return [(view.q_proj, "input"), (view.k_proj, "input"), (view.v_proj, "value"),
-            (view.gate_proj, "input"), (view.up_proj, "input"), (view.o_proj, "o_proj"),
-            (view.down_proj, "output")]  # fmt: skip
+#: each block linear -> how the fused model rotates its weight
+_WEIGHT_SIDES = {"q_proj": "input", "k_proj": "input", "v_proj": "value", "gate_proj": "input",
+                 "up_proj": "input", "o_proj": "o_proj", "down_proj": "output"}  # fmt: skip
+
+
+def _weight_key(index: int, name: str) -> str:
+    """ΔW's key for block ``index``'s linear ``name`` (e.g. ``"3_q_proj"``)."""
+    return f"{index}_{name}"
+
+
+def _block_linears(view) -> list[tuple[nn.Module, str]]:
+    """Each block linear with its name."""
+    return [(getattr(view, name), name) for name in _WEIGHT_SIDES]
 
 
 class _FusedWeight(nn.Module):
@@ -377,6 +416,20 @@ class _FusedWeight(nn.Module):
         fused = r1.T @ (inner @ self.t)
         back = (r1 @ self.quantize(fused)) @ self.t.T
         return (back if r2 is None else _per_head(back, r2.T)) @ self.t
+
+
+class _WeightDelta(nn.Module):
+    """A block linear's weight plus its learned correction ΔW (the float weight when paused).
+    ΔW is looked up in ``rotations`` each time, not held: it stays the optimizer's one
+    parameter."""
+
+    def __init__(self, rotations: LearnedRotations, key: str, state: dict):
+        super().__init__()
+        self.lookup = lambda: rotations.weight_deltas[key]  # not a submodule
+        self.state = state
+
+    def forward(self, w: Tensor) -> Tensor:
+        return w if self.state["paused"] else w + self.lookup()
 
 
 class _ScaledDown(nn.Module):
@@ -411,7 +464,7 @@ class _FunctionModule(nn.Module):
 
 @torch.no_grad()
 def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> None:
-    """Fuse R1, R2 and S into the weights, in place (float64 products): the model keeps
+    """Fuse ΔW, R1, R2 and S into the weights, in place (float64 products): the model keeps
     QuaRot's structure and online transforms, and computes the same function.
 
     Args:
@@ -420,9 +473,12 @@ def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> Non
     """
     adapter = _check_rotated(model)
     device = adapter.lm_head.weight.device
+    scales = rotations.down_scales(torch.float64).to(device)  # [L, I] or empty
+    if rotations.learns_weights:
+        _fold_weight_deltas(adapter, rotations, scales)
     rotate_residual(model, rotations.residual(torch.float64).to(device))
     if rotations.learns_scales:
-        _fuse_down_scales(adapter, rotations.down_scales(torch.float64).to(device))
+        _fuse_down_scales(adapter, scales)
     if not rotations.learns_heads:
         return
     head_dim, width = adapter.head_dim, adapter.num_heads * adapter.head_dim
@@ -437,6 +493,19 @@ def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> Non
         t = input_transform_matrix(view.o_proj, width)  # [W, W]
         o_weight = view.o_proj.weight.detach().to(torch.float64)  # [out, W]
         _assign(view.o_proj.weight, _per_head(o_weight @ t.T, r2) @ t)  # W Tᵀ D T
+
+
+def _fold_weight_deltas(adapter: DecoderAdapter, rotations: LearnedRotations, scales: Tensor):
+    """Add each ΔW to its weight in QuaRot's basis (float64). down_proj's ΔW was learned after
+    S, on ``(W Tᵀ diag(s)) T``; it enters W as ``(ΔW Tᵀ diag(1/s)) T``, which S's fusion then
+    takes back to ΔW."""
+    for view in adapter.blocks():
+        for linear, name in _block_linears(view):
+            delta = rotations.weight_deltas[_weight_key(view.index, name)].detach().double()
+            if name == "down_proj" and rotations.learns_scales:
+                t = input_transform_matrix(linear, delta.shape[1])  # [I, I]
+                delta = (delta @ t.T / scales[view.index]) @ t
+            _assign(linear.weight, linear.weight.detach().double() + delta)
 
 
 def _fuse_down_scales(adapter: DecoderAdapter, scales: Tensor) -> None:
