@@ -71,7 +71,8 @@ SETTINGS: dict[str, str] = {
     "down_proj's weight, free at inference)",
     "learn_weights": "learn-rotate: fine-tune the block linears' weights in the training loop "
     "(a correction per weight, distilled from the float model with the quantizers in the loop; "
-    "fused before the rotations, free at inference)",
+    "fused before the rotations, free at inference; for compositions that quantize "
+    "activations: with train_w_bits below 16 it measured worse)",
     "weight_lr": "learn-rotate: Adam's learning rate on the weight corrections (learn_weights)",
     "save_every": "steps between resume states (with a resume directory)",
     "bf16": "train with the model's matrix products in bfloat16 (CPU autocast)",
