@@ -9,10 +9,10 @@ For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration 
 alone; ``learn-rotate-clip``: with ``learn_clip``, one activation clip learned per layer and
 point; ``learn-rotate-scale``: with the clips and ``learn_scale``, a scale per channel of each
 down_proj input; ``learn-rotate-weights``: with those and ``learn_weights``, the block linears'
-weights fine-tuned in the same loop), each with RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``, QuaRot's
-settings: symmetric per-channel weights with the MSE clip, per-token activations clipped at 0.9
-unless learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys Hadamard-rotated after
-RoPE).
+weights fine-tuned in the same loop), each with RTN and GPTQ weights (``+rtn+kv-int`` /
+``+gptq+kv-int``, QuaRot's settings: symmetric per-channel weights with the MSE clip, per-token
+activations clipped at 0.9 unless learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys
+Hadamard-rotated after RoPE).
 Every model is evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``)
 and the pydoc evaluation text (first ``--pydoc-windows`` windows), so each calibration is also
 measured on the other corpus. The weights stay float in the training loop (``--train-w-bits
@@ -74,7 +74,7 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
         settings.update(k_bits=kv_bits, v_bits=kv_bits, rotate_qk="hadamard", symmetric=False)
     if learned:
         settings.update(steps=args.steps, seqlen=args.train_seqlen)
-        settings["learn_clip"] = rotation not in ("learn-rotate",)
+        settings["learn_clip"] = rotation != "learn-rotate"
         settings["learn_scale"] = rotation in ("learn-rotate-scale", "learn-rotate-weights")
         settings["learn_weights"] = rotation == "learn-rotate-weights"
         settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16

@@ -48,8 +48,9 @@ COMPOSITIONS = [
     "rtn+kivi",
     "w4a16-g64+ksort-bfp",
 ]
-#: settings a composition above is built with (default: none)
-SETTINGS = {"learn-rotate+rtn": dict(a_bits=4)}  # per-layer activation clips, learned
+#: settings a composition above is built with (default: none); learn-rotate+rtn learns per-layer
+#: activation clips and fine-tunes the weights (learn_weights)
+SETTINGS = {"learn-rotate+rtn": dict(a_bits=4, learn_weights=True)}
 RECIPES = sorted(set(list_recipes()) - {"fp"}) + sorted(PRESETS) + COMPOSITIONS
 WAYS = ("lowbit.load", "from_pretrained", "lowbit.load_model")
 

@@ -474,11 +474,11 @@ def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> Non
     adapter = _check_rotated(model)
     device = adapter.lm_head.weight.device
     scales = rotations.down_scales(torch.float64).to(device)  # [L, I] or empty
+    if rotations.learns_scales:  # S acts on up's rows and down's columns: it commutes with R1
+        _fuse_down_scales(adapter, scales)
     if rotations.learns_weights:
         _fold_weight_deltas(adapter, rotations, scales)
     rotate_residual(model, rotations.residual(torch.float64).to(device))
-    if rotations.learns_scales:
-        _fuse_down_scales(adapter, scales)
     if not rotations.learns_heads:
         return
     head_dim, width = adapter.head_dim, adapter.num_heads * adapter.head_dim
@@ -496,15 +496,13 @@ def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> Non
 
 
 def _fold_weight_deltas(adapter: DecoderAdapter, rotations: LearnedRotations, scales: Tensor):
-    """Add each ΔW to its weight in QuaRot's basis (float64). down_proj's ΔW was learned after
-    S, on ``(W Tᵀ diag(s)) T``; it enters W as ``(ΔW Tᵀ diag(1/s)) T``, which S's fusion then
-    takes back to ΔW."""
+    """Add each ΔW to its weight once S is fused and before R1 is (float64), as the loop added
+    it: down_proj's after S, up_proj's ahead of S's division of its rows."""
     for view in adapter.blocks():
         for linear, name in _block_linears(view):
             delta = rotations.weight_deltas[_weight_key(view.index, name)].detach().double()
-            if name == "down_proj" and rotations.learns_scales:
-                t = input_transform_matrix(linear, delta.shape[1])  # [I, I]
-                delta = (delta @ t.T / scales[view.index]) @ t
+            if name == "up_proj" and rotations.learns_scales:
+                delta = delta / scales[view.index][:, None]  # [I, hidden]
             _assign(linear.weight, linear.weight.detach().double() + delta)
 
 
