@@ -9,10 +9,9 @@ For each calibration corpus (WikiText-2 windows >= 16, or the pydoc calibration 
 alone; ``learn-rotate-clip``: with ``learn_clip``, one activation clip learned per layer and
 point; ``learn-rotate-scale``: with the clips and ``learn_scale``, a scale per channel of each
 down_proj input; ``learn-rotate-weights``: with those and ``learn_weights``, the block linears'
-weights fine-tuned in the same loop; ``--norm-scale`` adds ``learn_norm_scale``, the residual
-norms' scales, to each), each with RTN and GPTQ weights (``+rtn+kv-int`` / ``+gptq+kv-int``,
-QuaRot's settings: symmetric per-channel weights with the MSE clip, per-token activations
-clipped at 0.9 unless learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys
+weights fine-tuned in the same loop), each with RTN and GPTQ weights (``+rtn+kv-int`` /
+``+gptq+kv-int``, QuaRot's settings: symmetric per-channel weights with the MSE clip, per-token
+activations clipped at 0.9 unless learned and a KV cache clipped at 0.95 at 4 bits or fewer, keys
 Hadamard-rotated after RoPE).
 Every model is evaluated on both WikiText-2 test (first ``--windows`` windows of ``--seqlen``)
 and the pydoc evaluation text (first ``--pydoc-windows`` windows), so each calibration is also
@@ -78,7 +77,6 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
         settings["learn_clip"] = rotation != "learn-rotate"
         settings["learn_scale"] = rotation in ("learn-rotate-scale", "learn-rotate-weights")
         settings["learn_weights"] = rotation == "learn-rotate-weights"
-        settings["learn_norm_scale"] = args.norm_scale
         settings["train_w_bits"] = args.train_w_bits if weights == "rtn" else 16
         settings["v_bits"] = kv_bits  # the loop's values quantized as the deployed cache's
         if a_bits == kv_bits == 16:  # weight-only: the weights are all the loop can see
@@ -119,10 +117,6 @@ def main() -> None:
     parser.add_argument(
         "--weight-lr", type=float, default=None,
         help="learn-rotate's weight_lr, for learn-rotate-weights (its default)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--norm-scale", action="store_true",
-        help="learn-rotate's learn_norm_scale on every learned row (the residual norms' scales)",
     )  # fmt: skip
     parser.add_argument(
         "--train-w-bits", type=int, default=16, choices=[4, 16],

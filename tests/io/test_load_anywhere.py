@@ -49,8 +49,8 @@ COMPOSITIONS = [
     "w4a16-g64+ksort-bfp",
 ]
 #: settings a composition above is built with (default: none); learn-rotate+rtn learns per-layer
-#: activation clips, fine-tunes the weights and learns the norms' scales (left in the norms)
-SETTINGS = {"learn-rotate+rtn": dict(a_bits=4, learn_weights=True, learn_norm_scale=True)}
+#: activation clips and fine-tunes the weights (learn_weights)
+SETTINGS = {"learn-rotate+rtn": dict(a_bits=4, learn_weights=True)}
 RECIPES = sorted(set(list_recipes()) - {"fp"}) + sorted(PRESETS) + COMPOSITIONS
 WAYS = ("lowbit.load", "from_pretrained", "lowbit.load_model")
 

@@ -68,7 +68,7 @@ def _rotated_with_random_rotations(name, seed=3, weights=False):
     report = rotate_model(model, **options)
     adapter = adapter_for(model)
     rotations = LearnedRotations.for_model(
-        adapter, report.o_proj_hadamard, scales=True, norm_scales=True, weights=weights
+        adapter, report.o_proj_hadamard, scales=True, weights=weights
     )
     with torch.no_grad():  # far from the identity: a real rotation, not a perturbation
         generator = torch.Generator().manual_seed(seed)
@@ -109,9 +109,6 @@ def test_fused_learned_rotations_keep_the_function(name):
     assert {n: type(m) for n, m in model.named_modules()} == rotated  # QuaRot's structure
     assert not torch.allclose(adapter_for(model).block(0).v_proj.weight, v_before)
     assert not torch.allclose(adapter_for(model).block(0).up_proj.weight.norm(dim=1), up_norms)
-    norm_weights = [norm.weight for block in adapter_for(model).blocks()
-                    for norm in (block.input_norm, block.post_attention_norm)]  # fmt: skip
-    assert all((weight - 1).abs().max() > 0.1 for weight in norm_weights)  # N is in them
 
 
 @pytest.mark.parametrize(
@@ -171,12 +168,8 @@ def test_training_hooks_quantize_what_the_fused_model_would(name):
 
     quantization_effect = (trained_view - float_view).abs().mean()
     assert quantization_effect > 1e-3  # the quantizers act
-    # A code flips at a rounding tie between the two orders of products now and then and moves
-    # the positions after it. Measured: on 0 to 6 of the 42 positions, mean |Δlogit| 1e-6 to
-    # 0.02 of the quantization effect (qwen2 with seeds 3, 4, 5); exact elsewhere.
-    differs = (deployed - trained_view).abs().amax(-1) > 1e-5  # [B, S] positions
-    assert differs.float().mean() < 0.25
-    assert (deployed - trained_view).abs().mean() < 0.05 * quantization_effect
+    # measured: mean |Δlogit| ~1e-6 (a rare code flips at a rounding tie between the two orders)
+    assert (deployed - trained_view).abs().mean() < 0.02 * quantization_effect
 
 
 @pytest.mark.parametrize(

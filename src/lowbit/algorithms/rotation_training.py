@@ -5,8 +5,8 @@ it the fused model's quantization points (inputs of every block linear, values p
 the rotated basis, and this loop quantizes them with :func:`ste_fake_quant` while minimising
 the KL divergence from the float model's next-token distribution (or SpinQuant's next-token
 cross-entropy) on the calibration tokens cut into ``seqlen`` pieces, one piece a step, visited
-in order. Adam trains the Cayley parameters (and the scales S and N and the weight corrections
-ΔW, when the rotations hold them); the model's own weights stay frozen (ΔW is added
+in order. Adam trains the Cayley parameters (and down_proj's input scales and the weight
+corrections ΔW, when the rotations hold them); the model's own weights stay frozen (ΔW is added
 to them in the loop and fused after).
 
 In the loop, as SpinQuant trains for GPTQ weights: activations (per token, symmetric) and values
@@ -142,7 +142,7 @@ class RotationTrainingSettings:
         learn_clip: learn one activation clip ratio per layer and kind of point, starting at
             ``a_clip_ratio`` (with a_bits below 16).
         clip_lr: Adam's learning rate on the clip ratios' logits.
-        scale_lr: Adam's learning rate on the log scales S and N (when learned).
+        scale_lr: Adam's learning rate on down_proj's log input scales (when learned).
         weight_lr: Adam's learning rate on the weight corrections ΔW (when learned).
         v_bits, v_clip_ratio: value quantizer in the loop (16: off).
         w_bits: weights in the loop, per output channel, symmetric, absmax (16: off, float
@@ -308,8 +308,6 @@ def train_rotations(
     groups = [{"params": rotations.rotation_parameters(), "lr": settings.lr}]
     if rotations.learns_scales:
         groups.append({"params": [rotations.down_log_scales], "lr": settings.scale_lr})
-    if rotations.learns_norm_scales:
-        groups.append({"params": [rotations.norm_log_scales], "lr": settings.scale_lr})
     if rotations.learns_weights:
         groups.append({"params": list(rotations.weight_deltas.values()), "lr": settings.weight_lr})
     if clips is not None:

@@ -4,10 +4,8 @@ fused, so the model leaves with QuaRot's structure and cost; quantizes nothing. 
 ``learn_scale`` it also learns a scale per channel of each down_proj input (fused into up_proj
 and down_proj), and with ``learn_clip`` one activation clip ratio per layer and kind of point,
 which it hands to the weight part that follows (per-layer ``a_clip_ratio``): both free at
-inference, both on by default. With ``learn_norm_scale`` it learns a scale per channel of each
-residual norm's output in the learned basis (the norms' weights after fusion), and with
-``learn_weights`` it fine-tunes the block linears' weights in the same loop (a correction ΔW
-each, fused before the rotations): also free at inference.
+inference, both on by default. With ``learn_weights`` it fine-tunes the block linears' weights
+in the same loop (a correction ΔW each, fused before the rotations), also free at inference.
 
 ``learn-rotate+gptq+kv-int``: the rotation is trained for the activation and value bits it
 is given (``a_bits``, ``v_bits``; a composition's ``--set a_bits=8`` reaches the weight part
@@ -79,7 +77,6 @@ class LearnRotateRecipe(Recipe):
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
     learn_clip: bool = True  # learn a_clip_ratio per layer and point, from a_clip_ratio
     learn_scale: bool = True  # learn a scale per channel of down_proj's input
-    learn_norm_scale: bool = False  # learn the residual norms' scales in R1's basis
     learn_weights: bool = False  # fine-tune the block linears' weights in the loop
     weight_lr: float = 1e-5
     v_bits: int = 4
@@ -159,7 +156,6 @@ class LearnRotateRecipe(Recipe):
             report.o_proj_hadamard,
             heads=self.learn_heads,
             scales=self.learn_scale,
-            norm_scales=self.learn_norm_scale,
             weights=self.learn_weights,
             seed=self.seed,
         )
@@ -178,7 +174,6 @@ class LearnRotateRecipe(Recipe):
         fuse_learned_rotations(model, rotations)
         report.residual += " x learned R1" + (", learned R2 per head" if self.learn_heads else "")
         report.residual += ", learned down_proj input scales" if self.learn_scale else ""
-        report.residual += ", learned norm scales" if self.learn_norm_scale else ""
         report.residual += ", fine-tuned weights" if self.learn_weights else ""
         context.transformed(model)
         return _clip_overrides(model, training.clip_ratios) or None

@@ -69,10 +69,6 @@ SETTINGS: dict[str, str] = {
     "learn_scale": "learn-rotate: learn a positive scale per channel of each down_proj input "
     "beside the rotations (FlatQuant's and OSTQuant's smoothing; fused into up_proj's rows and "
     "down_proj's weight, free at inference)",
-    "learn_norm_scale": "learn-rotate: learn a positive scale per channel of each residual "
-    "norm's output in the learned basis, for q/k/v and gate/up (OSTQuant's scaling; it becomes "
-    "the norms' weights, which QuaRot left at one, and divides their readers' columns: free at "
-    "inference)",
     "learn_weights": "learn-rotate: fine-tune the block linears' weights in the training loop "
     "(a correction per weight, distilled from the float model with the quantizers in the loop; "
     "fused before the rotations, free at inference; for compositions that quantize "

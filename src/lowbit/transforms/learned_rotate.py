@@ -21,10 +21,6 @@ Optionally, a third transform that is not a rotation:
   gate multiplies up's output channel by channel) and its weight ``W ← (W Tᵀ diag(s)) T``.
   Down_proj's input is a point R1 and R2 do not reach; S trades its large channels' share of
   the per-token scale against the error its weight columns then amplify. Free at inference.
-* **N** [L, 2, hidden], a positive scale per channel of each residual norm's output in the fused
-  basis (after R1): q/k/v and gate/up read ``y · n`` and their weights' columns are divided by n
-  (OSTQuant's scaling beside R1). QuaRot left the norms' own weights at one; N becomes them, so
-  it too is free at inference.
 
 And optionally corrections to the weights themselves:
 
@@ -82,9 +78,6 @@ ACTIVATION_POINTS = {
     "o_proj": ("o_proj",),
     "down_proj": ("down_proj",),  # after its online transform
 }
-#: the points that are a residual norm's output -> that norm (a block view's attribute), in
-#: N's order
-NORM_POINTS = {"qkv": "input_norm", "gate_up": "post_attention_norm"}
 
 
 def cayley(x: Tensor) -> Tensor:
@@ -105,7 +98,6 @@ class LearnedRotations(nn.Module):
         heads: learn R2 (False: values and the o_proj input are left as QuaRot has them).
         head_base: R2's base [head_dim, head_dim] (None: the identity).
         down_width: down_proj's input width, to learn S (0: S is not learned).
-        norm_scales: learn N, the residual norms' scales in R1's basis.
         weight_shapes: ``{key: shape}`` of the block linears whose weights get a learned
             correction ΔW (keys ``"{layer}_{linear}"``; None: the weights are not learned).
         device: where the parameters are made (the model's device).
@@ -120,7 +112,6 @@ class LearnedRotations(nn.Module):
         heads: bool = True,
         head_base: Tensor | None = None,
         down_width: int = 0,
-        norm_scales: bool = False,
         weight_shapes: dict[str, torch.Size] | None = None,
         device: torch.device | None = None,
     ):
@@ -131,8 +122,6 @@ class LearnedRotations(nn.Module):
         self.head_params = nn.Parameter(torch.zeros(shape, device=device))  # X2 [L, D, D]
         shape = (num_layers if down_width else 0, down_width)
         self.down_log_scales = nn.Parameter(torch.zeros(shape, device=device))  # log S [L, I]
-        shape = (num_layers if norm_scales else 0, len(NORM_POINTS), hidden_size)
-        self.norm_log_scales = nn.Parameter(torch.zeros(shape, device=device))  # log N [L, 2, n]
         if head_base is None:
             head_base = torch.eye(head_dim, dtype=torch.float64, device=device)
         base = head_base.to(device=device, dtype=torch.float64)
@@ -149,14 +138,13 @@ class LearnedRotations(nn.Module):
         *,
         heads: bool = True,
         scales: bool = False,
-        norm_scales: bool = False,
         weights: bool = False,
         seed: int = 0,
     ) -> LearnedRotations:
         """Transforms for a model QuaRot has rotated (``o_proj_path``: its report's
         ``o_proj_hadamard``), starting at the identity on top of QuaRot's rotation, on the
-        model's device; ``scales``: learn S too; ``norm_scales``: learn N; ``weights``: learn
-        ΔW for every block linear."""
+        model's device; ``scales``: learn S too; ``weights``: learn ΔW for every block
+        linear."""
         device = adapter.embed_tokens.weight.device
         shapes = None
         if weights:
@@ -172,7 +160,6 @@ class LearnedRotations(nn.Module):
             heads=heads,
             head_base=head_base_for(adapter, o_proj_path, seed=seed, device=device),
             down_width=adapter.intermediate_size if scales else 0,
-            norm_scales=norm_scales,
             weight_shapes=shapes,
             device=device,
         )
@@ -184,10 +171,6 @@ class LearnedRotations(nn.Module):
     @property
     def learns_scales(self) -> bool:
         return self.down_log_scales.shape[0] > 0
-
-    @property
-    def learns_norm_scales(self) -> bool:
-        return self.norm_log_scales.shape[0] > 0
 
     @property
     def learns_weights(self) -> bool:
@@ -208,11 +191,6 @@ class LearnedRotations(nn.Module):
     def down_scales(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """S per layer [L, intermediate] (empty when S is not learned)."""
         return self.down_log_scales.to(dtype).exp()
-
-    def norm_scales(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """N per layer [L, 2, hidden], the q/k/v readers' then the gate/up readers' (empty
-        when N is not learned)."""
-        return self.norm_log_scales.to(dtype).exp()
 
 
 def _exact_transform(linear: nn.Module) -> nn.Module | None:
@@ -268,14 +246,13 @@ def quantized_in_rotated_basis(
     quantized, without changing a weight. Yields ``paused``: inside ``with paused():`` the
     model is the float model again (a loss's reference pass), the hooks staying in place.
 
-    Points: the inputs of q/k/v and gate/up (the two norms' outputs, in R1's basis, times N),
-    of o_proj (``T(o D)``) and of down_proj (its online transform's output), by ``activation``;
-    values per head (``v R2``, [..., D]) by ``value``. Each is rotated, quantized and rotated
-    back (and divided by N). With S, down_proj's input is divided by it and its weight takes S
-    as the fused one does (the exact online transform of ``W Tᵀ diag(s)``'s rows). With ΔW,
-    every block linear multiplies ``W + ΔW`` (W after S). R1, R2, S and N are recomputed from
-    the parameters on each forward pass, so a loss backpropagates into them. Hooks are removed
-    on exit.
+    Points: the inputs of q/k/v and gate/up (the two norms' outputs, in R1's basis), of o_proj
+    (``T(o D)``) and of down_proj (its online transform's output), by ``activation``; values
+    per head (``v R2``, [..., D]) by ``value``. Each is rotated, quantized and rotated back.
+    With S, down_proj's input is divided by it and its weight takes S as the fused one does
+    (the exact online transform of ``W Tᵀ diag(s)``'s rows). With ΔW, every block linear
+    multiplies ``W + ΔW`` (W after S). R1, R2 and S are recomputed from the parameters on each
+    forward pass, so a loss backpropagates into them. Hooks are removed on exit.
 
     Args:
         model: a model rotated by ``rotate_model`` (online transforms in place), in float.
@@ -284,7 +261,7 @@ def quantized_in_rotated_basis(
             [..., features] and point a key of :data:`ACTIVATION_POINTS` (None: off).
         value: quantizer of one head's values, ``[..., D] -> same`` (None: off).
         weight: quantizer of a block linear's weight ``[out, in]`` as the fused model holds it
-            (rows quantized in R1's and R2's basis, columns divided by N, then mapped back), or None (float
+            (rows quantized in R1's and R2's basis, then rotated back), or None (float
             weights, as for GPTQ afterwards).
     """
     adapter = _check_rotated(model)
@@ -306,20 +283,13 @@ def quantized_in_rotated_basis(
             state["r2"] = rotations.heads()
         if rotations.learns_scales:
             state["s"] = rotations.down_scales()
-        if rotations.learns_norm_scales:
-            state["n"] = rotations.norm_scales()
 
     def residual_point(index: int, point: str):
-        column = list(NORM_POINTS).index(point)
-
         def hook(module, args, out):  # norm output [B, S, hidden]
             if state["paused"]:
                 return None
             r1 = state["r1"]
-            if "n" not in state:
-                return activation(out @ r1, index, point) @ r1.T
-            n = state["n"][index, column]  # [hidden]
-            return (activation(out @ r1 * n, index, point) / n) @ r1.T
+            return activation(out @ r1, index, point) @ r1.T
 
         return hook
 
@@ -368,9 +338,9 @@ def quantized_in_rotated_basis(
             if activation is not None or weight is not None:
                 t = input_transform_matrix(view.o_proj, width).float()  # [W, W]
             if activation is not None:
-                for point, norm in NORM_POINTS.items():
-                    hook = residual_point(view.index, point)
-                    handles.append(getattr(view, norm).register_forward_hook(hook))
+                norms = (view.input_norm, "qkv"), (view.post_attention_norm, "gate_up")
+                for norm, point in norms:
+                    handles.append(norm.register_forward_hook(residual_point(view.index, point)))
                 handles.append(view.o_proj.register_forward_pre_hook(o_point(view.index, t)))
                 quantize = _FunctionModule(
                     lambda x, i=view.index: x if state["paused"] else activation(x, i, "down_proj")
@@ -390,7 +360,7 @@ def quantized_in_rotated_basis(
                     parametrize.register_parametrization(linear, "weight", delta)
                     parametrized.add(linear)
                 if weight is not None:
-                    fused = _FusedWeight(weight, state, name, view.index, t)
+                    fused = _FusedWeight(weight, state, _WEIGHT_SIDES[name], view.index, t)
                     parametrize.register_parametrization(linear, "weight", fused)
                     parametrized.add(linear)
         yield paused
@@ -418,33 +388,15 @@ def _block_linears(view) -> list[tuple[nn.Module, str]]:
     return [(getattr(view, name), name) for name in _WEIGHT_SIDES]
 
 
-#: each linear that reads a residual norm -> its column of N
-_NORM_COLUMN = {
-    linear: column
-    for column, point in enumerate(NORM_POINTS)
-    for linear in ACTIVATION_POINTS[point]
-}
-
-
 class _FusedWeight(nn.Module):
     """A weight ``[out, in]`` in QuaRot's basis mapped to the fused model's (R1 on the input
     side of q/k/v/gate/up and the output side of o_proj/down_proj, R2 on v's rows and per head
-    on o_proj's input through its online transform T, the columns of a norm's readers divided
-    by N), quantized there, and mapped back."""
+    on o_proj's input through its online transform T), quantized there, and mapped back."""
 
-    def __init__(self, quantize: Quantizer, state: dict, name: str, index: int, t: Tensor):
+    def __init__(self, quantize: Quantizer, state: dict, side: str, index: int, t: Tensor):
         super().__init__()
-        self.quantize, self.state, self.index = quantize, state, index
-        self.side, self.norm_column = _WEIGHT_SIDES[name], _NORM_COLUMN.get(name)
+        self.quantize, self.state, self.side, self.index = quantize, state, side, index
         self.register_buffer("t", t, persistent=False)  # [W, W] (o_proj)
-
-    def _quantize_columns(self, w: Tensor) -> Tensor:
-        """``w`` [out, hidden] (a norm's reader in R1's basis) quantized with its columns
-        divided by N, then multiplied back."""
-        if "n" not in self.state:
-            return self.quantize(w)
-        n = self.state["n"][self.index, self.norm_column]  # [hidden]
-        return self.quantize(w / n) * n
 
     def forward(self, w: Tensor) -> Tensor:
         if self.state["paused"]:
@@ -452,13 +404,13 @@ class _FusedWeight(nn.Module):
         r1 = self.state["r1"]
         r2 = self.state["r2"][self.index] if "r2" in self.state else None
         if self.side == "input" or (self.side == "value" and r2 is None):
-            return self._quantize_columns(w @ r1) @ r1.T
+            return self.quantize(w @ r1) @ r1.T
         if self.side == "output":
             return r1 @ self.quantize(r1.T @ w)
         if self.side == "value":
             heads = w.reshape(-1, r2.shape[0], w.shape[1])  # [kv, D, in]
             fused = (r2.T @ heads @ r1).reshape(w.shape)
-            back = r2 @ self._quantize_columns(fused).reshape(heads.shape) @ r1.T
+            back = r2 @ self.quantize(fused).reshape(heads.shape) @ r1.T
             return back.reshape(w.shape)
         inner = w @ self.t.T if r2 is None else _per_head(w @ self.t.T, r2)  # o_proj
         fused = r1.T @ (inner @ self.t)
@@ -512,9 +464,8 @@ class _FunctionModule(nn.Module):
 
 @torch.no_grad()
 def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> None:
-    """Fuse ΔW, R1, R2, S and N into the weights, in place (float64 products): the model keeps
-    QuaRot's structure and online transforms (N becomes the residual norms' weights), and
-    computes the same function.
+    """Fuse ΔW, R1, R2 and S into the weights, in place (float64 products): the model keeps
+    QuaRot's structure and online transforms, and computes the same function.
 
     Args:
         model: the model ``rotate_model`` rotated, still in float.
@@ -528,8 +479,6 @@ def fuse_learned_rotations(model: nn.Module, rotations: LearnedRotations) -> Non
     if rotations.learns_weights:
         _fold_weight_deltas(adapter, rotations, scales)
     rotate_residual(model, rotations.residual(torch.float64).to(device))
-    if rotations.learns_norm_scales:  # in R1's basis, into the norms QuaRot left at one
-        _fuse_norm_scales(adapter, rotations.norm_scales(torch.float64).to(device))
     if not rotations.learns_heads:
         return
     head_dim, width = adapter.head_dim, adapter.num_heads * adapter.head_dim
@@ -567,14 +516,3 @@ def _fuse_down_scales(adapter: DecoderAdapter, scales: Tensor) -> None:
             _assign(up.bias, up.bias.detach().double() / s)
         t = input_transform_matrix(down, s.shape[0])  # [I, I]
         _assign(down.weight, (down.weight.detach().double() @ t.T * s) @ t)
-
-
-def _fuse_norm_scales(adapter: DecoderAdapter, scales: Tensor) -> None:
-    """Make N [L, 2, hidden] the residual norms' weights and divide their readers' columns by
-    it (float64; the model already in R1's basis)."""
-    for view, per_norm in zip(adapter.blocks(), scales, strict=True):
-        for (point, norm), n in zip(NORM_POINTS.items(), per_norm, strict=True):
-            _assign(getattr(view, norm).weight, n)
-            for name in ACTIVATION_POINTS[point]:
-                linear = getattr(view, name)
-                _assign(linear.weight, linear.weight.detach().double() / n)  # [out, hidden]
