@@ -87,6 +87,8 @@ def recipe_for(rotation: str, weights: str, bits: str, args):
             settings["weight_lr"] = args.weight_lr
         if args.train_loss is not None:
             settings["train_loss"] = args.train_loss
+        if args.lr_schedule is not None:
+            settings["lr_schedule"] = args.lr_schedule
     return get_recipe("+".join(parts)).with_settings(**settings)
 
 
@@ -114,6 +116,10 @@ def main() -> None:
         "a rerun with the same one resumes the training",
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=None, help="learn-rotate's lr (its default)")
+    parser.add_argument(
+        "--lr-schedule", default=None, choices=["constant", "cosine"],
+        help="learn-rotate's lr_schedule (default: the recipe's)",
+    )  # fmt: skip
     parser.add_argument(
         "--weight-lr", type=float, default=None,
         help="learn-rotate's weight_lr, for learn-rotate-weights (its default)",

@@ -156,10 +156,15 @@ def test_learned_clips_lower_the_in_loop_kl_beyond_the_rotations():
 
 
 @pytest.mark.parametrize(
-    ("learn_clip", "scales", "weights"), [(False, False, False), (True, True, True)]
+    ("learn_clip", "scales", "weights", "schedule"),
+    [(False, False, False, "constant"), (True, True, True, "cosine")],
 )
-def test_an_interrupted_run_resumes_to_the_same_rotations(tmp_path, learn_clip, scales, weights):
-    settings = RotationTrainingSettings(steps=7, save_every=3, learn_clip=learn_clip, **SETTINGS)
+def test_an_interrupted_run_resumes_to_the_same_rotations(
+    tmp_path, learn_clip, scales, weights, schedule
+):
+    settings = RotationTrainingSettings(
+        steps=7, save_every=3, learn_clip=learn_clip, lr_schedule=schedule, **SETTINGS
+    )
     model, straight = _setup(scales=scales, weights=weights)
     expected = train_rotations(model, straight, CALIBRATION, settings)
 
@@ -218,6 +223,27 @@ def test_fine_tuned_weights_lower_the_in_loop_kl_beyond_the_rotations():
     assert with_weights < 0.9 * rotations_only
 
 
+def test_the_cosine_schedule_decays_every_learning_rate_to_zero():
+    """Each step's rates, read from the optimizer as the loop sets them."""
+    model, rotations = _setup(scales=True)
+    seen = []
+    original_step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        seen.append([group["lr"] for group in self.param_groups])
+        return original_step(self, *args, **kwargs)
+
+    settings = RotationTrainingSettings(steps=8, lr_schedule="cosine", scale_lr=1e-2, **SETTINGS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.optim.Adam, "step", spy)
+        train_rotations(model, rotations, CALIBRATION, settings)
+    first, middle, last = seen[0], seen[4], seen[-1]
+    assert first == [SETTINGS["lr"], 1e-2]  # the rotations', the scales'
+    assert middle == pytest.approx([0.5 * rate for rate in first])
+    assert all(0 < b < a for a, b in zip(seen[-2], last, strict=True))
+    assert last == pytest.approx([rate * 0.03806 for rate in first], rel=1e-4)  # (1 + cos 7π/8)/2
+
+
 def test_a_resume_directory_of_another_run_is_refused(tmp_path):
     model, rotations = _setup()
     train_rotations(
@@ -239,6 +265,7 @@ def test_a_resume_directory_of_another_run_is_refused(tmp_path):
         (dict(seqlen=65), "seqlen must be 2 to the calibration length 64"),
         (dict(steps=0), "steps >= 1"),
         (dict(loss="mse"), "loss must be one of"),
+        (dict(lr_schedule="linear"), "lr_schedule must be one of"),
     ],
 )
 def test_bad_settings_are_one_sentence(settings, message):

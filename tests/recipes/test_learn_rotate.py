@@ -173,6 +173,7 @@ def test_fine_tuned_weights_are_fused_into_a_standard_rotated_model():
         (dict(a_bits=1), "a_bits must be between 2 and 8"),
         (dict(a_clip_ratio=1.5), r"a_clip_ratio must be in \(0, 1\]"),
         (dict(train_loss="mse"), "train_loss must be one of"),
+        (dict(lr_schedule="step"), "lr_schedule must be one of"),
     ],
 )
 def test_bad_settings_are_one_sentence(settings, message):

@@ -60,6 +60,8 @@ OFF_BITS = 16
 _TINY = torch.finfo(torch.float32).tiny
 STATE_NAME = "rotations"
 LOSSES = ("ce", "kl")
+#: how every learning rate moves over the steps: held, or cosine-decayed to zero at the last
+SCHEDULES = ("constant", "cosine")
 
 
 class _RoundSTE(torch.autograd.Function):
@@ -151,6 +153,9 @@ class RotationTrainingSettings:
             second forward pass each step, without gradient), which measures only what the
             quantizers change, not the text's own uncertainty; or ``"ce"``, SpinQuant's
             next-token cross-entropy on the calibration tokens.
+        lr_schedule: ``"constant"``, or ``"cosine"``: every learning rate times
+            ``(1 + cos(π · step / steps)) / 2``, a function of the step alone (a resumed run
+            takes it up where it stopped).
         save_every: steps between resume states (with a resume directory).
         bf16: run the model's matrix products in bfloat16 (CPU autocast); weights stay as
             they are.
@@ -169,6 +174,7 @@ class RotationTrainingSettings:
     v_clip_ratio: float = 0.95
     w_bits: int = OFF_BITS
     loss: str = "kl"
+    lr_schedule: str = "constant"
     save_every: int = 10
     bf16: bool = False
 
@@ -192,6 +198,11 @@ class RotationTrainingSettings:
             )
         if self.loss not in LOSSES:
             raise LowbitError(f"rotation training loss must be one of {LOSSES}, not {self.loss!r}")
+        if self.lr_schedule not in SCHEDULES:
+            raise LowbitError(
+                f"rotation training lr_schedule must be one of {SCHEDULES}, not "
+                f"{self.lr_schedule!r}"
+            )
         if self.a_bits == self.v_bits == self.w_bits == OFF_BITS:
             raise LowbitError(
                 "rotation training needs activations, values or weights quantized in the loop "
@@ -232,6 +243,13 @@ def _activation_quantizer(settings: RotationTrainingSettings, clips: LearnedClip
     return lambda x, layer, point: ste_fake_quant(
         x, settings.a_bits, symmetric=True, clip_ratio=clips.ratio(layer, point)
     )
+
+
+def _lr_factor(settings: RotationTrainingSettings, step: int) -> float:
+    """What ``step``'s learning rates are, as a fraction of the settings' own."""
+    if settings.lr_schedule == "constant":
+        return 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * step / settings.steps))
 
 
 def _loss(model: nn.Module, ids: Tensor, kind: str, paused) -> Tensor:
@@ -314,6 +332,7 @@ def train_rotations(
         trained["clips"] = clips
         groups.append({"params": [clips.logits], "lr": settings.clip_lr})
     optimizer = torch.optim.Adam(groups)
+    base_lrs = [group["lr"] for group in groups]
     report = RotationTrainingReport(steps=settings.steps)
     checkpoints = None
     if resume_dir is not None:
@@ -352,6 +371,8 @@ def train_rotations(
                 ids = pieces[step % pieces.shape[0]].unsqueeze(0).to(device)  # [1, seqlen]
                 loss = _loss(model, ids, settings.loss, paused)
                 loss.backward()
+                for group, lr in zip(optimizer.param_groups, base_lrs, strict=True):
+                    group["lr"] = lr * _lr_factor(settings, step)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 report.losses.append(float(loss.detach()))

@@ -25,6 +25,7 @@ import torch
 
 from lowbit.algorithms.rotation_training import (
     LOSSES,
+    SCHEDULES,
     RotationTrainingSettings,
     train_rotations,
 )
@@ -86,6 +87,7 @@ class LearnRotateRecipe(Recipe):
     steps: Count = 300
     seqlen: Count | None = None  # DEFAULT_SEQLEN, or the calibration samples' length if shorter
     lr: float = 5e-5
+    lr_schedule: str = "constant"  # or "cosine", every learning rate decayed to zero
     save_every: Count = 10
     bf16: bool = False
 
@@ -99,6 +101,10 @@ class LearnRotateRecipe(Recipe):
         if self.train_loss not in LOSSES:
             raise LowbitError(
                 f"learn-rotate train_loss must be one of {LOSSES}, not {self.train_loss!r}"
+            )
+        if self.lr_schedule not in SCHEDULES:
+            raise LowbitError(
+                f"learn-rotate lr_schedule must be one of {SCHEDULES}, not {self.lr_schedule!r}"
             )
         if self.a_bits == self.v_bits == self.train_w_bits == OFF_BITS:
             raise LowbitError(
@@ -129,6 +135,7 @@ class LearnRotateRecipe(Recipe):
             v_clip_ratio=resolve_clip(self.kv_clip_ratio, self.v_bits, QUAROT_KV_CLIP),
             w_bits=self.train_w_bits,
             loss=self.train_loss,
+            lr_schedule=self.lr_schedule,
             save_every=self.save_every,
             bf16=self.bf16,
         )

@@ -74,6 +74,8 @@ SETTINGS: dict[str, str] = {
     "fused before the rotations, free at inference; for compositions that quantize "
     "activations: with train_w_bits below 16 it measured worse)",
     "weight_lr": "learn-rotate: Adam's learning rate on the weight corrections (learn_weights)",
+    "lr_schedule": "learn-rotate: constant learning rates, or cosine: each decayed to zero over "
+    "the steps",
     "save_every": "steps between resume states (with a resume directory)",
     "bf16": "train with the model's matrix products in bfloat16 (CPU autocast)",
     "gguf_type": "llama.cpp file type: Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ4_NL, Q6_K, Q5_K_M, "
