@@ -371,8 +371,9 @@ def train_rotations(
                 ids = pieces[step % pieces.shape[0]].unsqueeze(0).to(device)  # [1, seqlen]
                 loss = _loss(model, ids, settings.loss, paused)
                 loss.backward()
+                factor = _lr_factor(settings, step)
                 for group, lr in zip(optimizer.param_groups, base_lrs, strict=True):
-                    group["lr"] = lr * _lr_factor(settings, step)
+                    group["lr"] = lr * factor
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 report.losses.append(float(loss.detach()))
