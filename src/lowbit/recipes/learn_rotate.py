@@ -55,8 +55,8 @@ from lowbit.transforms.rotate import rotate_model
 DEFAULT_SEQLEN = 256
 
 #: the block weights fine-tuned in the loop, a cosine schedule over 500 steps: the setting
-#: that halves QuaRot's W4A4KV4 KL on SmolLM2 (docs/results/rotations.md, 64 calibration
-#: sequences), at 38 minutes of training on 2 cores against the defaults' 16
+#: measured at half of QuaRot's W4A4KV4 KL to float (docs/results/rotations.md), for over
+#: twice the defaults' training time and more memory (the weights' gradients and moments)
 register_preset(
     "learn-rotate-ft",
     "learn-rotate",
