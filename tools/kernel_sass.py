@@ -64,9 +64,11 @@ def compile_decode_kernel(
 
     scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_ps",
                "stride_om"]  # fmt: skip
+    per_split = -(-16 // split_k)
+    per_split += per_split % 2 if stages == 2 else 0  # as the launcher: two tiles a step
     constants = dict(
         BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
-        K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=16 // split_k, BLOCK_M=block_m,
+        K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=per_split, BLOCK_M=block_m,
         BLOCK_N=block_n, EVEN_K=even_k, STAGES=stages, INTERPRET=False,
     )  # fmt: skip
     return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch,
@@ -141,8 +143,9 @@ def spqr_table(arch: int) -> None:
               f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
 
 
-def loop_instructions(cubin: bytes) -> list[str]:
-    """Opcodes of the longest backward-branch loop of a cubin."""
+def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
+    """Opcodes of the longest backward-branch loop of a cubin (``suffixes``: with their
+    modifiers, ``LDG.E.128``)."""
     import triton
 
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
@@ -157,8 +160,23 @@ def loop_instructions(cubin: bytes) -> list[str]:
         match = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if match and labels.get(match.group(1), i) < i and i - labels[match.group(1)] > len(best):
             best = lines[labels[match.group(1)] : i + 1]
-    opcode = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]+)")
+    name = r"[A-Z][A-Z0-9.]+" if suffixes else r"[A-Z][A-Z0-9]+"
+    opcode = re.compile(rf"\s+/\*[0-9a-f]{{4,}}\*/\s+(?:@!?U?P\w+\s+)?({name})")
     return [m.group(1) for line in best if (m := opcode.match(line))]
+
+
+def word_load_positions(ops: list[str]) -> list[int]:
+    """Where a decode loop issues its tiles' words (16-byte global loads, ``LDG.E.128``): for
+    each batch, the percentage of the loop's FFMAs issued before it. A loop that loads a tile
+    and then decodes it has one batch at 0; one that loads the next tile while this one decodes
+    has a batch at 0 and one near 50 (two tiles a step)."""
+    total, seen, positions = ops.count("FFMA"), 0, []
+    for op in ops:
+        seen += op == "FFMA"
+        position = round(100 * seen / max(total, 1))
+        if op.startswith("LDG.E.128") and (not positions or positions[-1] != position):
+            positions.append(position)
+    return positions
 
 
 def main() -> None:
@@ -175,11 +193,13 @@ def main() -> None:
         spqr_table(args.arch)
         return
     print("| kernel | bits | x | zeros | BLOCK_M | BLOCK_N | warps | stages | shared bytes | "
-          "loop instrs | per code | barriers per tile | most frequent |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "loop instrs | per code | barriers per tile | words loaded at | most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     runs = [("decode", bm, bn, w, "fp16", sym, 1)
             for bm, bn, w in ((1, 64, 4), (1, 128, 4)) for sym in (True, False)]  # fmt: skip
     runs += [("decode", 1, 128, 4, "fp16", True, 3)]  # the pipelined tile loop
+    # the next tile's words in registers (two tiles a loop iteration)
+    runs += [("decode", 1, 128, w, "fp16", sym, 2) for w in (4, 8) for sym in (True, False)]
     runs += [("decode", 16, bn, 4, "fp16", True, 1) for bn in (64, 128)]
     runs += [("decode", 16, 64, 4, "fp16", True, 3), ("decode", 16, 128, 4, "bf16", True, 1)]
     runs += [("prefill", 128, 128, 8, dt, True, 2) for dt in ("fp16", "bf16")]  # 2: it fits
@@ -192,13 +212,17 @@ def main() -> None:
             else:
                 kernel = compile_prefill_kernel(bits, block_m, block_n, warps, args.arch, dtype,
                                                 num_stages=stages)  # fmt: skip
-            ops = loop_instructions(kernel.asm["cubin"])
-            codes_per_thread = block_n * 32 * (32 // bits) / (32 * warps)  # one tile
-            barriers = sum(op == "BAR" for op in ops)
+            full = loop_instructions(kernel.asm["cubin"], suffixes=True)
+            ops = [op.split(".")[0] for op in full]
+            tiles = 2 if name == "decode" and stages == 2 else 1  # tiles a loop iteration
+            codes_per_thread = tiles * block_n * 32 * (32 // bits) / (32 * warps)
+            barriers = sum(op == "BAR" for op in ops) / tiles
+            loads = ", ".join(map(str, word_load_positions(full))) if name == "decode" else "-"
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
             print(f"| {name} | {bits} | {dtype} | {'no' if sym else 'yes'} | {block_m} | "
                   f"{block_n} | {warps} | {stages} | {kernel.metadata.shared} | {len(ops)} | "
-                  f"{len(ops) / codes_per_thread:.2f} | {barriers} | {top} |", flush=True)  # fmt: skip
+                  f"{len(ops) / codes_per_thread:.2f} | {barriers:g} | {loads or '-'} | "
+                  f"{top} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

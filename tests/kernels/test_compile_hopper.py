@@ -6,7 +6,8 @@ interpreted pass there and fail on the first CUDA call. This compiles each kerne
 decode (3 and 4 bits, split-K with bias), integer prefill and its weight decoder, SpQR, the
 2/4/16 GEMV (async and sync, split-K with bias) and its 16-row kernel — through Triton's own
 ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its main loop (the decoder,
-which has none, its 16-byte stores; the pipelined integer decode, its asynchronous copies).
+which has none, its 16-byte stores; the pipelined integer decode, its asynchronous copies; the
+register-prefetching one, its word loads a tile ahead of their use).
 It runs in a fresh process because ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``, under
 which ``@triton.jit`` builds interpreted functions that cannot be compiled.
 """
@@ -27,7 +28,7 @@ SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from kernel_sass import (compile_decode_kernel, compile_dequant_kernel, compile_prefill_kernel,
-                         compile_spqr_kernel, loop_instructions)
+                         compile_spqr_kernel, loop_instructions, word_load_positions)
 from kernel_sass_mixed import compile_mixed
 
 kernels = {
@@ -49,6 +50,11 @@ loops["dequant stores"] = dequant.asm["ptx"].count("st.global.v4") if dequant.as
 # the pipelined tile loop (STAGES = 3) copies the next tiles' words with cp.async
 piped = compile_decode_kernel(4, 1, 128, 4, 90, even_k=True, stages=3)
 loops["pipelined cp.async"] = piped.asm["ptx"].count("cp.async.")
+# the register prefetch (STAGES = 2, two tiles a step): where the words are loaded, as % of
+# the step's FFMAs before them, on a split that runs past the last tile and K not a whole tile
+prefetch = compile_decode_kernel(4, 1, 128, 8, 90, split_k=3, stages=2, symmetric=False)
+ops = loop_instructions(prefetch.asm["cubin"], suffixes=True)
+loops["prefetch loads at"] = word_load_positions(ops)
 print(json.dumps(loops))
 """
 
@@ -64,7 +70,11 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 9
+    assert len(loops) == 10
+    # each tile's words are issued before the other tile's decode, not just before their own
+    # (ptxas moves them there without the kernel's store-that-never-runs): measured [0, 50]
+    at = loops.pop("prefetch loads at")
+    assert len(at) == 2 and at[0] <= 5 and 35 <= at[1] <= 65, at
     stores = loops.pop("dequant stores")
     assert stores >= 8, stores  # 16-byte stores, at least one per slot (measured 16: two per slot)
     assert loops.pop("pipelined cp.async") > 0  # measured 84 (copies, commits and waits)

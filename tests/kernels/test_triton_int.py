@@ -249,22 +249,33 @@ def test_the_wrappers_refuse_bad_calls_in_a_sentence():
         int_gemm(x[:, :64], *tensors, None, **static)
 
 
-@pytest.mark.parametrize("bits, symmetric", [(4, True), (3, False)])
-def test_the_pipelined_tile_loop_computes_the_unpipelined_product(bits, symmetric):
-    """STAGES > 1 only changes how the tile loop's loads are scheduled (compiled: cp.async into
-    shared memory); the sums, their order and so the outputs are the same bit for bit. K = 800
-    in groups of 32: 7 tiles at 4 bits, 5 at 3, over 2 splits, the last one short."""
-    fast, _ = _layers(bits, 32, symmetric, 800)
-    x = torch.randn(5, 800, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (3, False), (2, False)])
+def test_the_pipelined_tile_loop_computes_the_unpipelined_product(bits, symmetric, stages):
+    """STAGES > 1 only changes when the tile loop's words are loaded (2: the next tile's into
+    registers, two tiles a step; 3: cp.async into shared memory); the sums, their order and so
+    the outputs are the same bit for bit. K = 800 in groups of 32: 7 tiles at 4 bits, 5 at 3,
+    4 at 2; over 2 splits (the last one short) and over 1 (two tiles a step: an odd count
+    rounds up to a step past the last tile, which adds nothing). K = 768: whole tiles (3 at 4
+    bits), whose last split runs past the last one (x masked by tile or the step skipped)."""
+    for k in (800, 768):
+        _check_pipelined_product(bits, symmetric, stages, k)
+
+
+def _check_pipelined_product(bits, symmetric, stages, k):
+    fast, _ = _layers(bits, 32, symmetric, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
     fast(x[:1])  # prepares the layout
     tensors, static = _operands(fast)
     bias = fast.bias.half()
     for m, block_m in ((1, 1), (5, 16)):
-        plain = int_gemv(x[:m], *tensors, bias, **static, config=(block_m, 32, 2, 4, 1))
-        piped = int_gemv(x[:m], *tensors, bias, **static, config=(block_m, 32, 2, 4, 3))
-        assert torch.equal(plain, piped), m
-        want = tiled_reference(x[:m], *tensors, bias, **static)
-        assert _rel_err(piped, want) <= TOL[torch.float16], m
+        for split in (1, 2):
+            plain = int_gemv(x[:m], *tensors, bias, **static, config=(block_m, 32, split, 4, 1))
+            piped = int_gemv(x[:m], *tensors, bias, **static,
+                             config=(block_m, 32, split, 4, stages))  # fmt: skip
+            assert torch.equal(plain, piped), (k, m, split)
+            want = tiled_reference(x[:m], *tensors, bias, **static)
+            assert _rel_err(piped, want) <= TOL[torch.float16], (k, m, split)
 
 
 def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_product(monkeypatch):

@@ -40,13 +40,15 @@ program gives 32 programs for 132 SMs, too few bytes in flight; splitting K fill
 Partial sums go to an fp32 buffer (:mod:`lowbit.kernels.split_k`; at M = 1 it is under 2% of
 a 4-bit weight's bytes, at M = 16 a quarter, so tuning weighs fewer splits there).
 
-Bytes in flight: each thread issues one tile's word loads, then decodes them; with ``STAGES``
-above 1 the tile loop is software-pipelined (``tl.range(num_stages=STAGES)``: the next tiles'
-words copied into shared memory asynchronously, ``cp.async``, while this one decodes), which
-raises the bytes each program keeps in flight at the cost of shared memory and a few
-instructions per code (a shared-memory load per word). Which (BLOCK_M, BLOCK_N, SPLIT_K,
-STAGES) wins is measured per shape on the GPU by :func:`int_gemv` (whole call timed with
-``triton.testing.do_bench``, cached), never under the interpreter.
+Bytes in flight: with ``STAGES = 1`` each thread issues one tile's word loads, then decodes
+them, and nothing loads during the decode. ``STAGES = 2`` takes two tiles a step and loads each
+one's words into registers while the other decodes (no shared memory, no barrier; twice the
+words' registers, so 8 warps of 128 rows or 4 warps at 2 blocks an SM). ``STAGES > 2``
+software-pipelines the tile loop through shared memory (``tl.range(num_stages=STAGES)``:
+``cp.async`` copies of the next tiles' words), at the cost of a shared-memory load per word
+and the barriers around the copies. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is measured
+per shape on the GPU by :func:`int_gemv` (whole call timed with ``triton.testing.do_bench``,
+cached), never under the interpreter.
 Accumulation is fp32 throughout.
 """
 
@@ -87,11 +89,16 @@ def _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET: tl.con
 
 
 @triton.jit
-def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr):
+def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr,
+            PAST_END: tl.constexpr):  # fmt: skip
     """``x_tile[J0 + offs_w]`` as fp32, 0 past K (``k_left`` columns from ``x_tile`` are
-    below K; ``EVEN_K``: all are, no mask). ``x_tile`` is the tile's first column, so each
-    slot's address is a constant offset from it, and the mask compares ``offs_w`` with a
-    scalar (32-bit compares)."""
+    below K). ``EVEN_K``: K is a multiple of the tile's codes, so a tile is wholly below K or
+    wholly past it: no mask, or with ``PAST_END`` (the last split runs past the last tile) one
+    the whole tile shares. ``x_tile`` is the tile's first column, so each slot's address is a
+    constant offset from it, and the mask compares ``offs_w`` with a scalar (32-bit compares)."""
+    if EVEN_K and PAST_END:
+        in_k = tl.zeros_like(offs_w) + k_left > 0  # (the interpreter takes no scalar mask)
+        return tl.load(x_tile + J0 + offs_w, mask=in_k, other=0.0).to(tl.float32)
     if EVEN_K:
         return tl.load(x_tile + J0 + offs_w).to(tl.float32)
     return tl.load(x_tile + J0 + offs_w, mask=offs_w < k_left - J0, other=0.0).to(tl.float32)
@@ -137,6 +144,123 @@ def _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows, group
 
 
 @triton.jit
+def _keep_loads_above(out_ptr, K):
+    """A store that never runs (``K >= 1``): ptxas cannot tell it from one that aliases the
+    loads around it, so the word loads issued before it stay above it. Without it ptxas moves
+    a prefetch down to just before its first use, even with registers to spare (read in the
+    compiled loop: the next tile's loads at the end of this tile's decode), and nothing is in
+    flight while a tile decodes."""
+    tl.store(out_ptr, 0.0, mask=K < 0)
+
+
+@triton.jit
+def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows, offs_w,
+               offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, magic, low_mask,
+               BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+               SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               EVEN_K: tl.constexpr, PAST_END: tl.constexpr, SUBNORMAL: tl.constexpr,
+               OFF_ROWS: tl.constexpr, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """Tile ``t`` of the product: its ``words`` (``[BLOCK_N, TILE_WORDS]`` int32) decoded slot
+    by slot into the accumulators (see :func:`_int_gemv_kernel`), the groups that end in it
+    flushed; returns ``acc, acc_group, x_cols, acc_off``."""
+    PPW: tl.constexpr = 32 // BITS  # codes per word
+    HALF: tl.constexpr = PPW // 2  # codes in a word's lower half (at most 16 bits)
+    TILE_K: tl.constexpr = PPW * TILE_WORDS  # codes per tile
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) as f32 = 2**23 + code
+    SUB_X: tl.constexpr = 149 - SHIFT  # SUBNORMAL: x is scaled by 2**(SUB_X - s)
+    # groups start only at slots j with j * TILE_WORDS % GROUP_SIZE == 0 (whole groups per tile,
+    # or whole tiles per group)
+    SAME_GROUP: tl.constexpr = TILE_K % GROUP_SIZE == 0 or GROUP_SIZE % TILE_K == 0
+
+    words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
+    upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1)
+    x_tile = x_ptr + t * TILE_K  # the tile's first column
+    k_left = K - t * TILE_K  # its columns below K
+    for j in tl.static_range(PPW):
+        k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
+        offs_k = k0 + offs_w  # [TILE_WORDS]
+        group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
+        if SYMMETRIC:
+            offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+        elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_cols)
+            offset = tl.full((BLOCK_N,), 8388608.0, tl.float32)
+        elif j == 0 or not SAME_GROUP or (j * TILE_WORDS) % GROUP_SIZE == 0:
+            # the slot starts a group (or may): its zeros, kept for the group's next slots
+            zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
+            offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
+        if SUBNORMAL:
+            # the code masked in place is the float bits of the subnormal code * 2**(s - 149)
+            # (exact: below bit 23); times x * 2**(SUB_X - s) (exact, fp16 x below 2**16)
+            # it is the normal code * x * 2**-SUB_SHIFT: one LOP3 and one FFMA per code; the
+            # offset (8 or the zero) is applied per group through sum x
+            if j < HALF:
+                src = words
+            else:
+                src = upper
+            if j % HALF == 0 and BITS != 3:
+                codes = src & low_mask  # [BLOCK_N, TILE_WORDS]
+            else:
+                codes = src & (CODE_MASK << ((j % HALF) * BITS))
+            x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END)[None, :]
+            x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
+            x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
+            acc_group += codes.to(tl.float32, bitcast=True) * x
+        elif BLOCK_M == 1 and BITS < 8:  # (8 bits: a byte extract is cheaper)
+            # the code masked in place, not shifted down: (src & (mask << s)) | MAGIC is
+            # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + 8 * 2**s
+            # (symmetric) or 2**23 (zeros: folded per group) it is (code - 8) * 2**s or
+            # code * 2**s, and x is scaled by 2**-s (exact): the same product as with the
+            # code shifted down, at one LOP3, one FADD, one FFMA per code
+            if j < HALF:
+                src = words
+            else:
+                src = upper
+            if j % HALF == 0 and BITS != 3:  # (3 bits: more instructions with it)
+                codes = (src & low_mask) | magic  # [BLOCK_N, TILE_WORDS]
+            else:
+                codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | magic
+            q = (
+                codes.to(tl.float32, bitcast=True)
+                - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
+            )  # (code - zero) * 2**s, exact
+            x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END)
+            if not SYMMETRIC:
+                x_cols += x[None, :]  # [1, TILE_WORDS]
+            x = x * (1.0 / (1 << ((j % HALF) * BITS)))  # x * 2**-s, exact
+            acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
+        elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
+            # the same trick in fp16, two codes per instruction: bits (code | 0x6400) are
+            # 1024 + code, and 1024 + zero is exact in fp16 (integers up to 2048)
+            codes16 = (((words >> (j * BITS)) & CODE_MASK) | 0x6400).to(tl.uint16)
+            offset16 = (offset - (8388608.0 - 1024.0)).to(tl.float16)  # [BLOCK_N]
+            q = codes16.to(tl.float16, bitcast=True) - offset16[:, None]  # exact
+        else:
+            codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
+            q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
+            if BLOCK_M == 1:  # (zero points: shifted down, fewer registers per row)
+                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END)
+                acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
+        if BLOCK_M > 1:
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+            if INTERPRET:  # the interpreter's bf16 dot is wrong: exact fp32 operands
+                acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
+            else:  # |code - zero| <= 255: exact in fp16 and bf16
+                acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
+        if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and OFF_ROWS:
+            acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows,
+                                            zero_rows, group, stride_sg, stride_zg,
+                                            SYMMETRIC, BITS, SHIFT, INTERPRET)  # fmt: skip
+            acc_group = tl.zeros_like(acc)
+            x_cols = tl.zeros_like(x_cols)
+        elif (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
+            acc = _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET)
+            acc_group = tl.zeros_like(acc)
+    return acc, acc_group, x_cols, acc_off
+
+
+@triton.jit
 def _int_gemv_kernel(
     x_ptr, words_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
@@ -147,22 +271,16 @@ def _int_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    PPW: tl.constexpr = 32 // BITS  # codes per word
-    HALF: tl.constexpr = PPW // 2  # codes in a word's lower half (at most 16 bits)
-    TILE_K: tl.constexpr = PPW * TILE_WORDS  # codes per tile
+    TILE_K: tl.constexpr = (32 // BITS) * TILE_WORDS  # codes per tile
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
-    MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) as f32 = 2**23 + code
     # fp16 at M = 1 below 8 bits: codes as subnormal floats, no magic and no FADD (module doc)
     SUBNORMAL: tl.constexpr = BLOCK_M == 1 and BITS < 8 and x_ptr.dtype.element_ty == tl.float16
-    SUB_X: tl.constexpr = 100  # x is scaled by 2**(SUB_X - s): below 2**116 for any fp16 x
-    SUB_SHIFT: tl.constexpr = 149 - SUB_X  # products are code * x * 2**-SUB_SHIFT
     # M = 1 below 8 bits, fp16 or with zero points: the offsets (8 or the zeros) are applied
     # per group and row through the group's sum x, into acc_off (_flush_offsets)
     OFF_ROWS: tl.constexpr = BLOCK_M == 1 and BITS < 8 and (SUBNORMAL or not SYMMETRIC)
-    SHIFT: tl.constexpr = SUB_SHIFT if SUBNORMAL else 0  # the sums' scale, 2**-SHIFT
-    # groups start only at slots j with j * TILE_WORDS % GROUP_SIZE == 0 (whole groups per tile,
-    # or whole tiles per group)
-    SAME_GROUP: tl.constexpr = TILE_K % GROUP_SIZE == 0 or GROUP_SIZE % TILE_K == 0
+    PAST_END: tl.constexpr = K_TILES % TILES_PER_SPLIT != 0  # the last split's tiles past K
+    SUB_X: tl.constexpr = 100  # x is scaled by 2**(SUB_X - s): below 2**116 for any fp16 x
+    SHIFT: tl.constexpr = 149 - SUB_X if SUBNORMAL else 0  # the sums' scale, 2**-SHIFT
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -185,104 +303,60 @@ def _int_gemv_kernel(
     # MAGIC as a value the compiler cannot fold (K >= 1 when a kernel runs): the code's LOP3,
     # (src & mask) | magic, then takes the mask as its immediate and magic from one register;
     # with both constant ptxas materialises the mask with a MOV per code
-    magic = tl.where(K > 0, MAGIC, 0).to(tl.uint32)
+    magic = tl.where(K > 0, 0x4B000000, 0).to(tl.uint32)  # _gemv_tile's MAGIC
     # the same for the lowest code's mask: with it constant, (upper & CODE_MASK) | magic became
     # a bit-field extract of words (SHF + SGXT) and an OR, not one LOP3 on the shifted words
     low_mask = tl.where(K > 0, CODE_MASK, 0).to(tl.uint32)
+    # unmasked word loads: rows past N read row N - 1 and a tile past K_TILES (the last
+    # split's) reads the last tile; their products are never stored or are skipped
+    w_rows = words_ptr + offs_row[:, None] * stride_wn + offs_w[None, :]  # [BLOCK_N, TILE_WORDS]
+    t_first = pid_k * TILES_PER_SPLIT
     # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
-    # take a runtime scalar as a range bound; the last split's tiles past K_TILES are masked.
-    # STAGES > 1: the word loads of the next STAGES - 1 tiles are in flight during this one's
-    for i in tl.range(TILES_PER_SPLIT, num_stages=STAGES):
-        t = pid_k * TILES_PER_SPLIT + i
-        # unmasked: rows past N read row N - 1 and a tile past K_TILES (the last split's) reads
-        # the last tile, against x masked to 0 there; their products are never stored
-        t_in = tl.minimum(t, K_TILES - 1)
-        w_ptrs = words_ptr + offs_row[:, None] * stride_wn + (t_in * TILE_WORDS + offs_w)[None, :]
-        words = tl.load(w_ptrs)  # [BLOCK_N, TILE_WORDS] int32
-        words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
-        upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1)
-        x_tile = x_ptr + t * TILE_K  # the tile's first column
-        k_left = K - t * TILE_K  # its columns below K
-        for j in tl.static_range(PPW):
-            k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
-            offs_k = k0 + offs_w  # [TILE_WORDS]
-            group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
-            if SYMMETRIC:
-                offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-            elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_cols)
-                offset = tl.full((BLOCK_N,), 8388608.0, tl.float32)
-            elif j == 0 or not SAME_GROUP or (j * TILE_WORDS) % GROUP_SIZE == 0:
-                # the slot starts a group (or may): its zeros, kept for the group's next slots
-                zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
-                offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
-            if SUBNORMAL:
-                # the code masked in place is the float bits of the subnormal code * 2**(s - 149)
-                # (exact: below bit 23); times x * 2**(SUB_X - s) (exact, fp16 x below 2**16)
-                # it is the normal code * x * 2**-SUB_SHIFT: one LOP3 and one FFMA per code; the
-                # offset (8 or the zero) is applied per group through sum x
-                if j < HALF:
-                    src = words
-                else:
-                    src = upper
-                if j % HALF == 0 and BITS != 3:
-                    codes = src & low_mask  # [BLOCK_N, TILE_WORDS]
-                else:
-                    codes = src & (CODE_MASK << ((j % HALF) * BITS))
-                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)[None, :]
-                x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
-                x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
-                acc_group += codes.to(tl.float32, bitcast=True) * x
-            elif BLOCK_M == 1 and BITS < 8:  # (8 bits: a byte extract is cheaper)
-                # the code masked in place, not shifted down: (src & (mask << s)) | MAGIC is
-                # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + 8 * 2**s
-                # (symmetric) or 2**23 (zeros: folded per group) it is (code - 8) * 2**s or
-                # code * 2**s, and x is scaled by 2**-s (exact): the same product as with the
-                # code shifted down, at one LOP3, one FADD, one FFMA per code
-                if j < HALF:
-                    src = words
-                else:
-                    src = upper
-                if j % HALF == 0 and BITS != 3:  # (3 bits: more instructions with it)
-                    codes = (src & low_mask) | magic  # [BLOCK_N, TILE_WORDS]
-                else:
-                    codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | magic
-                q = (
-                    codes.to(tl.float32, bitcast=True)
-                    - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
-                )  # (code - zero) * 2**s, exact
-                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)
-                if not SYMMETRIC:
-                    x_cols += x[None, :]  # [1, TILE_WORDS]
-                x = x * (1.0 / (1 << ((j % HALF) * BITS)))  # x * 2**-s, exact
-                acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
-            elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
-                # the same trick in fp16, two codes per instruction: bits (code | 0x6400) are
-                # 1024 + code, and 1024 + zero is exact in fp16 (integers up to 2048)
-                codes16 = (((words >> (j * BITS)) & CODE_MASK) | 0x6400).to(tl.uint16)
-                offset16 = (offset - (8388608.0 - 1024.0)).to(tl.float16)  # [BLOCK_N]
-                q = codes16.to(tl.float16, bitcast=True) - offset16[:, None]  # exact
-            else:
-                codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
-                q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
-                if BLOCK_M == 1:  # (zero points: shifted down, fewer registers per row)
-                    x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K)
-                    acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
-            if BLOCK_M > 1:
-                x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-                x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-                if INTERPRET:  # the interpreter's bf16 dot is wrong: exact fp32 operands
-                    acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
-                else:  # |code - zero| <= 255: exact in fp16 and bf16
-                    acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
-            if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and OFF_ROWS:
-                acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows,
-                                                zero_rows, group, stride_sg, stride_zg,
-                                                SYMMETRIC, BITS, SHIFT, INTERPRET)  # fmt: skip
-                acc_group = tl.zeros_like(acc)
-                x_cols = tl.zeros_like(x_cols)
-            elif (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
-                acc = _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET)
-                acc_group = tl.zeros_like(acc)
+    # take a runtime scalar as a range bound
+    if STAGES == 2:
+        # two tiles a step (TILES_PER_SPLIT is even), each one's words loaded while the other
+        # decodes. Each decode is its own block (a branch, which also skips the last split's
+        # tiles past K), and each load is kept above a store that never runs: ptxas does not
+        # move a load across either, so the loads are issued as the step and its second half
+        # begin. (A loop-carried prefetch would share the words' registers, and ptxas would
+        # issue it once they are dead, at the loop's end.)
+        words_a = tl.load(w_rows + tl.minimum(t_first, K_TILES - 1) * TILE_WORDS)
+        for i in tl.range(0, TILES_PER_SPLIT, 2):
+            t = t_first + i
+            words_b = tl.load(w_rows + tl.minimum(t + 1, K_TILES - 1) * TILE_WORDS)
+            _keep_loads_above(out_ptr, K)
+            if t < K_TILES:
+                acc, acc_group, x_cols, acc_off = _gemv_tile(
+                    words_a, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
+                    offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, magic,
+                    low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K,
+                    False, SUBNORMAL, OFF_ROWS, SHIFT, INTERPRET,
+                )  # fmt: skip
+            # the split's last step loads nothing (the same mask for every thread; a tensor:
+            # the interpreter takes no scalar mask)
+            more = tl.zeros((BLOCK_N, TILE_WORDS), tl.int32) + t + 2 < t_first + TILES_PER_SPLIT
+            words_a = tl.load(w_rows + tl.minimum(t + 2, K_TILES - 1) * TILE_WORDS, mask=more)
+            _keep_loads_above(out_ptr, K)
+            if t + 1 < K_TILES:
+                acc, acc_group, x_cols, acc_off = _gemv_tile(
+                    words_b, t + 1, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows,
+                    zero_rows, offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
+                    magic, low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N,
+                    EVEN_K, False, SUBNORMAL, OFF_ROWS, SHIFT, INTERPRET,
+                )  # fmt: skip
+    else:
+        # one tile a step; STAGES > 2: Triton's pipeline copies the next STAGES - 1 tiles'
+        # words into shared memory (cp.async) while this one decodes. The last split's tiles
+        # past K are computed against x masked to 0 (PAST_END)
+        for i in tl.range(TILES_PER_SPLIT, num_stages=STAGES):
+            t = t_first + i
+            words = tl.load(w_rows + tl.minimum(t, K_TILES - 1) * TILE_WORDS)
+            acc, acc_group, x_cols, acc_off = _gemv_tile(
+                words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
+                offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, magic, low_mask,
+                BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K, PAST_END,
+                SUBNORMAL, OFF_ROWS, SHIFT, INTERPRET,
+            )  # fmt: skip
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
     if OFF_ROWS:
@@ -309,6 +383,7 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
     block_m, block_n, split_k, num_warps, stages = config
     n_tiles = words.shape[1] // tile
     per_split = -(-n_tiles // split_k)
+    per_split += per_split % 2 if stages == 2 else 0  # two tiles a step
     split_k = -(-n_tiles // per_split)  # no empty splits
     grid = (-(-n // block_n), split_k)
     out, partials, counters = split_buffers(x, split_k, n, grid[0])
@@ -321,7 +396,7 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
         BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
         HAS_BIAS=bias is not None, K_TILES=n_tiles, SPLIT_K=split_k, TILES_PER_SPLIT=per_split,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_K=k == n_tiles * tile * (32 // bits) and n_tiles % per_split == 0, STAGES=stages,
+        EVEN_K=k == n_tiles * tile * (32 // bits), STAGES=stages,
         INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
     )  # fmt: skip
     return compiled if probe else out
@@ -338,6 +413,10 @@ def _candidates(m: int, bits: int = 4):
         gemv = ((1, 64, 4, 1, 1),) if bits == 2 else ((1, 128, 4, 1, 1), (1, 64, 4, 1, 1))
         yield from (*gemv, (MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1))
         yield from ((1, 64, 4, 2, 3),) if bits == 2 else ((1, 128, 4, 2, 3), (1, 64, 4, 2, 3))
+        # the next tile's words in registers: 8 warps at every width (128 registers, 16 warps
+        # an SM), 4 warps where 32 more words a thread fit (8 warps an SM; 3 bits spill)
+        yield from ((1, 128, 4, 1, 2),) if bits in (4, 8) else ()
+        yield (1, 128, 8, 1, 2)
     else:
         yield from ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 4, 4, 1))
         yield (MAX_ROWS, 64, 4, 2, 3)
@@ -396,7 +475,8 @@ def int_gemv(
         words, scale, zero, bias, bits, group_size, tile: see
             :func:`lowbit.kernels.int_layout.check_operands`.
         config: ``(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, stages)`` to force one launch
-            configuration (``stages`` > 1: the tile loop software-pipelined).
+            configuration (``stages``: 1 one tile at a time, 2 the next tile's words loaded
+            into registers while one decodes, 3 or more pipelined through shared memory).
         tune: on a GPU, time the candidate configurations once per shape and keep the fastest.
         check: validate the operands (False: the caller built them, as the backend does).
 
