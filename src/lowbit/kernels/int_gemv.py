@@ -145,11 +145,11 @@ def _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows, group
 
 @triton.jit
 def _keep_loads_above(out_ptr, K):
-    """A store that never runs (``K >= 1``): ptxas cannot tell it from one that aliases the
-    loads around it, so the word loads issued before it stay above it. Without it ptxas moves
-    a prefetch down to just before its first use, even with registers to spare (read in the
-    compiled loop: the next tile's loads at the end of this tile's decode), and nothing is in
-    flight while a tile decodes."""
+    """A store that never runs (``K >= 1`` whenever a kernel runs): the loads issued before it
+    stay above it, since ptxas does not move a load across a store it cannot prove disjoint.
+    Without it ptxas schedules a prefetch just before its first use, in the next step, even
+    with registers to spare (``tools/kernel_sass.py`` prints where each loop loads its words;
+    Triton 3.6's and 3.9's ptxas alike)."""
     tl.store(out_ptr, 0.0, mask=K < 0)
 
 
@@ -316,10 +316,10 @@ def _int_gemv_kernel(
     if STAGES == 2:
         # two tiles a step (TILES_PER_SPLIT is even), each one's words loaded while the other
         # decodes. Each decode is its own block (a branch, which also skips the last split's
-        # tiles past K), and each load is kept above a store that never runs: ptxas does not
-        # move a load across either, so the loads are issued as the step and its second half
-        # begin. (A loop-carried prefetch would share the words' registers, and ptxas would
-        # issue it once they are dead, at the loop's end.)
+        # tiles past K), and each load is kept above it (_keep_loads_above): ptxas moves a load
+        # across neither, so the loads are issued as the step and its second half begin. (A
+        # loop-carried prefetch would share the words' registers, and ptxas would issue it once
+        # they are dead, at the loop's end.)
         words_a = tl.load(w_rows + tl.minimum(t_first, K_TILES - 1) * TILE_WORDS)
         for i in tl.range(0, TILES_PER_SPLIT, 2):
             t = t_first + i
