@@ -51,6 +51,28 @@ def _mixed_down_projection(device: str, n: int, gen):
     yield name, config, compiled, _rel_err(got, mixed_reference(x, q)), torch.float16
 
 
+def _int_prefetch_rows(name: str, args, n_tiles: int):
+    """The M = 1 tuning candidates that load the next tile's words into registers while one
+    decodes (``stages`` 2: a branch per tile and a store that never runs in the loop, which
+    no default launch exercises), each launched once."""
+    import torch
+
+    from lowbit.kernels import int_gemv
+    from lowbit.kernels.int_layout import tiled_reference
+
+    for shape in int_gemv._candidates(1, args[5]):
+        if shape[4] != 2:
+            continue
+        label = f"{name} prefetch {shape[2]} warps"
+        config = int_gemv._config(args, shape, n_tiles)
+        if isinstance(config, str):  # cannot launch here: the reason stands in the config
+            yield label, config, None, float("inf"), torch.float16
+            continue
+        got = int_gemv._launch(*args, config)
+        compiled = int_gemv._launch(*args, config, probe=True)
+        yield label, config, compiled, _rel_err(got, tiled_reference(*args)), torch.float16
+
+
 def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows: int = 512):
     """``(name, config, compiled kernel or None, relative error, dtype)`` of one launch of each
     kernel on an ``n x k`` weight with its default configuration (the compiled kernel is None
@@ -91,8 +113,10 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
                 got = module._launch(*args, config)
                 compiled = module._launch(*args, config, probe=True)
                 sym = "sym" if symmetric else "asym"
-                yield (f"int W{bits} g{group} {sym} M={m} {str(dtype)[6:]}", config, compiled,
-                       _rel_err(got, tiled_reference(*args)), dtype)  # fmt: skip
+                name = f"int W{bits} g{group} {sym} M={m} {str(dtype)[6:]}"
+                yield name, config, compiled, _rel_err(got, tiled_reference(*args)), dtype
+                if m == 1 and bits == 4 and dtype == torch.float16:
+                    yield from _int_prefetch_rows(name, args, n_tiles)
 
     spqr = SpQRSpec(outlier_fraction=0.01, tau=1e-12).rtn(weight)
     spqr.perm = torch.randperm(k, generator=gen).to(torch.int16)
