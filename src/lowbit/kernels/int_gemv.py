@@ -419,7 +419,7 @@ def _candidates(m: int, bits: int = 4):
         yield (1, 128, 8, 1, 2)
     else:
         yield from ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 4, 4, 1))
-        yield (MAX_ROWS, 64, 4, 2, 3)
+        yield from ((MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 64, 4, 1, 2))
 
 
 def _config(args, shape, n_tiles: int):
