@@ -192,7 +192,7 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
         if SUBNORMAL:
             # the code masked in place is the float bits of the subnormal code * 2**(s - 149)
             # (exact: below bit 23); times x * 2**(SUB_X - s) (exact, fp16 x below 2**16)
-            # it is the normal code * x * 2**-SUB_SHIFT: one LOP3 and one FFMA per code; the
+            # it is the normal code * x * 2**-SHIFT: one LOP3 and one FFMA per code; the
             # offset (8 or the zero) is applied per group through sum x
             if j < HALF:
                 src = words
@@ -407,14 +407,15 @@ def _candidates(m: int, bits: int = 4):
     default first; SPLIT_K is derived from the compiled kernel's occupancy (one wave), divided
     by the divisor (fewer, longer splits: less fp32 partial traffic at 16 rows, and more tiles
     for a pipelined loop to overlap). Every shape compiles for sm_90 within its limits at its
-    width (tests/kernels/test_kernel_resources.py: at 2 bits with zero points, 128 rows at
-    M = 1 spill)."""
+    width (tests/kernels/test_kernel_resources.py: at 2 bits with zero points, 128 rows on 4
+    warps at M = 1 spill)."""
     if m == 1:
         gemv = ((1, 64, 4, 1, 1),) if bits == 2 else ((1, 128, 4, 1, 1), (1, 64, 4, 1, 1))
         yield from (*gemv, (MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1))
         yield from ((1, 64, 4, 2, 3),) if bits == 2 else ((1, 128, 4, 2, 3), (1, 64, 4, 2, 3))
-        # the next tile's words in registers: 8 warps at every width (128 registers, 16 warps
-        # an SM), 4 warps where 32 more words a thread fit (8 warps an SM; 3 bits spill)
+        # the next tile's words in registers: 8 warps at every width (at 4 and 8 bits 128
+        # registers, 16 warps an SM), 4 warps where 32 more words a thread fit (8 warps an SM;
+        # at 2 and 3 bits they spill)
         yield from ((1, 128, 4, 1, 2),) if bits in (4, 8) else ()
         yield (1, 128, 8, 1, 2)
     else:
