@@ -59,17 +59,16 @@ def compile_decode_kernel(
 ):  # fmt: skip
     """``_int_gemv_kernel``: g128, 32-word tiles, 16 tiles (``split_k`` splits); ``even_k``:
     K a multiple of the tile's codes (unmasked activation loads, most layers' shapes);
-    ``stages`` > 1: the tile loop software-pipelined."""
+    ``stages``: 2 the next tile's words in registers, 3 or more pipelined through shared
+    memory."""
     from lowbit.kernels import int_gemv
 
     scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_ps",
                "stride_om"]  # fmt: skip
-    per_split = -(-16 // split_k)
-    per_split += per_split % 2 if stages == 2 else 0  # as the launcher: two tiles a step
     constants = dict(
         BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
-        K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=per_split, BLOCK_M=block_m,
-        BLOCK_N=block_n, EVEN_K=even_k, STAGES=stages, INTERPRET=False,
+        K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=int_gemv.tiles_per_split(16, split_k, stages),
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=even_k, STAGES=stages, INTERPRET=False,
     )  # fmt: skip
     return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch,
                     num_warps=num_warps)  # fmt: skip

@@ -377,13 +377,19 @@ def _int_gemv_kernel(
                  bias_ptr, offs_n, mask_n, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
+def tiles_per_split(n_tiles: int, split_k: int, stages: int) -> int:
+    """K tiles each of ``split_k`` splits takes (``TILES_PER_SPLIT``): even for ``stages`` 2,
+    whose loop takes two tiles a step."""
+    per_split = -(-n_tiles // split_k)
+    return per_split + per_split % 2 if stages == 2 else per_split
+
+
 def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=False):
     """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only."""
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
     block_m, block_n, split_k, num_warps, stages = config
     n_tiles = words.shape[1] // tile
-    per_split = -(-n_tiles // split_k)
-    per_split += per_split % 2 if stages == 2 else 0  # two tiles a step
+    per_split = tiles_per_split(n_tiles, split_k, stages)
     split_k = -(-n_tiles // per_split)  # no empty splits
     grid = (-(-n // block_n), split_k)
     out, partials, counters = split_buffers(x, split_k, n, grid[0])
