@@ -119,7 +119,7 @@ def compile_spqr_kernel(
     constants = dict(
         N_TILES_G=256, SPLIT_K=split_k, CHUNKS_PER_SPLIT=256 // block_g // split_k,
         HAS_PERM=True, SPARSE=1, HAS_BIAS=has_bias, EVEN_K=True, BLOCK_TR=block_tr,
-        BLOCK_G=block_g, BLOCK_M=block_m, INTERPRET=False,
+        BLOCK_G=block_g, BLOCK_M=block_m, SUBNORMAL=dtype == "fp16", INTERPRET=False,
     )  # fmt: skip
     return compile_for(spqr_gemv._spqr_gemv_kernel, pointers, scalars, constants, arch,
                        num_warps=num_warps)  # fmt: skip

@@ -14,6 +14,8 @@ triton = pytest.importorskip("triton")
 from lowbit.algorithms.spqr import SpQRSpec  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.kernels.spqr_gemv import (  # noqa: E402
+    _launch,
+    sparse_operands,
     spqr_dequantize_dense,
     spqr_gemv,
     spqr_reference,
@@ -85,6 +87,25 @@ def test_forced_configurations_and_split_k(config):
     bias = torch.randn(37, device=DEVICE).half()
     got = _run(q, x, bias, config)
     assert _rel_err(got, spqr_reference(x.float(), q, bias.float())) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("sparse", ["csr", "ptcsr"])
+@pytest.mark.parametrize("n, k, split", [(37, 50, 1), (48, 200, 3)])
+def test_fp16_codes_as_subnormals_give_the_exponent_tricks_bits(n, k, split, sparse):
+    """The fp16 GEMV multiplies each code as the subnormal float of its masked bits by
+    ``x * 2**(100 - p)``; the exponent-trick form (bf16's) sums the same products ``2**49``
+    larger: equal outputs bit for bit, with inputs at the ends of the fp16 range too (the
+    smallest subnormal, the smallest normal, 2**15)."""
+    q = _weight(n, k, fraction=0.05, sparse=sparse, seed=n + split)
+    x = torch.randn(1, k, device=DEVICE).half()
+    x[0, :3] = torch.tensor([2.0**-24, -(2.0**-14), 2.0**15])
+    bias = torch.randn(n, device=DEVICE).half()
+    perm = q.perm_index().to(torch.int32)
+    args = (x, q.words(), perm, sparse_operands(q.outliers), bias, n, (1, 2, 4, split, 4))
+    subnormal = _launch(*args, subnormal=True)
+    exponent = _launch(*args, subnormal=False)
+    assert subnormal.isfinite().all()
+    assert torch.equal(subnormal.view(torch.int16), exponent.view(torch.int16))
 
 
 def test_csr_and_ptcsr_give_the_same_product():

@@ -12,9 +12,15 @@ multiplies with the input gathered through ``perm``. Before the output is writte
 program adds its rows' outliers (a share of them under split-K), so nothing but ``y`` (and
 split-K partial sums) goes back to memory.
 
-* ``BLOCK_M == 1`` (GEMV): per code ``q · x`` in fp32 (the exponent trick ``float(code |
-  0x4B000000) − 2**23`` turns a code into a float with integer ops), summed per word; the scale
-  and zero are applied once per word: ``s · (Σ q x − z · Σ x)``, exact algebra, fp32 rounding.
+* ``BLOCK_M == 1`` (GEMV): per code ``q · x`` in fp32, summed per word; the scale and zero
+  are applied once per word: ``s · (Σ q x − z · Σ x)``, exact algebra, fp32 rounding. A code is
+  masked in place at its bit ``p``, never shifted down. fp16 inputs: the masked bits read as a
+  float are the subnormal ``q · 2**(p − 149)`` (exact), times ``x · 2**(100 − p)`` (exact for
+  every fp16) the normal ``q · x · 2**−49``: one and and one FMA per code; the sums keep that
+  scale (every value they take stays a normal float) and the output is scaled back once, so the
+  result is the exponent-trick form's bit for bit. bf16 inputs (``x · 2**100`` would overflow):
+  the exponent trick ``float(bits | 0x4B000000) − 2**23 = q · 2**p`` times ``x · 2**−p``, one
+  add more per code.
 * ``BLOCK_M == 16`` (2 <= M <= 16, the small batch; Crnčević's kernel loops over the rows one
   at a time): per code slot ``i`` of the words, the dequantized weights ``fp16(s · fp16(q −
   z))`` (the reference's weights bit for bit) of a ``[BLOCK_TR · 16, BLOCK_G]`` block go into
@@ -23,8 +29,8 @@ split-K partial sums) goes back to memory.
 
 Launch configurations (``BLOCK_M``, ``BLOCK_TR``, ``BLOCK_G``, ``SPLIT_K``, warps) are timed on
 the GPU's first call per shape among a few candidates and cached (``LOWBIT_TRITON_TUNE=0``: the
-default, ``BLOCK_TR`` 8, the fewest loop instructions per code in ``tools/kernel_sass.py
---spqr``); never under the interpreter.
+default, ``BLOCK_TR`` 8: 4.6 loop instructions per code in ``tools/kernel_sass.py --spqr``,
+at 72 registers where ``BLOCK_TR`` 16's 4.2 take 146); never under the interpreter.
 
 Memory traffic at M = 1: 8 bytes per 16 weights (4.0 bits per weight), 4 bytes per outlier plus
 the row offsets, the input from cache, ``M · N`` outputs. Split-K: a grid of ``cdiv(N, 16 ·
@@ -168,7 +174,7 @@ if triton is not None:
         HAS_PERM: tl.constexpr, SPARSE: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr,
         BLOCK_TR: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-        INTERPRET: tl.constexpr,
+        SUBNORMAL: tl.constexpr, INTERPRET: tl.constexpr,
     ):  # fmt: skip
         MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) = 2**23 + code
         BLOCK_N: tl.constexpr = BLOCK_TR * 16
@@ -211,23 +217,29 @@ if triton is not None:
                         k_ok = k3 < K
                         src = tl.load(perm_ptr + k3, mask=k_ok, other=0) if HAS_PERM else k3
                         xv = tl.load(x_ptr + src, mask=k_ok, other=0.0).to(tl.float32)
-                    # code i in place (times 2**p) as a float: one and-or, one add; the
-                    # input is scaled by 2**-p instead (exact: a power of two)
+                    # code i masked in place at bit p: the float of its bits is code * 2**p
+                    # with the exponent trick, the subnormal code * 2**(p - 149) without it;
+                    # the input is scaled by up = 2**(100 - p) or down = 2**-p (exact)
                     if i < 5:  # bits 6-20 of lo: 7 << p < 2**23
                         bits = lo & (7 << (6 + 3 * i))
-                        inv = 1.0 / (1 << (6 + 3 * i))
+                        up, down = 1.0 * (1 << (94 - 3 * i)), 1.0 / (1 << (6 + 3 * i))
                     elif i < 8:  # bits 21-29: from lo >> 15
                         bits = lo_15 & (7 << (3 * i - 9))
-                        inv = 1.0 / (1 << (3 * i - 9))
+                        up, down = 1.0 * (1 << (109 - 3 * i)), 1.0 / (1 << (3 * i - 9))
                     elif i == 8:  # bits 30-32 straddle the halves
                         bits = ((lo >> 30) & 3) | ((hi & 1) << 2)
-                        inv = 1.0
+                        up, down = 1.0 * (1 << 100), 1.0
                     else:  # bits 33-53: hi bits 1-21
                         bits = hi & (7 << (3 * i - 26))
-                        inv = 1.0 / (1 << (3 * i - 26))
-                    q = (bits | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
-                    partial += q * (xv * inv)
+                        up, down = 1.0 * (1 << (126 - 3 * i)), 1.0 / (1 << (3 * i - 26))
+                    if SUBNORMAL:  # code * 2**(p - 149) times x * 2**(100 - p): code x 2**-49
+                        partial += bits.to(tl.float32, bitcast=True) * (xv * up)
+                    else:  # (2**23 + code * 2**p) - 2**23 times x * 2**-p
+                        q = (bits | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+                        partial += q * (xv * down)
                     sum_x += xv
+                if SUBNORMAL:
+                    sum_x = sum_x * (1.0 / (1 << 49))  # the partial sums' scale, exact
                 acc += scale.to(tl.float32) * (partial - zero.to(tl.float32) * sum_x)
             else:
                 for i in tl.static_range(16):
@@ -247,6 +259,8 @@ if triton is not None:
                     else:  # fp16 weights are exact in fp16; for bf16 inputs they are rounded
                         acc = tl.dot(w2.to(xv.dtype), xv, acc)  # [BLOCK_N, BLOCK_M]
         if BLOCK_M == 1:
+            if SUBNORMAL:
+                acc = acc * (1.0 * (1 << 49))  # the sums' scale undone (exact)
             out = tl.reshape(tl.sum(acc, axis=2), (BLOCK_N, 1))  # [BLOCK_N, 1]
         else:
             out = acc  # [BLOCK_N, BLOCK_M]
@@ -332,8 +346,10 @@ def sparse_operands(outliers: CSRMatrix | PTCSRMatrix | None) -> tuple:
     return "ptcsr", outliers.tile_ptr, outliers.col_val
 
 
-def _launch(x, words, perm, sparse, bias, n, config, probe=False):
-    """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only."""
+def _launch(x, words, perm, sparse, bias, n, config, probe=False, subnormal=None):
+    """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only.
+    ``subnormal`` (default: for fp16 inputs) selects the GEMV's code form, for the tests that
+    compare the two."""
     m, k = x.shape
     block_m, block_tr, block_g, split_k, num_warps = config
     n_groups = words.shape[1] // TILE
@@ -352,8 +368,9 @@ def _launch(x, words, perm, sparse, bias, n, config, probe=False):
         N_TILES_G=n_groups, SPLIT_K=split_k, CHUNKS_PER_SPLIT=per_split,
         HAS_PERM=perm is not None, SPARSE=_SPARSE_KIND[kind], HAS_BIAS=bias is not None,
         EVEN_K=k % TILE == 0 and per_split * split_k * block_g == n_groups,
-        BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m, INTERPRET=INTERPRET,
-        num_warps=num_warps, grid=grid, warmup=probe,
+        BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m,
+        SUBNORMAL=x.dtype == torch.float16 if subnormal is None else subnormal,
+        INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
     )  # fmt: skip
     return compiled if probe else out
 
@@ -440,10 +457,9 @@ _TUNED: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 def _candidates(m: int):
     """Block shapes ``(BLOCK_M, BLOCK_TR, BLOCK_G, warps, split divisor)`` timed on a GPU, the
-    default first (``BLOCK_TR`` 8: the fewest loop instructions per code in
-    ``tools/kernel_sass.py --spqr``); SPLIT_K is derived from the compiled kernel's occupancy
-    (one wave), divided by the divisor. Every shape compiles for sm_90 within its limits
-    (tests/kernels/test_kernel_resources.py)."""
+    default first (the module docstring says why); SPLIT_K is derived from the compiled
+    kernel's occupancy (one wave), divided by the divisor. Every shape compiles for sm_90
+    within its limits (tests/kernels/test_kernel_resources.py)."""
     if m == 1:
         yield from ((1, 8, 8, 4, 1), (1, 16, 8, 4, 1), (1, 4, 8, 4, 1), (1, 8, 8, 4, 2))
         yield from ((MAX_ROWS, 8, 16, 4, 1), (MAX_ROWS, 4, 16, 4, 1))
