@@ -17,8 +17,13 @@ the PyPI package ``spqr-quant`` on the same words when it imports (a benchmark d
 ``pip install spqr-quant``; it compiles its extension with nvcc on first import). Headline
 times (``µs``, ``× dense``) are GPU time with the L2 cache flushed before each call: the call is
 captured once in a CUDA graph (no Python launch overhead, as decoding runs under CUDA graphs;
-it also checks that every row can be captured), and 256 MB are written between replays, since
-an H100's 50 MB L2 would otherwise hold every 4-bit weight up to 8192². ``µs L2-hot`` is
+it also checks that every row can be captured), and 256 MB are read between replays, since
+an H100's 50 MB L2 would otherwise hold every 4-bit weight up to 8192². Reading leaves the L2
+full of clean lines, as a layer finds it after the layers before it streamed their weights
+through. ``µs dirty L2`` flushes by writing the 256 MB instead (``triton.testing.do_bench``'s
+flush): the L2 is then full of dirty lines, and the timed call pays for writing back as many
+of them as the bytes it brings in (up to the L2's size), which weighs more on a small weight
+than on a large one. ``µs L2-hot`` is
 ``triton.testing.do_bench_cudagraph`` replaying the same weight (``--timer do_bench``: plain
 ``do_bench``). lowbit's 4-bit g128 kernel also runs in bf16 on the bf16 codes and scales torch's
 int4 kernel takes (``× torch int4``), and the launch configurations each kernel chose are listed
@@ -240,13 +245,16 @@ def int4_tinygemm(codes, scale, group, device):
 L2_FLUSH_BYTES = 256 << 20
 
 
-def cold_timer(fn, reps: int = 50) -> float:
+def cold_timer(fn, reps: int = 50, flush: str = "read") -> float:
     """Seconds of one call of ``fn`` with the L2 cache flushed before it: ``fn`` captured once
     in a CUDA graph (GPU time only, no Python launch overhead, and a check that the call can be
-    captured), then per replay a 256 MB buffer zeroed, the replay timed by CUDA events; median."""
+    captured), then per replay a 256 MB buffer read (``flush="read"``: the L2 left holding
+    clean lines) or zeroed (``"write"``: left holding dirty lines, whose write-back the timed
+    call pays for), the replay timed by CUDA events; median."""
     import torch
 
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    buffer = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    total = torch.empty((), dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -258,7 +266,10 @@ def cold_timer(fn, reps: int = 50) -> float:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]  # fmt: skip
     for start, end in events:
-        flush.zero_()
+        if flush == "read":
+            torch.sum(buffer, 0, dtype=torch.int64, out=total)  # reads every line
+        else:
+            buffer.zero_()
         start.record()
         graph.replay()
         end.record()
@@ -325,7 +336,10 @@ def main() -> None:
         def timer(fn):  # seconds, L2-hot (the same weight replayed)
             return bench(fn) * 1e-3
 
-        headline_timer = cold_timer  # L2 flushed before each timed call
+        headline_timer = cold_timer  # L2 flushed before each timed call (left clean)
+
+        def dirty_timer(fn):  # L2 flushed by writing (left dirty), the earlier tables' headline
+            return cold_timer(fn, flush="write")
 
         dense_dtype, act_dtype, backends = torch.float16, torch.float16, ["triton"]
         dense_name = "cuBLAS fp16"
@@ -336,7 +350,7 @@ def main() -> None:
             t = Timer("fn()", globals={"fn": fn}, num_threads=args.threads)
             return min(t.blocked_autorange(min_run_time=args.seconds).times)
 
-        headline_timer = None  # one timer on the CPU
+        headline_timer = dirty_timer = None  # one timer on the CPU
 
         dense_dtype, act_dtype = torch.float32, torch.bfloat16
         dense_name = "F.linear fp32"
@@ -344,7 +358,7 @@ def main() -> None:
 
     copy_bw = copy_bandwidth(device, timer)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    header = ["N x K", "M", "kernel", "µs", "µs L2-hot", "weight GB/s", "% of copy", "GFLOP/s",
+    header = ["N x K", "M", "kernel", "µs", "µs dirty L2", "µs L2-hot", "weight GB/s", "% of copy", "GFLOP/s",
               "× dense", "× torch int4", "err"]  # fmt: skip
     table, timed = [], []  # rows; each tuning's candidates and times
 
@@ -412,6 +426,7 @@ def main() -> None:
                 with torch.no_grad():
                     hot = timer(lambda fn=fn, x=x: fn(x))
                     seconds = headline_timer(lambda fn=fn, x=x: fn(x)) if headline_timer else hot
+                    dirty = dirty_timer(lambda fn=fn, x=x: fn(x)) if dirty_timer else None
                 if nbytes is None and fn.backend == "triton":  # what the kernels read
                     (prepared,) = fn.__dict__["_prepared"].values()
                     nbytes = _bytes(*_tensors(prepared))
@@ -425,6 +440,7 @@ def main() -> None:
                 bw = nbytes / seconds
                 table.append([
                     f"{n}x{k}", m, name, f"{seconds * 1e6:.1f}",
+                    f"{dirty * 1e6:.1f}" if dirty else "-",
                     f"{hot * 1e6:.1f}" if headline_timer else "-", f"{bw / 1e9:.1f}",
                     f"{100 * bw / copy_bw:.0f}%", f"{2 * m * n * k / seconds / 1e9:.0f}",
                     f"{t_dense / seconds:.2f}", vs_int4, f"{err:.1e}",
@@ -440,8 +456,9 @@ def main() -> None:
         f"read + write). Load average (1 min) {load_before:.2f} before, {load_after:.2f} after. "
         f"× dense = time of {dense_note} / time; × torch int4 = its time / time, bf16 rows. "
         + (
-            "µs: L2 flushed before each call (256 MB written between CUDA-graph replays); "
-            "µs L2-hot: the same weight replayed (do_bench_cudagraph)."
+            "µs: L2 flushed before each call (256 MB read between CUDA-graph replays: clean "
+            "lines); µs dirty L2: 256 MB written instead (dirty lines, written back during the "
+            "call); µs L2-hot: the same weight replayed (do_bench_cudagraph)."
             if headline_timer
             else ""
         )
