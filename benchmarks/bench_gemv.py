@@ -17,10 +17,10 @@ the PyPI package ``spqr-quant`` on the same words when it imports (a benchmark d
 ``pip install spqr-quant``; it compiles its extension with nvcc on first import). Headline
 times (``µs``, ``× dense``) are GPU time with the L2 cache flushed before each call: the call is
 captured once in a CUDA graph (no Python launch overhead, as decoding runs under CUDA graphs;
-it also checks that every row can be captured), and 256 MB are read between replays, since
-an H100's 50 MB L2 would otherwise hold every 4-bit weight up to 8192². Reading leaves the L2
-full of clean lines, as a layer finds it after the layers before it streamed their weights
-through. ``µs dirty L2`` flushes by writing the 256 MB instead (``triton.testing.do_bench``'s
+it also checks that every row can be captured), and 256 MB are written then read between
+replays, since an H100's 50 MB L2 would otherwise hold every 4-bit weight up to 8192². The read
+leaves the L2 full of clean lines, as a layer finds it after the layers before it streamed
+their weights through. ``µs dirty L2`` only writes the 256 MB (``triton.testing.do_bench``'s
 flush): the L2 is then full of dirty lines, and the timed call pays for writing back as many
 of them as the bytes it brings in (up to the L2's size), which weighs more on a small weight
 than on a large one. ``µs L2-hot`` is
@@ -241,19 +241,19 @@ def int4_tinygemm(codes, scale, group, device):
     return (lambda x: op(x, w, group, scale_zero)), _bytes(w, scale_zero)
 
 
-#: bytes written between timed replays to evict the weights from L2 (an H100's is 50 MB)
+#: bytes written (and read) between timed replays to evict the weights from L2 (an H100's is 50 MB)
 L2_FLUSH_BYTES = 256 << 20
 
 
 def cold_timer(fn, reps: int = 50, flush: str = "read") -> float:
     """Seconds of one call of ``fn`` with the L2 cache flushed before it: ``fn`` captured once
     in a CUDA graph (GPU time only, no Python launch overhead, and a check that the call can be
-    captured), then per replay a 256 MB buffer read (``flush="read"``: the L2 left holding
-    clean lines) or zeroed (``"write"``: left holding dirty lines, whose write-back the timed
-    call pays for), the replay timed by CUDA events; median."""
+    captured), then per replay a 256 MB buffer zeroed (``flush="write"``: the L2 left holding
+    dirty lines, whose write-back the timed call pays for) and with ``flush="read"`` read back
+    (left holding clean lines), the replay timed by CUDA events; median."""
     import torch
 
-    buffer = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     total = torch.empty((), dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -266,10 +266,9 @@ def cold_timer(fn, reps: int = 50, flush: str = "read") -> float:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]  # fmt: skip
     for start, end in events:
-        if flush == "read":
-            torch.sum(buffer, 0, dtype=torch.int64, out=total)  # reads every line
-        else:
-            buffer.zero_()
+        buffer.zero_()  # nothing the call reads is left in the L2
+        if flush == "read":  # the dirty lines written back now, clean ones in their place
+            torch.sum(buffer, 0, dtype=torch.int64, out=total)
         start.record()
         graph.replay()
         end.record()
@@ -456,9 +455,9 @@ def main() -> None:
         f"read + write). Load average (1 min) {load_before:.2f} before, {load_after:.2f} after. "
         f"× dense = time of {dense_note} / time; × torch int4 = its time / time, bf16 rows. "
         + (
-            "µs: L2 flushed before each call (256 MB read between CUDA-graph replays: clean "
-            "lines); µs dirty L2: 256 MB written instead (dirty lines, written back during the "
-            "call); µs L2-hot: the same weight replayed (do_bench_cudagraph)."
+            "µs: L2 flushed before each call (256 MB written then read between CUDA-graph "
+            "replays: clean lines); µs dirty L2: 256 MB written only (dirty lines, written back "
+            "during the call); µs L2-hot: the same weight replayed (do_bench_cudagraph)."
             if headline_timer
             else ""
         )
