@@ -29,8 +29,8 @@ split-K partial sums) goes back to memory.
 
 Launch configurations (``BLOCK_M``, ``BLOCK_TR``, ``BLOCK_G``, ``SPLIT_K``, warps) are timed on
 the GPU's first call per shape among a few candidates and cached (``LOWBIT_TRITON_TUNE=0``: the
-default, ``BLOCK_TR`` 8: 4.6 loop instructions per code in ``tools/kernel_sass.py --spqr``,
-at 72 registers where ``BLOCK_TR`` 16's 4.2 take 146); never under the interpreter.
+default, ``BLOCK_TR`` 8: 4.5 loop instructions per code in ``tools/kernel_sass.py --spqr``
+at 64 registers, where ``BLOCK_TR`` 16's 4.0 take 117); never under the interpreter.
 
 Memory traffic at M = 1: 8 bytes per 16 weights (4.0 bits per weight), 4 bytes per outlier plus
 the row offsets, the input from cache, ``M · N`` outputs. Split-K: a grid of ``cdiv(N, 16 ·
@@ -186,8 +186,9 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
         mask_m = offs_m < M
         r3 = offs_r[None, :, None]  # [1, 16, 1]
+        offs_j = tl.arange(0, BLOCK_G * 16)  # [G * 16] a chunk's words of a tile row, g * 16 + r
         # whole tiles are loaded (padding rows too): every row's chunk is needed
-        tile_ok = offs_tr[:, None, None] < tl.cdiv(N, 16)  # [TR, 1, 1]
+        tile_ok = offs_tr[:, None] < tl.cdiv(N, 16)  # [TR, 1]
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_TR, 16, BLOCK_G), dtype=tl.float32)
         else:
@@ -195,11 +196,16 @@ if triton is not None:
         for it in range(CHUNKS_PER_SPLIT):
             g = (pid_k * CHUNKS_PER_SPLIT + it) * BLOCK_G + offs_g  # [G] tile columns
             g3 = g[None, None, :]
-            w_ptrs = words_ptr + offs_tr[:, None, None] * stride_wt + g3 * 16 + r3
+            # each tile row's chunk is one contiguous run of words, loaded as such ([TR, G * 16]:
+            # one contiguous dimension, so every Triton version lays the load out alike, a
+            # thread's words in one tile column) and viewed as [TR, 16, G] (no data moves)
+            j = (pid_k * CHUNKS_PER_SPLIT + it) * BLOCK_G * 16 + offs_j  # [G * 16]
+            w_ptrs = words_ptr + offs_tr[:, None] * stride_wt + j[None, :]  # [TR, G * 16]
             if EVEN_K:
-                words = tl.load(w_ptrs, mask=tile_ok, other=0)  # [TR, 16, G] int64
+                words = tl.load(w_ptrs, mask=tile_ok, other=0)  # int64
             else:
-                words = tl.load(w_ptrs, mask=tile_ok & (g3 < N_TILES_G), other=0)
+                words = tl.load(w_ptrs, mask=tile_ok & (j < N_TILES_G * 16)[None, :], other=0)
+            words = tl.permute(tl.reshape(words, (BLOCK_TR, BLOCK_G, 16)), (0, 2, 1))
             lo = words.to(tl.int32)  # truncation: bits 0-31
             hi = (words >> 32).to(tl.int32)  # bits 32-63 (62-63 are zero)
             scale, zero = _tile_statistics(lo, hi, r3)  # [TR, 16, G] fp16
