@@ -28,6 +28,7 @@ from kernel_sass import (  # noqa: E402
     compile_for,
     compile_prefill_kernel,
     compile_spqr_kernel,
+    compiler_line,
 )
 from kernel_sass_mixed import compile_mixed  # noqa: E402
 
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    print(compiler_line(args.arch))
     print("| kernel | configuration | variant | registers | shared bytes | spill bytes | "
           "blocks/SM | launches on sm_90 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

@@ -142,6 +142,14 @@ def spqr_table(arch: int) -> None:
               f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
 
 
+def compiler_line(arch: int) -> str:
+    """Which Triton compiled the tables (their counts differ between versions: the device
+    image runs Triton 3.6) and for which architecture."""
+    import triton
+
+    return f"Triton {triton.__version__}, sm_{arch}"
+
+
 def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
     """Opcodes of the longest backward-branch loop of a cubin (``suffixes``: with their
     modifiers, ``LDG.E.128``)."""
@@ -188,6 +196,7 @@ def main() -> None:
                              "(unmasked activation loads, as the launcher picks for such K)")  # fmt: skip
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    print(compiler_line(args.arch))
     if args.spqr:
         spqr_table(args.arch)
         return

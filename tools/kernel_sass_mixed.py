@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_sass import compile_for, loop_instructions  # noqa: E402
+from kernel_sass import compile_for, compiler_line, loop_instructions  # noqa: E402
 
 _POINTERS = {
     "primary_ptr": "*i32", "secondary_ptr": "*i32", "stats2_ptr": "*i16", "stats4_ptr": "*u8",
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    print(compiler_line(args.arch))
     print("| kernel | schedule | outliers | BLOCK_N | T | warps | loop instrs | per code | "
           "most frequent |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
