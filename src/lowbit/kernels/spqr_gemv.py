@@ -194,12 +194,13 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for it in range(CHUNKS_PER_SPLIT):
-            g = (pid_k * CHUNKS_PER_SPLIT + it) * BLOCK_G + offs_g  # [G] tile columns
+            g_first = (pid_k * CHUNKS_PER_SPLIT + it) * BLOCK_G  # the chunk's first tile column
+            g = g_first + offs_g  # [G] tile columns
             g3 = g[None, None, :]
             # each tile row's chunk is one contiguous run of words, loaded as such ([TR, G * 16]:
             # one contiguous dimension, so every Triton version lays the load out alike, a
             # thread's words in one tile column) and viewed as [TR, 16, G] (no data moves)
-            j = (pid_k * CHUNKS_PER_SPLIT + it) * BLOCK_G * 16 + offs_j  # [G * 16]
+            j = g_first * 16 + offs_j  # [G * 16]
             w_ptrs = words_ptr + offs_tr[:, None] * stride_wt + j[None, :]  # [TR, G * 16]
             if EVEN_K:
                 words = tl.load(w_ptrs, mask=tile_ok, other=0)  # int64
