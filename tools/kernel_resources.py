@@ -27,6 +27,7 @@ from kernel_sass import (  # noqa: E402
     compile_decode_kernel,
     compile_for,
     compile_prefill_kernel,
+    compile_spqr_dense_kernel,
     compile_spqr_kernel,
     compiler_line,
 )
@@ -55,15 +56,6 @@ def cubin_resources(compiled):
         spill=int(usage["STACK"]) + int(usage["LOCAL"]),
         num_warps=compiled.metadata.num_warps,
     )
-
-
-def _spqr_dense(arch):
-    from lowbit.kernels import spqr_gemv
-
-    pointers = {"words_ptr": "*i64", "out_ptr": "*fp16"}
-    constants = dict(N_TILES_G=256, BLOCK_TR=2, BLOCK_G=4)
-    return compile_for(spqr_gemv._spqr_dense_kernel, pointers, ["N", "K", "stride_wt",
-                       "stride_on"], constants, arch, num_warps=4)  # fmt: skip
 
 
 def _outlier_spmv(arch):
@@ -149,7 +141,12 @@ def kernel_variants(arch: int = 90):
                     *a, arch, split_k=4, has_bias=True
                 ),
             )
-    yield "spqr dense decode", "BLOCK_TR 2 BLOCK_G 4 warps 4", "fp16", lambda: _spqr_dense(arch)
+    yield (
+        "spqr dense decode",
+        "BLOCK_TR 2 BLOCK_G 4 warps 4",
+        "fp16",
+        lambda: compile_spqr_dense_kernel(arch),
+    )
     seen.clear()
     for m in (1, 16):
         for block_m, block_n, tile, warps, _ in mixed_gemv._candidates(m):

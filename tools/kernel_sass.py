@@ -125,6 +125,17 @@ def compile_spqr_kernel(
                        num_warps=num_warps)  # fmt: skip
 
 
+def compile_spqr_dense_kernel(arch, block_tr=2, block_g=4):
+    """``_spqr_dense_kernel`` (SpQR's words decoded to the fp16 weight, for prefill): 4096
+    columns (256 tiles)."""
+    from lowbit.kernels import spqr_gemv
+
+    pointers = {"words_ptr": "*i64", "out_ptr": "*fp16"}
+    constants = dict(N_TILES_G=256, BLOCK_TR=block_tr, BLOCK_G=block_g)
+    return compile_for(spqr_gemv._spqr_dense_kernel, pointers, ["N", "K", "stride_wt",
+                       "stride_on"], constants, arch, num_warps=4)  # fmt: skip
+
+
 def spqr_table(arch: int) -> None:
     """Instructions per decoded 3-bit code of the SpQR kernel's main loop (one chunk of
     ``BLOCK_TR`` x 16 rows x ``BLOCK_G`` tiles per iteration)."""

@@ -28,7 +28,8 @@ SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from kernel_sass import (compile_decode_kernel, compile_dequant_kernel, compile_prefill_kernel,
-                         compile_spqr_kernel, loop_instructions, word_load_positions)
+                         compile_spqr_dense_kernel, compile_spqr_kernel, loop_instructions,
+                         word_load_positions)
 from kernel_sass_mixed import compile_mixed
 
 kernels = {
@@ -47,6 +48,9 @@ loops = {name: len(loop_instructions(make().asm["cubin"])) for name, make in ker
 # the prefill weight decoder has no loop (one K tile per program): its 16-byte stores instead
 dequant = compile_dequant_kernel(4, 64, 90, dtype="bf16", symmetric=False)
 loops["dequant stores"] = dequant.asm["ptx"].count("st.global.v4") if dequant.asm["cubin"] else 0
+# SpQR's decoder: each thread's 16 weights of a word as 32 contiguous bytes, no 2-byte store
+spqr_dense = compile_spqr_dense_kernel(90).asm["ptx"]
+loops["spqr dense stores"] = [spqr_dense.count("st.global.v4"), spqr_dense.count("st.global.b16")]
 # the pipelined tile loop (STAGES = 3) copies the next tiles' words with cp.async
 piped = compile_decode_kernel(4, 1, 128, 4, 90, even_k=True, stages=3)
 loops["pipelined cp.async"] = piped.asm["ptx"].count("cp.async.")
@@ -70,11 +74,12 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 10
+    assert len(loops) == 11
     # each tile's words are issued before the other tile's decode, not just before their own
     # (ptxas moves them there without the kernel's store-that-never-runs): measured [0, 50]
     at = loops.pop("prefetch loads at")
     assert len(at) == 2 and at[0] <= 5 and 35 <= at[1] <= 65, at
+    assert loops.pop("spqr dense stores") == [2, 0]  # measured (was [0, 16])
     stores = loops.pop("dequant stores")
     assert stores >= 8, stores  # 16-byte stores, at least one per slot (measured 16: two per slot)
     assert loops.pop("pipelined cp.async") > 0  # measured 84 (copies, commits and waits)

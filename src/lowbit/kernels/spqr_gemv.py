@@ -315,13 +315,14 @@ if triton is not None:
         words_ptr, out_ptr, N, K, stride_wt, stride_on,
         N_TILES_G: tl.constexpr, BLOCK_TR: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
-        """``D'`` in fp16, stored column order: out ``[N, K]``."""
+        """``D'`` in fp16, stored column order: out ``[N, K]``. Each thread writes the 16
+        weights of each of its words as 32 contiguous bytes (two 16-byte stores), not as 16
+        two-byte stores to 16 columns."""
         pid_n = tl.program_id(0)
         pid_g = tl.program_id(1)
         offs_tr = pid_n * BLOCK_TR + tl.arange(0, BLOCK_TR)
         offs_r = tl.arange(0, 16)
         g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
-        rows3 = offs_tr[:, None, None] * 16 + offs_r[None, :, None]  # [TR, 16, 1]
         r3 = offs_r[None, :, None]
         g3 = g[None, None, :]
         w_ptrs = words_ptr + offs_tr[:, None, None] * stride_wt + g3 * 16 + r3
@@ -330,11 +331,36 @@ if triton is not None:
         lo = words.to(tl.int32)
         hi = (words >> 32).to(tl.int32)
         scale, zero = _tile_statistics(lo, hi, r3)
-        for i in tl.static_range(16):
-            q = _code_fp16(lo, hi, i)
-            w = ((q - zero).to(tl.float16) * scale).to(tl.float16)  # [TR, 16, G]
-            k = g3 * 16 + i
-            tl.store(out_ptr + rows3 * stride_on + k, w, mask=(rows3 < N) & (k < K))
+        w = _weights_of_words(lo, hi, scale, zero)  # [TR, 16, G, 16]: row, tile column, i
+        rows4 = (offs_tr[:, None] * 16 + offs_r[None, :])[:, :, None, None]  # [TR, 16, 1, 1]
+        k4 = (g[:, None] * 16 + offs_r[None, :])[None, None, :, :]  # [1, 1, G, 16] columns
+        tl.store(out_ptr + rows4 * stride_on + k4, w, mask=(rows4 < N) & (k4 < K))
+
+    @triton.jit
+    def _weight(lo, hi, scale, zero, I: tl.constexpr):
+        """fp16 weight ``fp16(s · fp16(q − z))`` of code ``I`` of each word (the reference's)."""
+        return ((_code_fp16(lo, hi, I) - zero).to(tl.float16) * scale).to(tl.float16)
+
+    @triton.jit
+    def _weights2(lo, hi, scale, zero, I: tl.constexpr, STEP: tl.constexpr):
+        """Weights ``I`` and ``I + STEP`` (``STEP`` 1) or the halves of the runs from ``I`` and
+        ``I + STEP`` (``STEP`` 2, 4, 8), joined on a new last axis of 2 (in registers)."""
+        if STEP == 1:
+            a = _weight(lo, hi, scale, zero, I)
+            b = _weight(lo, hi, scale, zero, I + 1)
+        else:
+            a = _weights2(lo, hi, scale, zero, I, STEP // 2)
+            b = _weights2(lo, hi, scale, zero, I + STEP, STEP // 2)
+        return tl.join(a, b)
+
+    @triton.jit
+    def _weights_of_words(lo, hi, scale, zero):
+        """``[TR, 16, G, 16]`` fp16: the 16 weights of each word of ``[TR, 16, G]`` halves,
+        code ``i`` at index ``i`` of the last axis. The joins leave four axes of 2 that are the
+        bits of ``i``, lowest first; reversed and merged they are ``i`` (no data moves)."""
+        bits = _weights2(lo, hi, scale, zero, 0, 8)  # [TR, 16, G, 2, 2, 2, 2]
+        ordered = tl.permute(bits, (0, 1, 2, 6, 5, 4, 3))
+        return tl.reshape(ordered, (lo.shape[0], lo.shape[1], lo.shape[2], 16))
 
 
 def _require_triton() -> None:
