@@ -8,6 +8,7 @@ path. With CUDA the same tests run compiled, and the ``gpu`` ones add layer size
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
@@ -21,6 +22,7 @@ from lowbit.kernels.spqr_gemv import (  # noqa: E402
     spqr_reference,
     words_dense_reference,
 )
+from lowbit.kernels.triton_spqr import spqr_product  # noqa: E402
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -136,6 +138,25 @@ def test_dense_decode_kernel_is_bit_exact():
         got.view(torch.int16), words_dense_reference(words, 37, 50).view(torch.int16)
     )
     assert torch.equal(got, q.dense_permuted())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sparse", ["csr", "ptcsr"])
+def test_prefill_multiplies_by_the_references_weight(dtype, sparse):
+    """Above 16 rows the backend decodes D' in fp16 and adds the outliers at their positions:
+    the product is ``F.linear`` with the reference's weight (D' + S' in fp32, rounded once to
+    x's dtype) bit for bit, without an fp32 copy of the whole weight."""
+    n, k = 37, 50
+    q = _weight(n, k, fraction=0.05, sparse=sparse, seed=11)
+    perm = q.perm_index().to(torch.int32)
+    prepared = {"words": q.words(), "perm": perm, "perm_long": perm.long(),
+                "sparse": q.outliers, "sparse_ops": sparse_operands(q.outliers)}  # fmt: skip
+    x = torch.randn(20, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    dense = words_dense_reference(q.words(), n, k).float()  # [N, K] D', stored order
+    weight = (dense + q.outliers.to_dense(torch.float32)).to(dtype)
+    want = F.linear(x[:, perm.long()], weight, bias)
+    assert torch.equal(spqr_product(x, prepared, bias, n), want)
 
 
 def test_bad_operands_are_one_sentence():

@@ -10,10 +10,10 @@ timing is off (``LOWBIT_TRITON_TUNE=0``), the stored layout. ``LOWBIT_SPQR_SPARS
 overrides every layer set to ``"auto"``.
 
 ``matmul`` runs the fused dense-and-sparse kernel for M <= 16
-(:func:`~lowbit.kernels.spqr_gemv.spqr_gemv`) and, above, decodes ``D'`` with the Triton decode
-kernel, adds the outliers in fp32, rounds once to the input's dtype (the reference's weight)
-and calls a dense GEMM on the permuted input; so does a layer whose fused kernel the device
-refuses (warned once).
+(:func:`~lowbit.kernels.spqr_gemv.spqr_gemv`) and, above, decodes ``D'`` in fp16 with the Triton
+decode kernel, adds the outliers at their positions in fp32, rounds once to the input's dtype
+(the reference's weight; no fp32 copy of the whole weight) and calls a dense GEMM on the
+permuted input; so does a layer whose fused kernel the device refuses (warned once).
 """
 
 from __future__ import annotations
@@ -125,11 +125,15 @@ def spqr_product(x: Tensor, prepared: dict, bias, n: int) -> Tensor:
         )  # fmt: skip
         if out is not None:
             return out  # [M, N]
-    weight = spqr_dequantize_dense(words, n, x.shape[1]).float()  # [N, K] stored order
-    rows, cols, values = prepared["sparse"]._coo()
-    weight.index_put_((rows, cols), values, accumulate=True)  # D' + S' in fp32
+    weight = spqr_dequantize_dense(words, n, x.shape[1])  # [N, K] fp16 D', stored order
+    rows, cols, values = prepared["sparse"]._coo()  # [nnz] each, unique positions, fp32 values
+    # D' + S' rounded once to x's dtype (the reference's weight): only the outliers' positions
+    # go through fp32; the rest is D' itself (fp16 x) or D' rounded once (bf16 x)
+    outliers = (weight[rows, cols].float() + values).to(x.dtype)
+    weight = weight.to(x.dtype)
+    weight[rows, cols] = outliers
     xp = x if perm is None else x[:, prepared["perm_long"]]  # [M, K] stored order
-    return F.linear(xp, weight.to(x.dtype), bias)  # [M, N]
+    return F.linear(xp, weight, bias)  # [M, N]
 
 
 register_backend(TritonSpQRBackend())
