@@ -258,8 +258,7 @@ if triton is not None:
                     else:
                         xv = _gather_x(x_ptr, perm_ptr, k, k < K, stride_xm, offs_m, mask_m,
                                        HAS_PERM)  # fmt: skip
-                    q = _code_fp16(lo, hi, i)
-                    w = ((q - zero).to(tl.float16) * scale).to(tl.float16)  # [TR, 16, G]
+                    w = _weight(lo, hi, scale, zero, i)  # [TR, 16, G]
                     w2 = tl.reshape(w, (BLOCK_N, BLOCK_G))
                     if INTERPRET:  # the interpreter's low-precision dot is wrong: exact fp32
                         acc = tl.dot(w2.to(tl.float32), xv.to(tl.float32), acc)
@@ -343,8 +342,9 @@ if triton is not None:
 
     @triton.jit
     def _weights2(lo, hi, scale, zero, I: tl.constexpr, STEP: tl.constexpr):
-        """Weights ``I`` and ``I + STEP`` (``STEP`` 1) or the halves of the runs from ``I`` and
-        ``I + STEP`` (``STEP`` 2, 4, 8), joined on a new last axis of 2 (in registers)."""
+        """The ``2 * STEP`` weights from code ``I``: the ``STEP`` from ``I`` and the ``STEP``
+        from ``I + STEP`` joined on a new last axis of 2 (in registers), recursively, so the
+        axes of 2 are the bits of the offset from ``I``, lowest first."""
         if STEP == 1:
             a = _weight(lo, hi, scale, zero, I)
             b = _weight(lo, hi, scale, zero, I + 1)
