@@ -31,7 +31,7 @@ from kernel_sass import (  # noqa: E402
     compile_spqr_kernel,
     compiler_line,
 )
-from kernel_sass_mixed import compile_mixed  # noqa: E402
+from kernel_sass_mixed import compile_mixed, compile_mixed_dequant  # noqa: E402
 
 
 def cubin_resources(compiled):
@@ -162,6 +162,7 @@ def kernel_variants(arch: int = 90):
                     *a, True, True, arch, split_k=4, has_bias=True
                 ),
             )
+    yield "2/4/16 weight decoder", "BLOCK_N 64 warps 4", "fp32", lambda: compile_mixed_dequant(arch)
     yield (
         "2/4/16 outlier SpMV",
         "BLOCK_N 128 BLOCK_M 16 warps 4",

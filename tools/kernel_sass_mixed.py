@@ -53,6 +53,19 @@ def compile_mixed(
     return compile_for(kernel, pointers, scalars, constants, arch, num_warps=warps)
 
 
+def compile_mixed_dequant(arch):
+    """The prefill decoder (``mixed_dequant``): every segment (UA 32, UB 16, C after), g2 16."""
+    from lowbit.kernels import mixed_dequant
+
+    pointers = {name: _POINTERS[name] for name in list(_POINTERS)[:6]}  # primary .. second4
+    pointers.update(group2_ptr="*i32", group4_ptr="*i32", out_ptr="*fp32")
+    scalars = ["N", "K", "stride_pn", "stride_sn", "stride_t2", "stride_t4", "stride_r2",
+               "stride_r4", "stride_on"]  # fmt: skip
+    constants = dict(UA=32, UB=16, G2=16, BLOCK_N=mixed_dequant.BLOCK_N)
+    return compile_for(mixed_dequant._mixed_dequant_kernel, pointers, scalars, constants, arch,
+                       num_warps=4)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)

@@ -3,11 +3,12 @@
 The interpreter tests check what the kernels compute, but the interpreter runs them as Python:
 a constexpr missing from a launch, a type the compiler rejects or a helper that only works
 interpreted pass there and fail on the first CUDA call. This compiles each kernel — integer
-decode (3 and 4 bits, split-K with bias), integer prefill and its weight decoder, SpQR, the
-2/4/16 GEMV (async and sync, split-K with bias) and its 16-row kernel — through Triton's own
-ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its main loop (the decoder,
-which has none, its 16-byte stores; the pipelined integer decode, its asynchronous copies; the
-register-prefetching one, its word loads a tile ahead of their use).
+decode (3 and 4 bits, split-K with bias), integer prefill, SpQR, the 2/4/16 GEMV (async and
+sync, split-K with bias) and its 16-row kernel, and the three formats' weight decoders —
+through Triton's own ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its
+main loop (the decoders, which have none, their 16-byte stores; the pipelined integer decode,
+its asynchronous copies; the register-prefetching one, its word loads a tile ahead of their
+use).
 It runs in a fresh process because ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``, under
 which ``@triton.jit`` builds interpreted functions that cannot be compiled.
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, sys.argv[1])
 from kernel_sass import (compile_decode_kernel, compile_dequant_kernel, compile_prefill_kernel,
                          compile_spqr_dense_kernel, compile_spqr_kernel, loop_instructions,
                          word_load_positions)
-from kernel_sass_mixed import compile_mixed
+from kernel_sass_mixed import compile_mixed, compile_mixed_dequant
 
 kernels = {
     "decode 4-bit M=1": lambda: compile_decode_kernel(4, 1, 128, 4, 90),
@@ -51,6 +52,9 @@ loops["dequant stores"] = dequant.asm["ptx"].count("st.global.v4") if dequant.as
 # SpQR's decoder: each thread's 16 weights of a word as 32 contiguous bytes, no 2-byte store
 spqr_dense = compile_spqr_dense_kernel(90).asm["ptx"]
 loops["spqr dense stores"] = [spqr_dense.count("st.global.v4"), spqr_dense.count("st.global.b16")]
+# the 2/4/16 decoder: each group's 16 fp32 weights of a row as 16-byte vectors
+mixed_dense = compile_mixed_dequant(90).asm["ptx"]
+loops["mixed dense stores"] = [mixed_dense.count("st.global.v4"), mixed_dense.count("st.global.b32")]
 # the pipelined tile loop (STAGES = 3) copies the next tiles' words with cp.async
 piped = compile_decode_kernel(4, 1, 128, 4, 90, even_k=True, stages=3)
 loops["pipelined cp.async"] = piped.asm["ptx"].count("cp.async.")
@@ -74,12 +78,13 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 11
+    assert len(loops) == 12
     # each tile's words are issued before the other tile's decode, not just before their own
     # (ptxas moves them there without the kernel's store-that-never-runs): measured [0, 50]
     at = loops.pop("prefetch loads at")
     assert len(at) == 2 and at[0] <= 5 and 35 <= at[1] <= 65, at
     assert loops.pop("spqr dense stores") == [2, 0]  # measured (was [0, 16])
+    assert loops.pop("mixed dense stores") == [20, 0]  # 10 groups a program (scalar: [0, 80])
     stores = loops.pop("dequant stores")
     assert stores >= 8, stores  # 16-byte stores, at least one per slot (measured 16: two per slot)
     assert loops.pop("pipelined cp.async") > 0  # measured 84 (copies, commits and waits)

@@ -9,13 +9,16 @@ group of 8 columns), M = 1 (the FMA path), 3 and 13 (tl.dot, rows masked).
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
 from lowbit.algorithms.mixed import MixedWeightSpec, mixed_quantize  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
+from lowbit.kernels.mixed_dequant import mixed_dequant  # noqa: E402
 from lowbit.kernels.mixed_gemv import mixed_gemv  # noqa: E402
 from lowbit.kernels.mixed_layout import mixed_reference, prepare_mixed  # noqa: E402
+from lowbit.nn.mixed_linear import MixedLinear  # noqa: E402
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -99,6 +102,33 @@ def test_split_k(m, k, config):
     bias = torch.randn(21, generator=gen).half().to(DEVICE)
     got = mixed_gemv(x, ops, bias, config=config)  # fp32 partials summed, then the bias
     assert _rel_err(got, mixed_reference(x, q.to(DEVICE), bias)) <= TOL[torch.float16]
+
+
+@pytest.mark.parametrize(
+    "n, k, frac4, outliers",
+    [(37, 160, 0.25, 0.01), (37, 88, 0.5, 0.02), (33, 200, 0.9, 0.01), (9, 40, 0.25, 0.05)],
+    ids=["words-a-b", "words-a-c", "words-c", "one-4-bit-slot"],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_decoder_gives_the_references_weight(n, k, frac4, outliers, dtype):
+    """The Triton decoder (dense part in fp32, outliers added, one rounding) gives
+    ``MixedQuantized.dequantize`` bit for bit: every segment, padding slots, K not a multiple
+    of 16, N not a multiple of g2 or the row block, a layout with a single 4-bit slot."""
+    q = _weight(n, k, frac4, outliers, seed=n + k).to(DEVICE)
+    got = mixed_dequant(prepare_mixed(q), dtype)
+    assert torch.equal(got, q.dequantize(dtype))
+
+
+def test_backend_prefill_multiplies_by_the_decoded_weight():
+    """Above 16 rows the triton backend is ``F.linear`` with the reference's weight, bit for
+    bit."""
+    q = _weight(37, 160, 0.25, 0.01, seed=3)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(4)) * 0.02
+    layer = MixedLinear.from_quantized(q, bias, backend="triton").to(DEVICE, torch.float16)
+    x = torch.randn(20, 160, generator=torch.Generator().manual_seed(5)).half().to(DEVICE)
+    want = F.linear(x, q.to(DEVICE).dequantize(torch.float16), layer.bias)
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
 
 
 def test_refusals(layer):

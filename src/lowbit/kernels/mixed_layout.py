@@ -36,9 +36,8 @@ def prepare_mixed(weight: MixedQuantized) -> dict:
         "secondary": _nonempty(weight.secondary),
         "stats2": _nonempty(weight.stats2),
         "stats4": _nonempty(weight.stats4),
-        # the (s2, z2) fp16 pairs as one int32 word each: [R, P] (little-endian: s2 low)
-        "second2": _nonempty(weight.second2.view(torch.int32).squeeze(-1)),
-        "second4": _nonempty(weight.second4.view(torch.int32).squeeze(-1)),
+        "second2": _nonempty(_pair_words(weight.second2)),
+        "second4": _nonempty(_pair_words(weight.second4)),
         "col2": _nonempty(cols[: seg.slots2].contiguous()),
         "col4": _nonempty(cols[seg.slots2 :].contiguous()),
         "row_ptr": weight.outliers.row_ptr,
@@ -50,6 +49,14 @@ def prepare_mixed(weight: MixedQuantized) -> dict:
         "g2": weight.g2,
         "weight": weight,  # the reference a tuning candidate is checked against
     }
+
+
+def _pair_words(pairs: Tensor) -> Tensor:
+    """The ``(s2, z2)`` fp16 pairs ``[R, P, 2]`` as one int32 word each, ``[R, P]``
+    (little-endian: s2 low). Through ``[R, 2 P]``: a view of the pairs' dimension as int32 is
+    refused when ``P`` is 1 (its stride is then 1, not 2)."""
+    r, p, _ = pairs.shape
+    return pairs.reshape(r, 2 * p).view(torch.int32)
 
 
 def _nonempty(t: Tensor) -> Tensor:

@@ -4,8 +4,9 @@
 kernels' layout) plus the column tables of :func:`~lowbit.kernels.mixed_layout.prepare_mixed`.
 ``matmul`` runs :func:`~lowbit.kernels.mixed_gemv.mixed_gemv` (asynchronous dequantization,
 outliers fused) for up to 16 rows, the decode path. Longer inputs (prefill) decode the weight
-once in fp32 from the same tensors and call ``F.linear``: a compute-bound product whose decode
-is shared by every row; so does a layer whose GEMV kernel the device refuses (warned once).
+once from the same tensors (:func:`~lowbit.kernels.mixed_dequant.mixed_dequant`, the
+reference's weight bit for bit) and call ``F.linear``: a compute-bound product whose decode is
+shared by every row; so does a layer whose GEMV kernel the device refuses (warned once).
 
 Runs on CUDA tensors, or on any tensors under ``TRITON_INTERPRET=1``; fp16 and bf16 inputs.
 """
@@ -20,9 +21,10 @@ from lowbit.kernels.mixed_layout import prepare_mixed
 from lowbit.kernels.triton_support import gemv_unless_refused, input_refusal
 
 try:  # without Triton the backend stays registered and says why it cannot run (unsupported)
+    from lowbit.kernels.mixed_dequant import mixed_dequant
     from lowbit.kernels.mixed_gemv import mixed_gemv
 except ImportError:
-    mixed_gemv = None
+    mixed_dequant = mixed_gemv = None
 
 __all__ = ["TritonMixedBackend", "SMALL_M"]
 
@@ -31,7 +33,7 @@ SMALL_M = 16
 
 
 class TritonMixedBackend(WeightBackend):
-    """The mixed GEMV kernel (M <= 16) and a decode-then-``F.linear`` prefill."""
+    """The mixed GEMV kernel (M <= 16) and a decode-then-``F.linear`` prefill (both Triton)."""
 
     name = "triton"
     format_kind = "mixed"
@@ -49,7 +51,7 @@ class TritonMixedBackend(WeightBackend):
             )
             if out is not None:
                 return out  # [M, N]
-        return F.linear(x, layer.dequantize_weight(x.dtype), bias)
+        return F.linear(x, mixed_dequant(prepared, x.dtype), bias)  # [M, N]
 
 
 register_backend(TritonMixedBackend())
