@@ -84,7 +84,9 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
     from lowbit.algorithms.spqr import SpQRSpec
     from lowbit.formats.intq import IntQuantized
     from lowbit.kernels import int_gemm, int_gemv, mixed_gemv, spqr_gemv
+    from lowbit.kernels.int_dequant import int_dequant
     from lowbit.kernels.int_layout import tiled_reference
+    from lowbit.kernels.mixed_dequant import mixed_dequant
     from lowbit.kernels.mixed_layout import mixed_reference, prepare_mixed
     from lowbit.nn.packed_linear import PackedLinear
 
@@ -117,6 +119,13 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
                 yield name, config, compiled, _rel_err(got, tiled_reference(*args)), dtype
                 if m == 1 and bits == 4 and dtype == torch.float16:
                     yield from _int_prefetch_rows(name, args, n_tiles)
+            # the prefill's weight decoder (the backend's path from DEQUANT_M rows)
+            decode = dict(k=k, dtype=dtype, bits=bits, group_size=static["group_size"],
+                          tile=static["tile"])  # fmt: skip
+            got = int_dequant(*args[1:4], **decode)
+            err = _rel_err(got, q.dequantize(dtype).to(device))
+            yield (f"int W{bits} g{group} {sym} weight decoder {str(dtype)[6:]}", "-",
+                   int_dequant(*args[1:4], **decode, probe=True), err, dtype)  # fmt: skip
 
     spqr = SpQRSpec(outlier_fraction=0.01, tau=1e-12).rtn(weight)
     spqr.perm = torch.randperm(k, generator=gen).to(torch.int16)
@@ -131,6 +140,10 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
         compiled = spqr_gemv._launch(*args, config, probe=True)
         err = _rel_err(got, spqr_gemv.spqr_reference(x, spqr, bias.half()))
         yield f"spqr w3 1% M={m}", config, compiled, err, torch.float16
+    dense = spqr_gemv.spqr_dequantize_dense(words, n, k)
+    err = _rel_err(dense, spqr_gemv.words_dense_reference(words, n, k))
+    compiled = spqr_gemv.spqr_dequantize_dense(words, n, k, probe=True)
+    yield "spqr w3 weight decoder", "-", compiled, err, torch.float16
 
     q = mixed_quantize(weight, None, MixedWeightSpec()).quantized.to(device)
     ops = prepare_mixed(q)
@@ -141,6 +154,9 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
         compiled = mixed_gemv._launch(x, ops, bias.half(), config, True, True, probe=True)
         err = _rel_err(got, mixed_reference(x, q, bias.half()))
         yield f"mixed 2/4/16 M={m}", config, compiled, err, torch.float16
+    err = _rel_err(mixed_dequant(ops, torch.float16), q.dequantize(torch.float16))
+    compiled = mixed_dequant(ops, torch.float16, probe=True)
+    yield "mixed 2/4/16 weight decoder", "-", compiled, err, torch.float16
 
 
 def main() -> int:

@@ -71,18 +71,19 @@ def int_dequant(
     group_size: int | None,
     tile: int,
     block_n: int = 64,
+    probe: bool = False,
 ) -> Tensor:
     """The ``[N, K]`` weight in ``dtype`` from the tiled layout (``words [N, W]`` int32,
     ``scale [G, N]``, ``zero [G, N]`` uint8 or None for symmetric codes; see
-    :mod:`lowbit.kernels.int_layout`)."""
+    :mod:`lowbit.kernels.int_layout`); with ``probe`` the compiled kernel only."""
     n = words.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=words.device)  # [N, K]
     grid = (triton.cdiv(n, block_n), words.shape[1] // tile)
-    _int_dequant_kernel[grid](
+    compiled = _int_dequant_kernel.run(
         words, scale, words if zero is None else zero, out,
         n, k, words.stride(0), scale.stride(0), 0 if zero is None else zero.stride(0),
         out.stride(0),
         BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
-        BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=4,
+        BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=4, grid=grid, warmup=probe,
     )  # fmt: skip
-    return out
+    return compiled if probe else out

@@ -138,24 +138,28 @@ def _slot_groups(ops: dict) -> tuple[Tensor, Tensor]:
     return groups
 
 
-def mixed_dequant(ops: dict, dtype: torch.dtype) -> Tensor:
+def mixed_dequant(ops: dict, dtype: torch.dtype, *, probe: bool = False) -> Tensor:
     """The ``[N, K]`` weight in ``dtype`` from :func:`~lowbit.kernels.mixed_layout.prepare_mixed`'s
     operands: the dense part decoded by the kernel in fp32, the outliers added in fp32, one
-    rounding (``MixedQuantized.dequantize(dtype)`` bit for bit)."""
+    rounding (``MixedQuantized.dequantize(dtype)`` bit for bit); with ``probe`` the compiled
+    kernel only."""
     weight = ops["weight"]
     n, k = ops["shape"]
     seg = ops["segments"]
     group2, group4 = _slot_groups(ops)
     out = torch.empty(n, k, dtype=torch.float32, device=ops["primary"].device)  # [N, K]
     grid = (triton.cdiv(n, BLOCK_N), seg.words)
-    _mixed_dequant_kernel[grid](
+    compiled = _mixed_dequant_kernel.run(
         ops["primary"], ops["secondary"], ops["stats2"], ops["stats4"], ops["second2"],
         ops["second4"], group2, group4, out,
         n, k, ops["primary"].stride(0), max(1, ops["secondary"].stride(0)),
         max(1, ops["stats2"].stride(0)), max(1, ops["stats4"].stride(0)),
         ops["second2"].stride(0), ops["second4"].stride(0), out.stride(0),
-        UA=seg.ua, UB=seg.ub, G2=ops["g2"], BLOCK_N=BLOCK_N, num_warps=4,
+        UA=seg.ua, UB=seg.ub, G2=ops["g2"], BLOCK_N=BLOCK_N, num_warps=4, grid=grid,
+        warmup=probe,
     )  # fmt: skip
+    if probe:
+        return compiled
     rows, cols, values = weight.outliers._coo()  # [nnz] each, unique positions, fp32 values
     out.index_put_((rows, cols), values, accumulate=True)
     return out.to(dtype)

@@ -541,18 +541,21 @@ def _reference_of(x, words, perm, sparse, bias, n) -> Tensor:
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
-def spqr_dequantize_dense(words: Tensor, out_features: int, in_features: int) -> Tensor:
-    """``D'`` ``[N, K]`` fp16 in stored column order, decoded by a Triton kernel."""
+def spqr_dequantize_dense(
+    words: Tensor, out_features: int, in_features: int, *, probe: bool = False
+) -> Tensor:
+    """``D'`` ``[N, K]`` fp16 in stored column order, decoded by a Triton kernel; with
+    ``probe`` the compiled kernel only."""
     _require_triton()
     out = torch.empty(out_features, in_features, dtype=torch.float16, device=words.device)
     block_tr, block_g = 2, 4
     n_groups = words.shape[1] // TILE
     grid = (triton.cdiv(out_features, 16 * block_tr), triton.cdiv(n_groups, block_g))
-    _spqr_dense_kernel[grid](
+    compiled = _spqr_dense_kernel.run(
         words, out, out_features, in_features, words.stride(0), out.stride(0),
-        N_TILES_G=n_groups, BLOCK_TR=block_tr, BLOCK_G=block_g,
+        N_TILES_G=n_groups, BLOCK_TR=block_tr, BLOCK_G=block_g, grid=grid, warmup=probe,
     )  # fmt: skip
-    return out
+    return compiled if probe else out
 
 
 def words_dense_reference(words: Tensor, out_features: int, in_features: int) -> Tensor:
