@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sass import (  # noqa: E402
     compile_decode_kernel,
+    compile_dequant_kernel,
     compile_for,
     compile_prefill_kernel,
     compile_spqr_dense_kernel,
@@ -124,6 +125,15 @@ def kernel_variants(arch: int = 90):
                 num_stages=a[3],
                 symmetric=False,
                 has_bias=True,
+            ),
+        )
+    for bits, dtype, symmetric in ((4, "fp16", True), (3, "bf16", False), (2, "bf16", False)):
+        yield (
+            "int weight decoder",
+            "BLOCK_N 64 warps 4",
+            f"{bits}-bit {dtype} {'sym' if symmetric else 'asym'}",
+            lambda a=(bits, dtype, symmetric): compile_dequant_kernel(
+                a[0], 64, arch, dtype=a[1], symmetric=a[2]
             ),
         )
     seen.clear()
