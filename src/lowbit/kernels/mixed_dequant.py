@@ -33,8 +33,9 @@ BLOCK_N = 64
 def _store_group(out_ptr, rows, mask_n, stride_on, col, K, lo, hi, zero, scale,
                  BITS: tl.constexpr):  # fmt: skip
     """``(code - zero) * scale`` of one group's 16 codes at columns ``col + [0, 16)`` of
-    ``rows`` (``col`` a multiple of 16 the compiler can see: 16-byte vector stores): 2 bits, all 16 in ``lo``; 4 bits, codes 0-7 in ``lo`` and 8-15 in ``hi``
-    (``[BLOCK_N]`` uint32 lanes; ``zero``, ``scale`` ``[BLOCK_N]`` fp32)."""
+    ``rows``: 2 bits, all 16 in ``lo``; 4 bits, codes 0-7 in ``lo`` and 8-15 in ``hi``
+    (``[BLOCK_N]`` uint32 lanes; ``zero``, ``scale`` ``[BLOCK_N]`` fp32). ``col`` is 16 times
+    a loaded group index, a multiple of 16 the compiler can see: 16-byte vector stores."""
     j = tl.arange(0, 16)  # [16]
     if BITS == 2:
         codes = (lo[:, None] >> (2 * j).to(tl.uint32)[None, :]) & 3  # [BLOCK_N, 16]
@@ -48,20 +49,29 @@ def _store_group(out_ptr, rows, mask_n, stride_on, col, K, lo, hi, zero, scale,
 
 
 @triton.jit
-def _scale2(stats2_ptr, second2_ptr, offs_row, groups, stride_t2, stride_r2, slot):
-    """Zero and scale (fp32 ``[BLOCK_N]``) of 2-bit slot ``slot`` of each row."""
-    word = tl.load(stats2_ptr + offs_row * stride_t2 + slot // 3).to(tl.int32) & 0xFFFF
+def _decode2(out_ptr, rows, stats2_ptr, second2_ptr, group2_ptr, stride_t2, stride_r2,
+             stride_on, N, K, G2: tl.constexpr, slot, bits):  # fmt: skip
+    """2-bit slot ``slot`` of ``rows`` (its 16 codes in the ``[BLOCK_N]`` uint32 lane ``bits``):
+    zero and scale code from the row's triplet, ``scale = (c - z2) * s2``, weights stored."""
+    row = tl.minimum(rows, N - 1)  # rows past N read row N - 1 (never stored)
+    word = tl.load(stats2_ptr + row * stride_t2 + slot // 3).to(tl.int32) & 0xFFFF
     zero, code = _triplet_stats(word, slot % 3)
-    s2, z2 = _second(second2_ptr, groups, stride_r2, slot, offs_row >= 0)
-    return zero, (code.to(tl.float32) - z2) * s2
+    s2, z2 = _second(second2_ptr, row // G2, stride_r2, slot, row >= 0)
+    _store_group(out_ptr, rows, rows < N, stride_on, 16 * tl.load(group2_ptr + slot), K, bits,
+                 bits, zero, (code.to(tl.float32) - z2) * s2, 2)  # fmt: skip
 
 
 @triton.jit
-def _scale4(stats4_ptr, second4_ptr, offs_row, groups, stride_t4, stride_r4, slot):
-    """Zero and scale (fp32 ``[BLOCK_N]``) of 4-bit slot ``slot`` of each row."""
-    byte = tl.load(stats4_ptr + offs_row * stride_t4 + slot).to(tl.int32)
-    s2, z2 = _second(second4_ptr, groups, stride_r4, slot, offs_row >= 0)
-    return (byte & 15).to(tl.float32), ((byte >> 4).to(tl.float32) - z2) * s2
+def _decode4(out_ptr, rows, stats4_ptr, second4_ptr, group4_ptr, stride_t4, stride_r4,
+             stride_on, N, K, G2: tl.constexpr, slot, lo, hi):  # fmt: skip
+    """4-bit slot ``slot`` of ``rows`` (codes 0-7 in the lane ``lo``, 8-15 in ``hi``): zero
+    and scale code from the row's byte, ``scale = (c - z2) * s2``, weights stored."""
+    row = tl.minimum(rows, N - 1)
+    byte = tl.load(stats4_ptr + row * stride_t4 + slot).to(tl.int32)
+    s2, z2 = _second(second4_ptr, row // G2, stride_r4, slot, row >= 0)
+    scale = ((byte >> 4).to(tl.float32) - z2) * s2
+    _store_group(out_ptr, rows, rows < N, stride_on, 16 * tl.load(group4_ptr + slot), K, lo, hi,
+                 (byte & 15).to(tl.float32), scale, 4)  # fmt: skip
 
 
 @triton.jit
@@ -72,56 +82,25 @@ def _mixed_dequant_kernel(
     UA: tl.constexpr, UB: tl.constexpr, G2: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     w = tl.program_id(1)  # the word: segment A below UA, B below UA + UB, else C
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    mask_n = offs_n < N
-    offs_row = tl.minimum(offs_n, N - 1)  # rows past N read row N - 1 (never stored)
-    groups = offs_row // G2  # second-order group of each row
-    word = tl.load(primary_ptr + offs_row[:, None] * stride_pn + 4 * w + tl.arange(0, 4)[None, :])
-    l0, l1, l2, l3 = _split4(word, BLOCK_N)  # [BLOCK_N] uint32 each
-    if w < UA:  # 2-bit slots 3w, 3w + 1, 3w + 2 and 4-bit slot w
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row = tl.minimum(rows, N - 1)  # rows past N read row N - 1 (never stored)
+    lanes = _split4(tl.load(primary_ptr + row[:, None] * stride_pn + 4 * w
+                            + tl.arange(0, 4)[None, :]), BLOCK_N)  # fmt: skip
+    two = (out_ptr, rows, stats2_ptr, second2_ptr, group2_ptr, stride_t2, stride_r2, stride_on,
+           N, K, G2)  # fmt: skip
+    four = (out_ptr, rows, stats4_ptr, second4_ptr, group4_ptr, stride_t4, stride_r4, stride_on,
+            N, K, G2)  # fmt: skip
+    if w < UA:  # 2-bit slots 3w, 3w + 1, 3w + 2, and 4-bit slot w: lane 3 and secondary
         for lane in tl.static_range(3):
-            if lane == 0:
-                bits = l0
-            elif lane == 1:
-                bits = l1
-            else:
-                bits = l2
-            slot = 3 * w + lane
-            zero, scale = _scale2(stats2_ptr, second2_ptr, offs_row, groups, stride_t2,
-                                  stride_r2, slot)  # fmt: skip
-            _store_group(out_ptr, offs_n, mask_n, stride_on, 16 * tl.load(group2_ptr + slot), K,
-                         bits, bits, zero, scale, 2)  # fmt: skip
-        high = tl.load(secondary_ptr + offs_row * stride_sn + w).to(tl.uint32, bitcast=True)
-        zero, scale = _scale4(stats4_ptr, second4_ptr, offs_row, groups, stride_t4, stride_r4,
-                              w)  # fmt: skip
-        _store_group(out_ptr, offs_n, mask_n, stride_on, 16 * tl.load(group4_ptr + w), K, l3, high,
-                     zero, scale, 4)  # fmt: skip
+            _decode2(*two, 3 * w + lane, lanes[lane])
+        high = tl.load(secondary_ptr + row * stride_sn + w).to(tl.uint32, bitcast=True)
+        _decode4(*four, w, lanes[3], high)
     elif w < UA + UB:  # 2-bit slots 3 UA + 4 (w - UA) + lane
         for lane in tl.static_range(4):
-            if lane == 0:
-                bits = l0
-            elif lane == 1:
-                bits = l1
-            elif lane == 2:
-                bits = l2
-            else:
-                bits = l3
-            slot = 3 * UA + 4 * (w - UA) + lane
-            zero, scale = _scale2(stats2_ptr, second2_ptr, offs_row, groups, stride_t2,
-                                  stride_r2, slot)  # fmt: skip
-            _store_group(out_ptr, offs_n, mask_n, stride_on, 16 * tl.load(group2_ptr + slot), K,
-                         bits, bits, zero, scale, 2)  # fmt: skip
+            _decode2(*two, 3 * UA + 4 * (w - UA) + lane, lanes[lane])
     else:  # 4-bit slots UA + 2 (w - UA - UB) + half: lanes 0-1, then 2-3
         for half in tl.static_range(2):
-            if half == 0:
-                lo, hi = l0, l1
-            else:
-                lo, hi = l2, l3
-            slot = UA + 2 * (w - UA - UB) + half
-            zero, scale = _scale4(stats4_ptr, second4_ptr, offs_row, groups, stride_t4,
-                                  stride_r4, slot)  # fmt: skip
-            _store_group(out_ptr, offs_n, mask_n, stride_on, 16 * tl.load(group4_ptr + slot), K, lo,
-                         hi, zero, scale, 4)  # fmt: skip
+            _decode4(*four, UA + 2 * (w - UA - UB) + half, lanes[2 * half], lanes[2 * half + 1])
 
 
 def _slot_groups(ops: dict) -> tuple[Tensor, Tensor]:
