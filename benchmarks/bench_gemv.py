@@ -41,7 +41,9 @@ Mixed 2/4/16 (``--mixed``, Li et al., 2024): the ``mixed-2-4-16`` format (25 % 4
 fp16 outliers, RTN on the random weight) through :func:`lowbit.kernels.mixed_gemv.mixed_gemv`
 at M <= 16: the asynchronous kernel (outliers fused), the synchronous one, the asynchronous one
 with the outliers in a separate SpMV launch, and the asynchronous one without outliers (the
-dense part alone, its bytes without the CSR); on the CPU the ``reference`` backend. Bytes are
+dense part alone, its bytes without the CSR); from 17 rows the ``triton`` backend's prefill
+(the weight decoded by :func:`lowbit.kernels.mixed_dequant.mixed_dequant`, then cuBLAS; SpQR's
+rows are its layers, prefill included); on the CPU the ``reference`` backend. Bytes are
 every stored tensor the kernel reads. The paper's targets at M = 1 on every shape from 11008 x
 4096 up: async >= 4.5x cuBLAS fp16, >= 1.15x sync, outliers <= 15 % (async fused against
 async without outliers)::
@@ -197,7 +199,10 @@ def mixed_kernels(weight, device: str, act_dtype):
     ops = prepare_mixed(q)
     dense_ops = dict(ops, max_row_nnz=0)
     name = "lowbit mixed 2/4/16"
+    # the layer on the triton backend from 17 rows: the weight decoded (mixed_dequant), cuBLAS
+    layer = MixedLinear.from_quantized(q, backend="triton")
     return [
+        (f"{name} prefill (decode + cuBLAS)", layer, nbytes, full, act_dtype, None),
         (f"{name} async", lambda x: mixed_gemv(x, ops), nbytes, full, act_dtype, 16),
         (f"{name} sync", lambda x: mixed_gemv(x, ops, asynchronous=False), nbytes, full,
          act_dtype, 16),
@@ -412,8 +417,8 @@ def main() -> None:
             for name, fn, nbytes, w_ref, dtype, max_m in kernels:
                 if max_m is not None and m > max_m:
                     continue
-                if name.endswith("fused prefill") and m <= SMALL_M:
-                    continue
+                if ("fused prefill" in name or "(decode + cuBLAS)" in name) and m <= SMALL_M:
+                    continue  # prefill paths, timed from 17 rows
                 x = x32.to(dtype)
                 y_ref = x.float() @ w_ref.t()  # [M, N] fp32: same weight, same input
                 with torch.no_grad():

@@ -30,6 +30,9 @@
 #   int-28672   the same on 28672x8192
 #   spqr        bench_gemv --formats spqr at M = 1, 16 on 4096x4096 and 11008x4096: over 70 s
 #   mixed       bench_gemv --mixed at M = 1, 16 on 4096x4096 and 11008x4096: over 90 s
+#   prefill     bench_gemv at M = 2048 on 11008x4096: SpQR's and 2/4/16's prefill (weights
+#               decoded by spqr_dequantize_dense and mixed_dequant, then cuBLAS) beside
+#               cuBLAS fp16 (not yet run)
 #   decode      bench_decode on the 7B-shaped random Llama, compiled (CUDA graphs) only: fp16,
 #               W4 g128, 2/4/16 (with eager rows as well: over 240 s before W4 compiled)
 #   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
@@ -73,7 +76,7 @@ gemv_int() {  # gemv_int NAME SHAPE: 4-bit g128 beside cuBLAS fp16 and torch's i
         --shapes "$2" --out "$dest/${1}_$stamp.md"
 }
 
-stages="smoke irregular int-4096 int-11008 int-28672 spqr mixed decode decode-spqr tests"
+stages="smoke irregular int-4096 int-11008 int-28672 spqr mixed prefill decode decode-spqr tests"
 if [ $# -eq 0 ]; then
     echo "usage: bash tools/gpu_session.sh STAGE[:SECONDS] ..., STAGE in: $stages" >&2
     exit 2
@@ -106,6 +109,8 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | 
         --shapes 4096x4096 11008x4096 --out "$dest/spqr_gemv_$stamp.md" ;;
     mixed) run mixed "$py" benchmarks/bench_gemv.py --device cuda --mixed --rows 1 16 \
         --formats 4:128 --shapes 4096x4096 11008x4096 --out "$dest/mixed_gemv_$stamp.md" ;;
+    prefill) run prefill "$py" benchmarks/bench_gemv.py --device cuda --mixed --formats spqr \
+        --rows 2048 --shapes 11008x4096 --out "$dest/prefill_$stamp.md" ;;
     decode) run decode "$py" benchmarks/bench_decode.py --device cuda --compiled-only --cost \
         --new-tokens 128 --rows fp16 "W4 g128 (GPTQ 4-bit format)" "2/4/16 mixed" \
         --out "$dest/decode_$stamp.md" ;;
