@@ -49,28 +49,28 @@ def _store_group(out_ptr, rows, mask_n, stride_on, col, K, lo, hi, zero, scale,
 
 
 @triton.jit
-def _decode2(out_ptr, rows, stats2_ptr, second2_ptr, group2_ptr, stride_t2, stride_r2,
-             stride_on, N, K, G2: tl.constexpr, slot, bits):  # fmt: skip
-    """2-bit slot ``slot`` of ``rows`` (its 16 codes in the ``[BLOCK_N]`` uint32 lane ``bits``):
-    zero and scale code from the row's triplet, ``scale = (c - z2) * s2``, weights stored."""
-    row = tl.minimum(rows, N - 1)  # rows past N read row N - 1 (never stored)
+def _decode2(out_ptr, rows, row, mask_n, stats2_ptr, second2_ptr, group2_ptr, stride_t2,
+             stride_r2, stride_on, K, G2: tl.constexpr, slot, bits):  # fmt: skip
+    """2-bit slot ``slot`` of ``rows`` (its 16 codes in the ``[BLOCK_N]`` uint32 lane ``bits``;
+    ``row``: the rows read, ``mask_n``: those stored): zero and scale code from the row's
+    triplet, ``scale = (c - z2) * s2``, weights stored."""
     word = tl.load(stats2_ptr + row * stride_t2 + slot // 3).to(tl.int32) & 0xFFFF
     zero, code = _triplet_stats(word, slot % 3)
     s2, z2 = _second(second2_ptr, row // G2, stride_r2, slot, row >= 0)
-    _store_group(out_ptr, rows, rows < N, stride_on, 16 * tl.load(group2_ptr + slot), K, bits,
+    _store_group(out_ptr, rows, mask_n, stride_on, 16 * tl.load(group2_ptr + slot), K, bits,
                  bits, zero, (code.to(tl.float32) - z2) * s2, 2)  # fmt: skip
 
 
 @triton.jit
-def _decode4(out_ptr, rows, stats4_ptr, second4_ptr, group4_ptr, stride_t4, stride_r4,
-             stride_on, N, K, G2: tl.constexpr, slot, lo, hi):  # fmt: skip
-    """4-bit slot ``slot`` of ``rows`` (codes 0-7 in the lane ``lo``, 8-15 in ``hi``): zero
-    and scale code from the row's byte, ``scale = (c - z2) * s2``, weights stored."""
-    row = tl.minimum(rows, N - 1)
+def _decode4(out_ptr, rows, row, mask_n, stats4_ptr, second4_ptr, group4_ptr, stride_t4,
+             stride_r4, stride_on, K, G2: tl.constexpr, slot, lo, hi):  # fmt: skip
+    """4-bit slot ``slot`` of ``rows`` (codes 0-7 in the lane ``lo``, 8-15 in ``hi``; ``row``,
+    ``mask_n`` as for :func:`_decode2`): zero and scale code from the row's byte,
+    ``scale = (c - z2) * s2``, weights stored."""
     byte = tl.load(stats4_ptr + row * stride_t4 + slot).to(tl.int32)
     s2, z2 = _second(second4_ptr, row // G2, stride_r4, slot, row >= 0)
     scale = ((byte >> 4).to(tl.float32) - z2) * s2
-    _store_group(out_ptr, rows, rows < N, stride_on, 16 * tl.load(group4_ptr + slot), K, lo, hi,
+    _store_group(out_ptr, rows, mask_n, stride_on, 16 * tl.load(group4_ptr + slot), K, lo, hi,
                  (byte & 15).to(tl.float32), scale, 4)  # fmt: skip
 
 
@@ -84,12 +84,13 @@ def _mixed_dequant_kernel(
     w = tl.program_id(1)  # the word: segment A below UA, B below UA + UB, else C
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row = tl.minimum(rows, N - 1)  # rows past N read row N - 1 (never stored)
+    mask_n = rows < N
     lanes = _split4(tl.load(primary_ptr + row[:, None] * stride_pn + 4 * w
                             + tl.arange(0, 4)[None, :]), BLOCK_N)  # fmt: skip
-    two = (out_ptr, rows, stats2_ptr, second2_ptr, group2_ptr, stride_t2, stride_r2, stride_on,
-           N, K, G2)  # fmt: skip
-    four = (out_ptr, rows, stats4_ptr, second4_ptr, group4_ptr, stride_t4, stride_r4, stride_on,
-            N, K, G2)  # fmt: skip
+    two = (out_ptr, rows, row, mask_n, stats2_ptr, second2_ptr, group2_ptr, stride_t2, stride_r2,
+           stride_on, K, G2)  # fmt: skip
+    four = (out_ptr, rows, row, mask_n, stats4_ptr, second4_ptr, group4_ptr, stride_t4,
+            stride_r4, stride_on, K, G2)  # fmt: skip
     if w < UA:  # 2-bit slots 3w, 3w + 1, 3w + 2, and 4-bit slot w: lane 3 and secondary
         for lane in tl.static_range(3):
             _decode2(*two, 3 * w + lane, lanes[lane])
