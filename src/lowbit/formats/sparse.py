@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -186,7 +187,9 @@ class CSRMatrix(_SparseFromCOO):
 
     def _coo(self) -> tuple[Tensor, Tensor, Tensor]:
         counts = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
-        rows = torch.repeat_interleave(torch.arange(self.shape[0], device=counts.device), counts)
+        rows = torch.repeat_interleave(  # the length given: nothing read back from the GPU
+            torch.arange(self.shape[0], device=counts.device), counts, output_size=self.nnz
+        )
         cols, vals = unpack_index_value(self.col_val, value_high=self.value_high)
         return rows, cols, vals
 
@@ -214,7 +217,9 @@ class CSCMatrix(_SparseFromCOO):
 
     def _coo(self) -> tuple[Tensor, Tensor, Tensor]:
         counts = (self.col_ptr[1:] - self.col_ptr[:-1]).long()
-        cols = torch.repeat_interleave(torch.arange(self.shape[1], device=counts.device), counts)
+        cols = torch.repeat_interleave(
+            torch.arange(self.shape[1], device=counts.device), counts, output_size=self.nnz
+        )
         rows, vals = unpack_index_value(self.row_val)
         return rows, cols, vals
 
@@ -252,21 +257,23 @@ class PTCSRMatrix(_SparseFromCOO):
         col_val[tile_ptr[tile] + rank * TILE_ROWS + rows % TILE_ROWS] = words
         return cls(tile_ptr.to(torch.int32), col_val.to(torch.int32), tuple(x.shape), value_high)
 
-    @property
+    @cached_property
     def nnz(self) -> int:
+        """The stored nonzeros (the words that are not padding), read back from the GPU once."""
         return int((self.col_val != 0).sum())
 
     def _coo(self) -> tuple[Tensor, Tensor, Tensor]:
+        words = self.col_val.numel()
         widths = ((self.tile_ptr[1:] - self.tile_ptr[:-1]) // TILE_ROWS).long()  # [tiles]
-        slot_tile = torch.repeat_interleave(
-            torch.arange(widths.numel(), device=widths.device), widths * TILE_ROWS
-        )
-        offset = (
-            torch.arange(self.col_val.numel(), device=widths.device)
-            - self.tile_ptr[slot_tile].long()
-        )
-        rows = slot_tile * TILE_ROWS + offset % TILE_ROWS
-        keep = self.col_val != 0  # padding words are exactly 0
+        slot_tile = torch.repeat_interleave(  # [words]
+            torch.arange(widths.numel(), device=widths.device), widths * TILE_ROWS,
+            output_size=words,
+        )  # fmt: skip
+        offset = torch.arange(words, device=widths.device) - self.tile_ptr[slot_tile].long()
+        rows = slot_tile * TILE_ROWS + offset % TILE_ROWS  # [words]
+        # the nonzero words in slot order (padding words are exactly 0), selected by a stable
+        # sort and the known count rather than a mask: nothing read back from the GPU per call
+        keep = torch.argsort((self.col_val == 0).to(torch.uint8), stable=True)[: self.nnz]
         cols, vals = unpack_index_value(self.col_val[keep], value_high=self.value_high)
         return rows[keep], cols, vals
 
