@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -246,40 +247,12 @@ def int4_tinygemm(codes, scale, group, device):
     return (lambda x: op(x, w, group, scale_zero)), _bytes(w, scale_zero)
 
 
-#: bytes written (and read) between timed replays to evict the weights from L2 (an H100's is 50 MB)
-L2_FLUSH_BYTES = 256 << 20
-
-
 def cold_timer(fn, reps: int = 50, flush: str = "read") -> float:
-    """Seconds of one call of ``fn`` with the L2 cache flushed before it: ``fn`` captured once
-    in a CUDA graph (GPU time only, no Python launch overhead, and a check that the call can be
-    captured), then per replay a 256 MB buffer zeroed (``flush="write"``: the L2 left holding
-    dirty lines, whose write-back the timed call pays for) and with ``flush="read"`` read back
-    (left holding clean lines), the replay timed by CUDA events; median."""
-    import torch
+    """Seconds of one call of ``fn`` with the L2 cache flushed before it, CUDA-graph replays
+    timed by events (:func:`lowbit.kernels.triton_support.time_call`, the tuner's timer)."""
+    from lowbit.kernels.triton_support import time_call
 
-    buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    total = torch.empty((), dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm (tuned and compiled before this)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]  # fmt: skip
-    for start, end in events:
-        buffer.zero_()  # nothing the call reads is left in the L2
-        if flush == "read":  # the dirty lines written back now, clean ones in their place
-            torch.sum(buffer, 0, dtype=torch.int64, out=total)
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[len(times) // 2] * 1e-3
+    return time_call(fn, reps, flush) * 1e-3
 
 
 def chosen_configs() -> list[str]:
@@ -330,6 +303,9 @@ def main() -> None:
 
     if device == "cuda":
         import triton.testing
+
+        # a row that cannot be captured is a finding, not a row to time another way
+        warnings.filterwarnings("error", message="timed without a CUDA graph")
 
         bench = (
             triton.testing.do_bench_cudagraph

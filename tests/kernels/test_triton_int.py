@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from lowbit.api import quantize  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.formats.intq import IntQuantized  # noqa: E402
-from lowbit.kernels import dispatch, triton_int  # noqa: E402
+from lowbit.kernels import dispatch, triton_int, triton_support  # noqa: E402
 from lowbit.kernels.int_dequant import int_dequant  # noqa: E402
 from lowbit.kernels.int_gemm import int_gemm  # noqa: E402
 from lowbit.kernels.int_gemv import int_gemv  # noqa: E402
@@ -282,7 +282,6 @@ def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_produ
     """The GPU-only tuning path with fake resources and a fake timer: SPLIT_K fills one wave of
     the programs the compiled kernel keeps resident, a shape that cannot launch is never tried,
     a fast candidate with a wrong product is dropped, the fastest valid one is kept per shape."""
-    import triton.testing
 
     from lowbit.kernels import int_gemv as gemv_module
 
@@ -315,7 +314,7 @@ def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_produ
         return want * (2 if config[:2] == shapes[2][:2] else 1)
 
     times = {shapes[0][:2]: 3.0, shapes[2][:2]: 1.0, shapes[3][:2]: 2.0}
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[launched[-1][:2]])
+    monkeypatch.setattr(triton_support, "time_call", lambda fn: times[launched[-1][:2]])
     monkeypatch.setattr(gemv_module, "_config", config)
     monkeypatch.setattr(gemv_module, "_launch", launch)
     monkeypatch.setattr(gemv_module, "INTERPRET", False)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.kernels import triton_support
 from lowbit.kernels.triton_support import fastest_config, tuned_config
 
 triton = pytest.importorskip("triton")
@@ -12,13 +13,11 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 
 def test_fastest_config_times_only_configs_that_launch_and_compute_the_product(monkeypatch):
-    import triton.testing
-
     times = {"a": 3.0, "b": 1.0, "c": 2.0, "wrong": 0.5}
     expected = torch.ones(4)
     timed = []
 
-    def do_bench(fn, warmup, rep):
+    def time_call(fn):
         fn()
         return times[timed[-1]]
 
@@ -28,7 +27,7 @@ def test_fastest_config_times_only_configs_that_launch_and_compute_the_product(m
             raise OutOfResources(237_568, 232_448, "shared memory")
         return expected * (1.5 if config == "wrong" else 1.0)
 
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(triton_support, "time_call", time_call)
     with pytest.warns(UserWarning, match="off the reference"):
         best = fastest_config(launch, ["a", "big", "wrong", "b", "c"], expected, 1e-3)
     assert best == "b"
@@ -46,8 +45,6 @@ def test_fastest_config_lets_other_errors_through():
 
 
 def test_tuned_config_names_every_refusal_and_times_only_among_several(monkeypatch):
-    import triton.testing
-
     refusals = {"s1": "it spills 16 bytes per thread to local memory", "s2": "shared memory"}
     config_of = {"s1": refusals["s1"], "s2": refusals["s2"], "s3": (3,), "s4": (4,)}.get
     references = []
@@ -63,7 +60,7 @@ def test_tuned_config_names_every_refusal_and_times_only_among_several(monkeypat
     assert tuned_config(["s3"], config_of, None, expected, 0.0) == (3,) and not references
     times = {(3,): 2.0, (4,): 1.0}
     launched = []
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[launched[-1]])
+    monkeypatch.setattr(triton_support, "time_call", lambda fn: times[launched[-1]])
 
     def launch(config):
         launched.append(config)
@@ -71,3 +68,13 @@ def test_tuned_config_names_every_refusal_and_times_only_among_several(monkeypat
 
     assert tuned_config(["s1", "s3", "s4"], config_of, launch, expected, 0.0) == (4,)
     assert references == [1] and (3,) in launched
+
+
+def test_fastest_config_inside_a_graph_capture_launches_nothing_and_takes_the_default(
+    monkeypatch,
+):
+    launched = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fastest_config(launched.append, ["default", "b"]) == "default"
+    assert launched == []  # nothing added to the graph being captured

@@ -47,8 +47,8 @@ words' registers, so 8 warps of 128 rows or 4 warps at 2 blocks an SM). ``STAGES
 software-pipelines the tile loop through shared memory (``tl.range(num_stages=STAGES)``:
 ``cp.async`` copies of the next tiles' words), at the cost of a shared-memory load per word
 and the barriers around the copies. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is measured
-per shape on the GPU by :func:`int_gemv` (whole call timed with ``triton.testing.do_bench``,
-cached), never under the interpreter.
+per shape on the GPU by :func:`int_gemv` (the call replayed from a CUDA graph after an L2
+flush, :func:`~lowbit.kernels.triton_support.time_call`; cached), never under the interpreter.
 Accumulation is fp32 throughout.
 """
 

@@ -38,6 +38,7 @@ __all__ = [
     "resident_programs",
     "split_for",
     "fastest_config",
+    "time_call",
     "interpreting",
     "input_refusal",
     "round_bf16",
@@ -229,17 +230,20 @@ def fastest_config(
     expected: Tensor | None = None,
     tolerance: float = 0.0,
 ) -> Config:
-    """The configuration with the smallest ``triton.testing.do_bench`` time of ``launch(config)``
-    (the whole call), among those that launch and, when ``expected`` is given, whose output is
+    """The configuration with the smallest :func:`time_call` time of ``launch(config)`` (the whole
+    call's GPU work), among those that launch and, when ``expected`` is given, whose output is
     within ``tolerance * max|expected|`` of it (checked once, before timing).
 
     A configuration the GPU refuses for its resources (Triton's ``OutOfResources``) is skipped,
     one that computes something else is skipped with a warning; every other error (a sticky
-    CUDA error above all) propagates. Raises :class:`LaunchRefused` when none is left.
+    CUDA error above all) propagates. Raises :class:`LaunchRefused` when none is left. Called
+    while a CUDA graph is being captured (a first call in someone's capture), it launches
+    nothing that would land in the graph and answers the first configuration, the default.
     """
-    import triton.testing
     from triton.runtime.errors import OutOfResources
 
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return configs[0]
     best, best_ms, refused = None, float("inf"), []
     for config in configs:
         try:
@@ -254,13 +258,60 @@ def fastest_config(
                               stacklevel=2)  # fmt: skip
                 refused.append(f"{config}: off the reference by {err:.3g}")
                 continue
-        ms = triton.testing.do_bench(lambda c=config: launch(c), warmup=5, rep=20)
+        ms = time_call(lambda c=config: launch(c))
         TIMINGS.append((config, ms))
         if ms < best_ms:
             best, best_ms = config, ms
     if best is None:
         raise LaunchRefused(f"no launch configuration runs here ({'; '.join(refused)})")
     return best
+
+
+#: bytes written, then read, between timed calls: more than any GPU's L2 (H100/H200: 50 MB)
+L2_FLUSH_BYTES = 256 << 20
+
+
+def time_call(fn: Callable[[], object], reps: int = 20, flush: str = "read") -> float:
+    """Milliseconds of one call of ``fn`` on the GPU as a decode step meets it: ``fn`` captured
+    in a CUDA graph (its Python launch cost left out, as under CUDA-graph decoding) and each
+    replay timed by CUDA events after a 256 MB buffer is zeroed and, with ``flush="read"``,
+    read back (the L2 then holds clean lines of other data, as after the layers before it;
+    ``"write"`` leaves them dirty, to be written back during the call); the median of ``reps``.
+
+    The graph keeps a launch cost of tens of microseconds from reordering kernels that take
+    10-20; a call that cannot be captured is timed as a whole by ``triton.testing.do_bench``,
+    with a warning naming why.
+    """
+    buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    total = torch.empty((), dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm: compiled, and its allocations in the caching allocator
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as err:  # torch.AcceleratorError included
+        warnings.warn(f"timed without a CUDA graph (the call cannot be captured: {err})",
+                      stacklevel=2)  # fmt: skip
+        torch.cuda.synchronize()
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=20)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]  # fmt: skip
+    for start, end in events:
+        buffer.zero_()  # nothing the call reads is left in the L2
+        if flush == "read":  # the dirty lines written back now, clean ones in their place
+            torch.sum(buffer, 0, dtype=torch.int64, out=total)
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[len(times) // 2]
 
 
 if triton is not None:
