@@ -78,3 +78,12 @@ def test_fastest_config_inside_a_graph_capture_launches_nothing_and_takes_the_de
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert fastest_config(launched.append, ["default", "b"]) == "default"
     assert launched == []  # nothing added to the graph being captured
+
+
+def test_tuned_config_inside_a_graph_capture_computes_no_reference(monkeypatch):
+    references = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    config_of = {"s1": (1,), "s2": (2,)}.get
+    assert tuned_config(["s1", "s2"], config_of, None, references.append, 0.0) == (1,)
+    assert references == []

@@ -141,5 +141,5 @@ def mixed_dequant(ops: dict, dtype: torch.dtype, *, probe: bool = False) -> Tens
     if probe:
         return compiled
     rows, cols, values = weight.outliers._coo()  # [nnz] each, unique positions, fp32 values
-    out.index_put_((rows, cols), values, accumulate=True)
+    out[rows, cols] += values  # gather, add, scatter: nothing read back (CUDA-graph capture)
     return out.to(dtype)

@@ -5,8 +5,9 @@ SpQR inference kernel, master's thesis, 2025), widens the 16-bit permutation to 
 gathered input, no sign fix-up), and picks the outlier layout the kernel multiplies with: the
 layer's ``sparse_format``, or with ``"auto"`` the faster of CSR and PTCSR for this tensor, timed
 once on the GPU (Crnčević's thesis, §3.4.4: the better layout depends on the tensor and the device)
-and cached per (device, shape, outlier pattern) for the process; under the interpreter, and whenever
-timing is off (``LOWBIT_TRITON_TUNE=0``), the stored layout. ``LOWBIT_SPQR_SPARSE=csr|ptcsr``
+and cached per (device, shape, outlier pattern) for the process; under the interpreter, whenever
+timing is off (``LOWBIT_TRITON_TUNE=0``), and for a layer first prepared inside a CUDA-graph
+capture, the stored layout. ``LOWBIT_SPQR_SPARSE=csr|ptcsr``
 overrides every layer set to ``"auto"``.
 
 ``matmul`` runs the fused dense-and-sparse kernel for M <= 16
@@ -30,6 +31,7 @@ from lowbit.kernels.dispatch import WeightBackend, register_backend
 from lowbit.kernels.spqr_gemv import sparse_operands, spqr_dequantize_dense, spqr_gemv
 from lowbit.kernels.triton_support import (
     LaunchRefused,
+    capturing,
     fastest_config,
     gemv_unless_refused,
     input_refusal,
@@ -66,6 +68,8 @@ def choose_sparse_format(layer, words, perm, device) -> str:
         return choice
     stored = layer.stored_sparse
     if device.type != "cuda" or interpreting() or os.environ.get("LOWBIT_TRITON_TUNE") == "0":
+        return stored
+    if capturing():  # profiling would launch into the graph being captured
         return stored
     key = _pattern_key(layer, device)
     if key not in _SPARSE_CHOICE:

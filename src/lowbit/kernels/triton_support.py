@@ -38,6 +38,7 @@ __all__ = [
     "resident_programs",
     "split_for",
     "fastest_config",
+    "capturing",
     "time_call",
     "interpreting",
     "input_refusal",
@@ -199,6 +200,12 @@ def gemv_unless_refused(prepared: dict, x: Tensor, gemv: Callable[[], Tensor]) -
         return None
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph: whatever launches now lands in it,
+    so tuning, profiling and references wait for a call outside the capture."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def tuned_config(
     shapes: Sequence[tuple],
     config_of: Callable[[tuple], Config | str],
@@ -219,7 +226,7 @@ def tuned_config(
             configs.append(config)
     if not configs:
         raise LaunchRefused(f"no launch configuration runs here ({'; '.join(refused)})")
-    if len(shapes) == 1:
+    if len(shapes) == 1 or capturing():  # capturing: no reference launched into the graph
         return configs[0]
     return fastest_config(launch, configs, expected(), tolerance)
 
@@ -242,7 +249,7 @@ def fastest_config(
     """
     from triton.runtime.errors import OutOfResources
 
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return configs[0]
     best, best_ms, refused = None, float("inf"), []
     for config in configs:
