@@ -1062,7 +1062,7 @@ def run_info(args) -> None:
             )
         if run.kernel:
             print(
-                f"run: {run.kernel} layers keep only their CPU kernel's layout in place of "
+                f"run: {run.kernel} layers keep only their kernel's layout in place of "
                 f"their packed buffers; {run.shared} groups of projections of one input "
                 "(q/k/v, gate/up) multiplied in one call each"
             )

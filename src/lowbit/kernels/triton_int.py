@@ -18,6 +18,9 @@ product of each shape times a few launch configurations (compiles of a few secon
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -71,6 +74,31 @@ class TritonIntBackend(WeightBackend):
             "zero": None if layer.zero is None else layer.zero.t().contiguous(),  # [G, N] u8
             "static": dict(bits=layer.bits, group_size=_group(layer), tile=tile),
         }
+
+    def prepare_group(self, layers: list) -> dict[str, Any] | None:
+        """Layers with one input width, code width, group size and zero-point kind: their words
+        and statistics stacked along ``N`` (``[ΣN, W]`` words, ``[G, ΣN]`` scales and zeros).
+        Each kernel computes a row from that row's operands alone, so every output is the
+        layer's own product; the fp32 partial sums may be split differently along K for the
+        stacked ``N`` (its own tuned launch), bit for bit where the launch is the same (the
+        interpreter's)."""
+        kinds = {(layer.in_features, layer.bits, _group(layer), layer.zero is None)
+                 for layer in layers}  # fmt: skip
+        if len(kinds) != 1:
+            return None
+        parts = [self.prepare(layer) for layer in layers]
+        zeros = [part["zero"] for part in parts]
+        sizes = [layer.out_features for layer in layers]
+        return {
+            "words": torch.cat([part["words"] for part in parts]),  # [ΣN, W] int32
+            "scale": torch.cat([part["scale"] for part in parts], dim=1),  # [G, ΣN]
+            "zero": None if zeros[0] is None else torch.cat(zeros, dim=1),  # [G, ΣN] u8
+            "static": parts[0]["static"],
+            "columns": [(sum(sizes[:i]), n) for i, n in enumerate(sizes)],
+        }
+
+    def matmul_layout(self, x: Tensor, prepared: dict[str, Any]) -> Tensor:
+        return self.matmul(None, x, prepared, None)  # [M, ΣN]
 
     def matmul(self, layer, x: Tensor, prepared: dict, bias: Tensor | None) -> Tensor:
         operands = (prepared["words"], prepared["scale"], prepared["zero"], bias)

@@ -1,20 +1,22 @@
-"""Get a quantized model ready to run on the CPU: what no checkpoint stores, done once.
+"""Get a quantized model ready to run where it is: what no checkpoint stores, done once.
 
-In a bf16 or fp16 run every packed layer that a CPU backend computes from another form of its
+In a bf16 or fp16 run every packed layer that its backend computes from another form of its
 weight is swapped for that form, which replaces its packed buffers
 (:mod:`lowbit.nn.run_linear`):
 
-* SpQR and 2/4/16 layers, which no packed CPU kernel multiplies, run from their weight decoded
-  once in the run's dtype (:func:`~lowbit.nn.run_linear.decode_for_run`);
-* the layers torch's int4/int8 CPU kernels run keep only the kernel's layout, the projections
-  of one input (each block's q/k/v and gate/up) one stacked layout multiplied in one call
+* on the CPU, SpQR and 2/4/16 layers, which no packed CPU kernel multiplies, run from their
+  weight decoded once in the run's dtype (:func:`~lowbit.nn.run_linear.decode_for_run`);
+* the layers torch's int4/int8 CPU kernels run, and on a GPU the layers the triton backend's
+  integer kernels run, keep only the kernel's layout, the projections of one input (each
+  block's q/k/v and gate/up) one stacked layout multiplied in one call
   (:func:`~lowbit.nn.run_linear.kernel_form`).
 
-Every packed layer left (on a GPU, or in an fp32 run) has its backend's layout prepared in
-advance (:func:`~lowbit.kernels.dispatch.prepare_layer`), so that the first call of a compiled
+Every packed layer left (SpQR and 2/4/16 on a GPU, whose kernels read the packed buffers
+themselves, or any layer in an fp32 run) has its backend's layout prepared in advance (:func:`~lowbit.kernels.dispatch.prepare_layer`), so that the first call of a compiled
 step, CUDA graphs included, allocates nothing it keeps.
 
-Outputs are unchanged bit for bit; ``lowbit eval``, ``generate`` and ``info`` call
+Outputs are unchanged bit for bit (on a GPU up to the order of the stacked kernels' fp32
+sums); ``lowbit eval``, ``generate`` and ``info`` call
 :func:`prepare_run`, so what ``eval`` measures is what ``generate`` runs. An fp32 run keeps the
 packed layers (their exact path reads the codes).
 """
@@ -36,7 +38,7 @@ __all__ = ["RunPreparation", "prepare_run", "prepare_layouts", "projection_group
 @dataclass(frozen=True)
 class RunPreparation:
     decoded: int  # layers decoded for the run
-    kernel: int  # layers that keep only a CPU kernel's layout
+    kernel: int  # layers that keep only a kernel's layout
     shared: int  # of those, groups of projections multiplied in one call
 
 

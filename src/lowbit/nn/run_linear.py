@@ -1,25 +1,30 @@
-"""Packed layers in the form a CPU run computes them from, in place of their packed buffers.
+"""Packed layers in the form a run computes them from, in place of their packed buffers.
 
-A packed layer holds the buffers its checkpoint stores; a CPU backend computes from another
-form of the same weight, and kept side by side the two cost more than the bf16 model (a W8 layer
-held its codes twice: 2 bytes per weight). For a bf16 or fp16 run on the CPU
-(:func:`lowbit.models.run.prepare_run`) each packed layer is swapped for its run form, with the
-packed buffers released:
+A packed layer holds the buffers its checkpoint stores; a backend computes from another form of
+the same weight, and kept side by side the two cost more than they should (a W8 layer held its
+codes twice on the CPU: 2 bytes per weight; a W4 layer on a GPU its bit stream beside the
+Triton kernels' tiled words). For a bf16 or fp16 run (:func:`lowbit.models.run.prepare_run`)
+each packed layer is swapped for its run form, with the packed buffers released:
 
-* :class:`DecodedLinear`, for SpQR and 2/4/16 (their groups of 16 columns fit none of torch's
-  packed CPU kernels): the weight decoded once in the run's dtype;
-* :class:`KernelLinear`, for the formats torch's int4/int8 CPU kernels run: the kernel's layout
-  alone. The projections of one input (q/k/v, gate/up) share one stacked layout: the first one
-  called computes every member's output in one kernel call (a :class:`KernelLayout`), which at
-  batch 1 saves most of a call's fixed cost.
+* :class:`DecodedLinear`, for SpQR and 2/4/16 on the CPU (their groups of 16 columns fit none
+  of torch's packed CPU kernels): the weight decoded once in the run's dtype;
+* :class:`KernelLinear`, for the formats torch's int4/int8 CPU kernels run on the CPU and the
+  ``triton`` backend's integer kernels on a GPU: the kernel's layout alone. The projections of
+  one input (q/k/v, gate/up) share one stacked layout: the first one called computes every
+  member's output in one kernel call (a :class:`KernelLayout`), which at batch 1 saves most of a
+  call's fixed cost. Under ``torch.compile`` each member is one opaque op
+  (``lowbit::layout_matmul``) that shares the product the same way at run time.
 
-Outputs equal the packed layers' on the same backend bit for bit. A run form counts the bits its
+Outputs equal the packed layers' on the same backend bit for bit on the CPU; the Triton
+kernels' stacked product may split its fp32 sums differently along K (a launch tuned for the
+stacked N). A run form counts the bits its
 format stores (``storage_bits``) and the weights it stands for (``weight_numel``); it cannot be
 saved, exported or moved to another device (its packed form is gone): load the checkpoint again.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -43,6 +48,11 @@ __all__ = [
 ]
 
 _RUN_DTYPES = (torch.bfloat16, torch.float16)
+#: the backend settings a packed layer may have for a kernel run form on each device type (on
+#: the CPU, ``triton`` runs in Triton's interpreter: the tests' path)
+_KERNEL_BACKENDS = {"cpu": ("auto", "torch-cpu", "triton"), "cuda": ("auto", "triton")}
+#: live kernel layouts by handle, for the compiled path's custom op
+_LAYOUTS: weakref.WeakValueDictionary[int, KernelLayout] = weakref.WeakValueDictionary()
 
 
 class RunLinear(nn.Module):
@@ -116,7 +126,13 @@ class KernelLayout:
     def __init__(self, backend: WeightBackend, prepared: dict[str, Any]):
         self.backend, self.prepared = backend, prepared
         self.columns: list[tuple[int, int]] = prepared["columns"]
+        self.device = self.tensors()[0].device
         self._forget()
+        _LAYOUTS[id(self)] = self  # what the compiled path's op finds by handle
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy: a handle of its own
+        self.__dict__.update(state)
+        _LAYOUTS[id(self)] = self
 
     def _forget(self) -> None:
         self._input: Tensor | None = None  # held, so that its id cannot be reused meanwhile
@@ -125,7 +141,13 @@ class KernelLayout:
         self._pending: set[int] = set()
 
     def __call__(self, index: int, x: Tensor) -> Tensor:  # [..., K] -> [..., N_index]
-        if len(self.columns) == 1 or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # one opaque node per member, on the input as given
+            return torch.ops.lowbit.layout_matmul(x, id(self), index, self.columns[index][1])
+        return self.member(index, x)
+
+    def member(self, index: int, x: Tensor) -> Tensor:  # [..., K] -> [..., N_index]
+        """Member ``index``'s output: one product for every member of the same input."""
+        if len(self.columns) == 1:
             return self._compute(x)[index]
         fresh = x is self._input and x._version == self._version and index in self._pending
         if not fresh:
@@ -164,10 +186,10 @@ class KernelLinear(RunLinear):
         return self.layout.tensors()
 
     def _apply(self, fn, recurse: bool = True):
-        if fn(torch.empty(0)).device.type != "cpu":
+        if fn(torch.empty(0, device=self.layout.device)).device != self.layout.device:
             raise LowbitError(
-                "a model prepared for a CPU run holds its kernels' layouts only; load the "
-                "checkpoint again on the other device"
+                f"a model prepared for a run on {self.layout.device} holds its kernels' layouts "
+                "only; load the checkpoint again on the other device"
             )
         return super()._apply(fn, recurse)
 
@@ -178,6 +200,34 @@ class KernelLinear(RunLinear):
             f"in={self.in_features}, out={self.out_features}, weight={self.packed_format} "
             f"in {self.layout.backend.name}'s layout{with_others}"
         )
+
+
+@torch.library.custom_op("lowbit::layout_matmul", mutates_args=())
+def _layout_matmul_op(x: Tensor, layout_handle: int, index: int, n: int) -> Tensor:
+    """``x [..., K]`` times member ``index`` of the registered :class:`KernelLayout`,
+    ``[..., n]``, opaque to ``torch.compile``: the first member called with an input tensor
+    computes every member's product in one kernel call, as eagerly (the compiler would not merge
+    the members' calls; they take the same input tensor, except where inductor computes that
+    input once per member, as it did for the first block's q/k/v of a tiny Llama: each is then
+    a product of its own, correct but not shared). A copy of the member's columns: an op's
+    output owns its memory, which the compiled program may reuse once it is consumed."""
+    return _LAYOUTS[layout_handle].member(index, x).clone()
+
+
+@_layout_matmul_op.register_fake
+def _(x: Tensor, layout_handle: int, index: int, n: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def _kernel_device(module: nn.Module) -> torch.device | None:
+    """The device of a packed layer whose backend setting allows a kernel run form there."""
+    if not isinstance(module, PackedLinearBase):
+        return None
+    devices = {buffer.device for buffer in module.buffers()}
+    if len(devices) != 1:
+        return None
+    device = devices.pop()
+    return device if module.backend in _KERNEL_BACKENDS.get(device.type, ()) else None
 
 
 def _runs_on_cpu(module: nn.Module) -> bool:
@@ -219,16 +269,21 @@ def decode_for_run(model: nn.Module, dtype: torch.dtype | None = None) -> int:
 
 def _layout(layers: list[PackedLinearBase], dtype: torch.dtype) -> KernelLayout | None:
     """One kernel layout of ``layers`` (one input's projections, or one layer), or None."""
-    if not all(_runs_on_cpu(layer) for layer in layers):
+    devices = {_kernel_device(layer) for layer in layers}
+    if len(devices) != 1 or None in devices:
         return None
+    device = devices.pop()
     if len(layers) > 1 and (
         len({layer.in_features for layer in layers}) != 1
         or any(layer.input_transform is not None or layer.act_quantizer is not None
                for layer in layers)
     ):  # fmt: skip
         return None  # each member would change the shared input on its own
-    probes = [torch.empty(1, layer.in_features, dtype=dtype) for layer in layers]
-    backends = {choose(layer, x) for layer, x in zip(layers, probes, strict=True)}
+    probes = [torch.empty(1, layer.in_features, dtype=dtype, device=device) for layer in layers]
+    try:
+        backends = {choose(layer, x) for layer, x in zip(layers, probes, strict=True)}
+    except LowbitError:  # a backend set explicitly that cannot run here: the layer stays packed
+        return None
     if len(backends) != 1:
         return None
     backend = backends.pop()
@@ -240,7 +295,9 @@ def kernel_form(
     model: nn.Module, groups: list[list[PackedLinearBase]], dtype: torch.dtype | None = None
 ) -> tuple[int, int]:
     """Swap the packed layers of ``groups`` (each the projections of one input, or one layer)
-    that a CPU kernel runs in ``dtype`` (None: the model's) for :class:`KernelLinear` s,
+    that a kernel with a layout of its own runs in ``dtype`` (None: the model's) where they are
+    (torch's int4/int8 kernels on the CPU, the triton backend's integer kernels on a GPU) for
+    :class:`KernelLinear` s,
     releasing their packed buffers. A group that cannot share one layout is tried layer by
     layer. Only for bf16 and fp16 runs. Returns (layers swapped, shared layouts)."""
     dtype = dtype or model.dtype
