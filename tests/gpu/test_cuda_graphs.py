@@ -17,6 +17,7 @@ from lowbit.algorithms.spqr import SpQRSpec
 from lowbit.formats.intq import IntQuantized
 from lowbit.nn.mixed_linear import MixedLinear
 from lowbit.nn.packed_linear import PackedLinear
+from lowbit.nn.run_linear import kernel_form
 from lowbit.nn.spqr_linear import SpQRLinear
 
 pytestmark = pytest.mark.gpu
@@ -61,3 +62,26 @@ def test_the_captured_call_replays_the_eager_output(name, m):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("m", [1, 48])
+def test_a_stacked_kernel_layout_replays_its_members_eager_outputs(m):
+    """A GPU run's q/k/v in one layout (lowbit.nn.run_linear): captured, the first member's call
+    computes the stacked product and the others take their slices, as eagerly."""
+    layers = [
+        PackedLinear.from_quantized(
+            IntQuantized.from_float(_weight(seed), 4, group_size=128, scale_dtype=torch.float16)
+        ).to("cuda")
+        for seed in range(3)
+    ]
+    model = torch.nn.Sequential(*layers)
+    assert kernel_form(model, [layers], torch.float16) == (3, 1)
+    x = torch.randn(m, K, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        eager = [member(x) for member in model]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = [member(x) for member in model]
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(c, e) for c, e in zip(captured, eager, strict=True))
