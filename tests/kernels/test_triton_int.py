@@ -145,6 +145,23 @@ def test_fp16_gemv_is_exact_at_the_ends_of_the_fp16_range(symmetric, k):
             assert torch.equal(int_gemv(x, *tensors, None, **static), want), (value, col)
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_bf16_gemv_is_exact_across_the_range_it_takes(symmetric):
+    """The bf16 GEMV (M = 1) multiplies codes as subnormal floats by x * 2**(64 - s): one-hot
+    inputs from 2**-20 to just below 2**64 give the torch reference's output bit for bit (every
+    product and scaled sum a normal fp32 float)."""
+    k = 160
+    fast, _ = _layers(4, 32, symmetric, k, bias=False)
+    fast(torch.zeros(1, k, dtype=torch.bfloat16, device=DEVICE))  # prepares the layout
+    tensors, static = _operands(fast)
+    for value in (2.0**-20, -0.375, 3.0 * 2.0**40, (2.0 - 2.0**-7) * 2.0**63):
+        for col in (0, 37, k - 1):
+            x = torch.zeros(1, k, dtype=torch.bfloat16, device=DEVICE)
+            x[0, col] = value
+            want = tiled_reference(x, *tensors, None, **static)
+            assert torch.equal(int_gemv(x, *tensors, None, **static), want), (value, col)
+
+
 @pytest.mark.parametrize(
     "m, config",
     [

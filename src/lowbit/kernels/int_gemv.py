@@ -26,14 +26,16 @@ its last run is done (scale loads and multiplies per group, not per code). At 3 
 GEMV decodes 6e12 codes/s against an H100's ~3.3e13 instructions/s, so every op per code
 counts (``tools/kernel_sass.py`` counts them in the compiled loop without a GPU).
 
-The fp16 GEMV (M = 1, below 8 bits) spends two instructions per code: the code masked in place,
+The GEMV (M = 1, below 8 bits) spends two instructions per code: the code masked in place,
 ``w & (mask << s)``, read as a float is the subnormal ``code * 2**(s - 149)`` (exact: below bit
-23), and one FFMA with ``x * 2**(100 - s)`` (exact: any fp16 is below 2**16) adds the normal
-``code * x * 2**-49``; the offset (8, or the zero point) is applied per group and row through
-the group's ``sum x``, ``s * (sum code * x - z * sum x)``, and the output is scaled back by
-``2**49`` (exact). Its scales (and zeros) are loaded with inline PTX in the accumulator's row
-layout (no shared-memory round trip, no barrier). bf16 x keeps the ``code | 0x4B000000``
-trick, an FADD per code (bf16's range would overflow ``x * 2**100``).
+23), and one FFMA with ``x * 2**(E - s)`` (exact) adds the normal ``code * x * 2**(E - 149)``;
+the offset (8, or the zero point) is applied per group and row through the group's ``sum x``,
+``s * (sum code * x - z * sum x)``, and the output is scaled back by ``2**(149 - E)`` (exact).
+``E`` is 100 for fp16 x (any fp16 is below 2**16) and 64 for bf16, whose range is fp32's:
+``x * 2**64`` overflows only for ``|x| >= 2**64``, and products are exact down to
+``|x| = 2**-53``. Its scales (and zeros) are loaded with inline PTX in the accumulator's row
+layout (no shared-memory round trip, no barrier). 8-bit codes take a byte extract and the
+``code | 0x4B000000`` trick (a code and its shift do not fit below bit 23).
 
 Split-K: a grid of ``cdiv(N, BLOCK_N) x SPLIT_K`` programs. A 4096-row layer at 128 rows per
 program gives 32 programs for 132 SMs, too few bytes in flight; splitting K fills the machine.
@@ -129,9 +131,10 @@ def _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows, group
                      stride_sg, stride_zg, SYMMETRIC: tl.constexpr, BITS: tl.constexpr,
                      SUB_SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """One group of the GEMV (M = 1) that applies offsets per row: ``acc_group`` holds the
-    unsigned ``sum code * x * 2**-SUB_SHIFT`` per element (``SUB_SHIFT`` 49 for fp16's
-    subnormal codes, else 0) and ``x_cols`` the group's ``x`` per column; the scale multiplies the elements, the offset (``8`` symmetric, else the zero)
-    goes to the per-row ``acc_off`` through the group's scalar ``sum x``:
+    unsigned ``sum code * x * 2**-SUB_SHIFT`` per element (``SUB_SHIFT`` 49 for fp16 x, 85 for
+    bf16: the subnormal codes' scale) and ``x_cols`` the group's ``x`` per column; the scale
+    multiplies the elements, the offset (``8`` symmetric, else the zero) goes to the per-row
+    ``acc_off`` through the group's scalar ``sum x``:
     ``acc + s * acc_group``, ``acc_off - s * z * sum x * 2**-SUB_SHIFT``."""
     scale = _load_rows(scale_rows + group * stride_sg, INTERPRET).to(tl.float32)
     x_sum = tl.sum(tl.sum(x_cols, axis=1), axis=0) * (1.0 / (1 << SUB_SHIFT))  # exact scaling
@@ -155,11 +158,11 @@ def _keep_loads_above(out_ptr, K):
 
 @triton.jit
 def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows, offs_w,
-               offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, magic, low_mask,
+               offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_K: tl.constexpr, PAST_END: tl.constexpr, SUBNORMAL: tl.constexpr,
-               OFF_ROWS: tl.constexpr, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+               SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """Tile ``t`` of the product: its ``words`` (``[BLOCK_N, TILE_WORDS]`` int32) decoded slot
     by slot into the accumulators (see :func:`_int_gemv_kernel`), the groups that end in it
     flushed; returns ``acc, acc_group, x_cols, acc_off``."""
@@ -181,17 +184,17 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
         k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
         offs_k = k0 + offs_w  # [TILE_WORDS]
         group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
-        if SYMMETRIC:
+        if SUBNORMAL:  # the offsets come once per group (x_cols, _flush_offsets)
+            pass
+        elif SYMMETRIC:
             offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-        elif BLOCK_M == 1 and BITS < 8:  # the zeros come once per group (x_cols)
-            offset = tl.full((BLOCK_N,), 8388608.0, tl.float32)
         elif j == 0 or not SAME_GROUP or (j * TILE_WORDS) % GROUP_SIZE == 0:
             # the slot starts a group (or may): its zeros, kept for the group's next slots
             zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
             offset = zero.to(tl.float32) + 8388608.0  # [BLOCK_N]
         if SUBNORMAL:
             # the code masked in place is the float bits of the subnormal code * 2**(s - 149)
-            # (exact: below bit 23); times x * 2**(SUB_X - s) (exact, fp16 x below 2**16)
+            # (exact: below bit 23); times x * 2**(SUB_X - s) (exact: see the kernel's SUB_X)
             # it is the normal code * x * 2**-SHIFT: one LOP3 and one FFMA per code; the
             # offset (8 or the zero) is applied per group through sum x
             if j < HALF:
@@ -206,29 +209,6 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
             x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
             x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
             acc_group += codes.to(tl.float32, bitcast=True) * x
-        elif BLOCK_M == 1 and BITS < 8:  # (8 bits: a byte extract is cheaper)
-            # the code masked in place, not shifted down: (src & (mask << s)) | MAGIC is
-            # the float 2**23 + code * 2**s (exact: below bit 23), minus 2**23 + 8 * 2**s
-            # (symmetric) or 2**23 (zeros: folded per group) it is (code - 8) * 2**s or
-            # code * 2**s, and x is scaled by 2**-s (exact): the same product as with the
-            # code shifted down, at one LOP3, one FADD, one FFMA per code
-            if j < HALF:
-                src = words
-            else:
-                src = upper
-            if j % HALF == 0 and BITS != 3:  # (3 bits: more instructions with it)
-                codes = (src & low_mask) | magic  # [BLOCK_N, TILE_WORDS]
-            else:
-                codes = (src & (CODE_MASK << ((j % HALF) * BITS))) | magic
-            q = (
-                codes.to(tl.float32, bitcast=True)
-                - ((offset - 8388608.0) * (1 << ((j % HALF) * BITS)) + 8388608.0)[:, None]
-            )  # (code - zero) * 2**s, exact
-            x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END)
-            if not SYMMETRIC:
-                x_cols += x[None, :]  # [1, TILE_WORDS]
-            x = x * (1.0 / (1 << ((j % HALF) * BITS)))  # x * 2**-s, exact
-            acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
         elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
             # the same trick in fp16, two codes per instruction: bits (code | 0x6400) are
             # 1024 + code, and 1024 + zero is exact in fp16 (integers up to 2048)
@@ -248,7 +228,7 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
                 acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
             else:  # |code - zero| <= 255: exact in fp16 and bf16
                 acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
-        if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and OFF_ROWS:
+        if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and SUBNORMAL:
             acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows,
                                             zero_rows, group, stride_sg, stride_zg,
                                             SYMMETRIC, BITS, SHIFT, INTERPRET)  # fmt: skip
@@ -273,13 +253,17 @@ def _int_gemv_kernel(
 ):  # fmt: skip
     TILE_K: tl.constexpr = (32 // BITS) * TILE_WORDS  # codes per tile
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
-    # fp16 at M = 1 below 8 bits: codes as subnormal floats, no magic and no FADD (module doc)
-    SUBNORMAL: tl.constexpr = BLOCK_M == 1 and BITS < 8 and x_ptr.dtype.element_ty == tl.float16
-    # M = 1 below 8 bits, fp16 or with zero points: the offsets (8 or the zeros) are applied
-    # per group and row through the group's sum x, into acc_off (_flush_offsets)
-    OFF_ROWS: tl.constexpr = BLOCK_M == 1 and BITS < 8 and (SUBNORMAL or not SYMMETRIC)
+    # M = 1 below 8 bits: codes as subnormal floats, no magic and no FADD (module doc); the
+    # offsets (8 or the zeros) are applied per group and row through the group's sum x, into
+    # acc_off (_flush_offsets)
+    SUBNORMAL: tl.constexpr = BLOCK_M == 1 and BITS < 8
     PAST_END: tl.constexpr = K_TILES % TILES_PER_SPLIT != 0  # the last split's tiles past K
-    SUB_X: tl.constexpr = 100  # x is scaled by 2**(SUB_X - s): below 2**116 for any fp16 x
+    # x is scaled by 2**(SUB_X - s), s <= 12 (the code's place in a word's half): fp16 x below
+    # 2**16 stays below 2**116; bf16 x below 2**64 (far beyond any model's activations) below
+    # 2**128. The sums are 2**(SUB_X - 149) times the true ones: normal floats, exact to fp32's
+    # precision, down to true sums of 2**-77 (fp16) or 2**-41 (bf16), below which each loses at
+    # most 2**-100 or 2**-64 (tests/kernels/test_triton_int.py: bit for bit from 2**-20 to 2**64)
+    SUB_X: tl.constexpr = 100 if x_ptr.dtype.element_ty == tl.float16 else 64
     SHIFT: tl.constexpr = 149 - SUB_X if SUBNORMAL else 0  # the sums' scale, 2**-SHIFT
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -296,16 +280,13 @@ def _int_gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_group = tl.zeros_like(acc)  # the current group's sum of (code - zero) * x, unscaled
-    # M = 1 below 8 bits with zero points: the group's sum of code * x and, per column, of x;
-    # the zeros are applied once per group, s * (sum code * x - z * sum x)
-    x_cols = tl.zeros((1, TILE_WORDS), dtype=tl.float32)  # OFF_ROWS: the group's x per column
-    acc_off = tl.zeros((BLOCK_N,), dtype=tl.float32)  # OFF_ROWS: the offsets' - s z sum x
-    # MAGIC as a value the compiler cannot fold (K >= 1 when a kernel runs): the code's LOP3,
-    # (src & mask) | magic, then takes the mask as its immediate and magic from one register;
-    # with both constant ptxas materialises the mask with a MOV per code
-    magic = tl.where(K > 0, 0x4B000000, 0).to(tl.uint32)  # _gemv_tile's MAGIC
-    # the same for the lowest code's mask: with it constant, (upper & CODE_MASK) | magic became
-    # a bit-field extract of words (SHF + SGXT) and an OR, not one LOP3 on the shifted words
+    # SUBNORMAL: acc_group holds the group's sum of code * x, x_cols its x per column; the
+    # offsets are applied once per group, s * (sum code * x - z * sum x)
+    x_cols = tl.zeros((1, TILE_WORDS), dtype=tl.float32)  # SUBNORMAL: the group's x per column
+    acc_off = tl.zeros((BLOCK_N,), dtype=tl.float32)  # SUBNORMAL: the offsets' - s z sum x
+    # the lowest code's mask as a value the compiler cannot fold (K >= 1 when a kernel runs):
+    # with it constant, upper & CODE_MASK became a bit-field extract of words (SHF + SGXT), not
+    # one LOP3 on the shifted words
     low_mask = tl.where(K > 0, CODE_MASK, 0).to(tl.uint32)
     # unmasked word loads: rows past N read row N - 1 and a tile past K_TILES (the last
     # split's) reads the last tile; their products are never stored or are skipped
@@ -328,9 +309,9 @@ def _int_gemv_kernel(
             if t < K_TILES:
                 acc, acc_group, x_cols, acc_off = _gemv_tile(
                     words_a, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
-                    offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, magic,
+                    offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
                     low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K,
-                    False, SUBNORMAL, OFF_ROWS, SHIFT, INTERPRET,
+                    False, SUBNORMAL, SHIFT, INTERPRET,
                 )  # fmt: skip
             # the split's last step loads nothing (the same mask for every thread; a tensor:
             # the interpreter takes no scalar mask)
@@ -341,8 +322,8 @@ def _int_gemv_kernel(
                 acc, acc_group, x_cols, acc_off = _gemv_tile(
                     words_b, t + 1, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows,
                     zero_rows, offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
-                    magic, low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N,
-                    EVEN_K, False, SUBNORMAL, OFF_ROWS, SHIFT, INTERPRET,
+                    low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N,
+                    EVEN_K, False, SUBNORMAL, SHIFT, INTERPRET,
                 )  # fmt: skip
     else:
         # one tile a step; STAGES > 2: Triton's pipeline copies the next STAGES - 1 tiles'
@@ -353,13 +334,13 @@ def _int_gemv_kernel(
             words = tl.load(w_rows + tl.minimum(t, K_TILES - 1) * TILE_WORDS)
             acc, acc_group, x_cols, acc_off = _gemv_tile(
                 words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
-                offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, magic, low_mask,
+                offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                 BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K, PAST_END,
-                SUBNORMAL, OFF_ROWS, SHIFT, INTERPRET,
+                SUBNORMAL, SHIFT, INTERPRET,
             )  # fmt: skip
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
-    if OFF_ROWS:
+    if SUBNORMAL:
         acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows,
                                         last // GROUP_SIZE, stride_sg, stride_zg, SYMMETRIC, BITS,
                                         SHIFT, INTERPRET)  # fmt: skip
