@@ -162,6 +162,8 @@ class KernelLayout:
     def _compute(self, x: Tensor) -> list[Tensor]:
         lead = x.shape[:-1]
         out = self.backend.matmul_layout(x.reshape(-1, x.shape[-1]), self.prepared)  # [M, ΣN']
+        if self.columns == [(0, out.shape[1])]:  # one member, no padding: the product itself
+            return [out.reshape(*lead, out.shape[1])]
         return [out[:, start : start + n].reshape(*lead, n) for start, n in self.columns]
 
     def tensors(self) -> list[Tensor]:
@@ -209,9 +211,12 @@ def _layout_matmul_op(x: Tensor, layout_handle: int, index: int, n: int) -> Tens
     computes every member's product in one kernel call, as eagerly (the compiler would not merge
     the members' calls; they take the same input tensor, except where inductor computes that
     input once per member, as it did for the first block's q/k/v of a tiny Llama: each is then
-    a product of its own, correct but not shared). A copy of the member's columns: an op's
-    output owns its memory, which the compiled program may reuse once it is consumed."""
-    return _LAYOUTS[layout_handle].member(index, x).clone()
+    a product of its own, correct but not shared). A shared product's member gets a copy of its
+    columns (an op's output owns its memory and has the strides the compiler was told); a
+    layer alone gets the product itself."""
+    layout = _LAYOUTS[layout_handle]
+    out = layout.member(index, x)
+    return out if len(layout.columns) == 1 and out.is_contiguous() else out.clone()
 
 
 @_layout_matmul_op.register_fake
