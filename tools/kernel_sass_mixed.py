@@ -72,13 +72,15 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     print(compiler_line(args.arch))
-    print("| kernel | schedule | outliers | BLOCK_N | T | warps | loop instrs | per code | "
+    print("| kernel | x | schedule | outliers | BLOCK_N | T | warps | loop instrs | per code | "
           "most frequent |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    runs = [(1, bn, 2, w, a, True) for bn, w in ((128, 1), (256, 2)) for a in (True, False)]
-    runs += [(1, 128, 2, 1, True, False), (16, 64, 16, 4, True, True)]
-    for block_m, block_n, tile, warps, asynchronous, fuse in runs:
-        kernel = compile_mixed(block_m, block_n, tile, warps, asynchronous, fuse, args.arch)
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    runs = [(1, bn, 2, w, a, True, "fp16") for bn, w in ((128, 1), (256, 2)) for a in (True, False)]
+    runs += [(1, 128, 2, 1, True, False, "fp16"), (1, 128, 2, 1, True, True, "bf16")]
+    runs += [(16, 64, 16, 4, True, True, "fp16")]
+    for block_m, block_n, tile, warps, asynchronous, fuse, dtype in runs:
+        kernel = compile_mixed(block_m, block_n, tile, warps, asynchronous, fuse, args.arch,
+                               dtype=dtype)  # fmt: skip
         ops = loop_instructions(kernel.asm["cubin"])
         if block_m == 1:  # a step: two 64-code words of each of the thread's rows
             codes_per_thread = block_n / (32 * warps) * 2 * 64
@@ -88,7 +90,7 @@ def main() -> None:
         name = "gemv M=1" if block_m == 1 else "M<=16 (tl.dot)"
         schedule = "async" if asynchronous else "sync"
         print(
-            f"| {name} | {schedule} | {'fused' if fuse else 'none'} | {block_n} | {tile} | "
+            f"| {name} | {dtype} | {schedule} | {'fused' if fuse else 'none'} | {block_n} | {tile} | "
             f"{warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | {top} |",
             flush=True,
         )

@@ -90,6 +90,19 @@ def test_words_c_and_a_partial_group(m, dtype):
         assert _rel_err(got, mixed_reference(x, q.to(DEVICE))) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**40], ids=["small", "large"])
+def test_bf16_gemv_holds_its_precision_across_the_range_of_x(scale):
+    """The M = 1 kernel's sums are 2**-85 times the true ones for bf16 x (codes as subnormal
+    floats, x * 2**(64 - s)): inputs scaled far down or up keep the reference's relative error,
+    neither flushed to zero nor overflowing (every word segment, outliers fused)."""
+    q = _weight(37, 160, 0.25, 0.01, seed=7)
+    ops = prepare_mixed(q.to(DEVICE))
+    x = torch.randn(1, 160, generator=torch.Generator().manual_seed(8)) * scale
+    x = x.to(torch.bfloat16).to(DEVICE)
+    got = mixed_gemv(x, ops, None)
+    assert _rel_err(got, mixed_reference(x, q.to(DEVICE))) <= TOL[torch.bfloat16]
+
+
 # words A per split: 2 a step at M = 1 (K = 512: 8 words), a 16-word tile above (K = 2048: 32)
 @pytest.mark.parametrize(
     "m, k, config", [(1, 512, (1, 16, 2, 2, 1)), (3, 2048, (16, 16, 16, 2, 4))]

@@ -18,8 +18,8 @@ two 4-bit groups): two 16-byte loads per row (a full sector, each word's lanes i
 thread), split into its eight 32-bit lanes. The activations of a word's groups are the same
 for every row, so they are loaded once for all of a thread's rows (16-byte vectors when K is a
 multiple of 16), and a code costs a mask in place and an FMA into the row's unscaled group sum
-(fp16: the masked code is a subnormal float, :func:`_group_sum`; bf16 adds the exponent trick
-``code | 0x4B000000`` and a subtraction); the group's scale and zero are applied once,
+(the masked code is a subnormal float, :func:`_group_sum`); the group's scale and zero are
+applied once,
 ``acc += s * (Σ code x - z Σ x)``. The scale is the second-order dequantization ``s = (c - z2)
 * s2`` of the group's 4-bit code (clipped codes decoded from 3 bits) and fp16 pair.
 
@@ -200,27 +200,22 @@ def _load_x8(ptr):
 
 
 @triton.jit
-def _group_sum(lane, x_ptr, col, K, magic, BITS: tl.constexpr, OFFSET: tl.constexpr,
-               EVEN_K: tl.constexpr, SUBNORMAL: tl.constexpr,
-               INTERPRET: tl.constexpr):  # fmt: skip
+def _group_sum(lane, x_ptr, col, K, BITS: tl.constexpr, OFFSET: tl.constexpr,
+               EVEN_K: tl.constexpr, SUB_X: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """``(Σ_j code_j x[col + OFFSET + j], Σ_j x[...])`` over the lane's ``32 // BITS`` codes:
     ``[BLOCK_N]`` unscaled sums and a scalar (the activations are the same for every row).
 
-    A code is masked in place, not shifted down: ``(lane & (mask << s)) | 0x4B000000`` is the
-    float ``2**23 + code * 2**s`` (exact while the code sits below bit 23, so the lane's upper
-    half is shifted down once), and the scalar activation is scaled by ``2**-s`` (exact), so
-    ``code * x`` is the same product as with a shifted code: one LOP3, one FADD and one FFMA
-    per code. With ``EVEN_K`` (K a multiple of 16, x 16-byte aligned) the activation loads are
-    unmasked: every column a group names is below K (padding slots name column 0 and hold zero
-    codes), and compiled they are 16-byte vectors (group columns are multiples of 16), one per
-    eight codes instead of a scalar load per code.
-    ``magic`` is ``0x4B000000`` as a runtime value (with it constant ptxas puts each code's mask
-    in a register with a MOV).
-
-    ``SUBNORMAL`` (fp16 x): the masked code alone is the float bits of the subnormal
-    ``code * 2**(s - 149)`` (exact), times ``x * 2**(100 - s)`` (exact for any fp16) the normal
-    ``code * x * 2**-49``: one LOP3 and one FFMA per code, no FADD. Both sums come back scaled
-    by ``2**-49`` (exact while they stay above 2**-77), which the caller undoes once.
+    A code is masked in place, not shifted down: ``lane & (mask << s)`` read as a float is the
+    subnormal ``code * 2**(s - 149)`` (exact while the code sits below bit 23, so the lane's upper
+    half is shifted down once), and times ``x * 2**(SUB_X - s)`` (exact) it is the normal
+    ``code * x * 2**(SUB_X - 149)``: one LOP3 and one FFMA per code. ``SUB_X`` is 100 for fp16 x
+    (any fp16 is below 2**16) and 64 for bf16 (fp32's range: it overflows from 2**64 only);
+    both sums come back scaled by ``2**(SUB_X - 149)`` (exact while they stay normal floats:
+    true sums above 2**-77 for fp16, 2**-41 for bf16), which the caller undoes once. With
+    ``EVEN_K`` (K a multiple of 16, x 16-byte aligned) the activation loads are unmasked: every
+    column a group names is below K (padding slots name column 0 and hold zero codes), and
+    compiled they are 16-byte vectors (group columns are multiples of 16), one per eight codes
+    instead of a scalar load per code.
     """
     PER: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PER // 2
@@ -248,15 +243,9 @@ def _group_sum(lane, x_ptr, col, K, magic, BITS: tl.constexpr, OFFSET: tl.conste
             bits = lane & (((1 << BITS) - 1) << ((j % HALF) * BITS))
         else:
             bits = upper & (((1 << BITS) - 1) << ((j % HALF) * BITS))
-        if SUBNORMAL:  # code * 2**(s - 149) times x * 2**(100 - s), exact
-            part += bits.to(tl.float32, bitcast=True) * (
-                x * (1.0 * (1 << (100 - (j % HALF) * BITS)))
-            )
-        else:
-            scaled = (bits | magic).to(tl.float32, bitcast=True) - 8388608.0  # code * 2**s
-            part += scaled * (x * (1.0 / (1 << ((j % HALF) * BITS))))
-    if SUBNORMAL:
-        xs = xs * (1.0 / (1 << 49))  # the sums' common scale, exact
+        # code * 2**(s - 149) times x * 2**(SUB_X - s), exact
+        part += bits.to(tl.float32, bitcast=True) * (x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS))))
+    xs = xs * (1.0 / (1 << (149 - SUB_X)))  # the sums' common scale, exact
     return part, xs
 
 
@@ -281,9 +270,8 @@ def _gemv1_kernel(
     offs_row = tl.minimum(offs_n, N - 1)
     rows = offs_row // G2  # second-order group of each row
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # fp16 x: codes as subnormal floats, sums scaled by 2**-49 (_group_sum)
-    SUBNORMAL: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    magic = tl.where(K > 0, 0x4B000000, 0).to(tl.uint32)  # runtime: no MOV per code's mask
+    # codes as subnormal floats, sums scaled by 2**(SUB_X - 149) (_group_sum)
+    SUB_X: tl.constexpr = 100 if x_ptr.dtype.element_ty == tl.float16 else 64
     if EVEN_K:  # the column a dead word's activation loads name
         PAD = K * 0
     else:
@@ -321,11 +309,11 @@ def _gemv1_kernel(
             col_b = tl.load(col2_ptr + 3 * u + 1, mask=live, other=PAD)
             col_c = tl.load(col2_ptr + 3 * u + 2, mask=live, other=PAD)
             col_4 = tl.load(col4_ptr + u, mask=live, other=PAD)
-            pa, xa = _group_sum(la, x_ptr, col_a, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET)
-            pb, xb = _group_sum(lb, x_ptr, col_b, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET)
-            pc, xc = _group_sum(lc, x_ptr, col_c, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET)
-            p4, x4 = _group_sum(l4, x_ptr, col_4, K, magic, 4, 0, EVEN_K, SUBNORMAL, INTERPRET)
-            q4, y4 = _group_sum(ls, x_ptr, col_4, K, magic, 4, 8, EVEN_K, SUBNORMAL, INTERPRET)
+            pa, xa = _group_sum(la, x_ptr, col_a, K, 2, 0, EVEN_K, SUB_X, INTERPRET)
+            pb, xb = _group_sum(lb, x_ptr, col_b, K, 2, 0, EVEN_K, SUB_X, INTERPRET)
+            pc, xc = _group_sum(lc, x_ptr, col_c, K, 2, 0, EVEN_K, SUB_X, INTERPRET)
+            p4, x4 = _group_sum(l4, x_ptr, col_4, K, 4, 0, EVEN_K, SUB_X, INTERPRET)
+            q4, y4 = _group_sum(ls, x_ptr, col_4, K, 4, 8, EVEN_K, SUB_X, INTERPRET)
             if h == 0:
                 if not ASYNC:  # the statistics only once the weights are consumed
                     tl.debug_barrier()
@@ -363,9 +351,7 @@ def _gemv1_kernel(
             p = 3 * UA + 4 * w + q % 4  # the lane's 2-bit slot
             live = w < UB
             col = tl.load(col2_ptr + p, mask=live, other=PAD)
-            part, xs = _group_sum(
-                lanes[q], x_ptr, col, K, magic, 2, 0, EVEN_K, SUBNORMAL, INTERPRET
-            )
+            part, xs = _group_sum(lanes[q], x_ptr, col, K, 2, 0, EVEN_K, SUB_X, INTERPRET)
             if not ASYNC:
                 tl.debug_barrier()
             m_u = (offs_n * 0 + w) < UB
@@ -385,12 +371,8 @@ def _gemv1_kernel(
             p = UA + 2 * v + q % 2  # the group's 4-bit slot
             live = v < UC
             col = tl.load(col4_ptr + p, mask=live, other=PAD)
-            lo, xlo = _group_sum(
-                lanes[2 * q], x_ptr, col, K, magic, 4, 0, EVEN_K, SUBNORMAL, INTERPRET
-            )
-            hi, xhi = _group_sum(
-                lanes[2 * q + 1], x_ptr, col, K, magic, 4, 8, EVEN_K, SUBNORMAL, INTERPRET
-            )
+            lo, xlo = _group_sum(lanes[2 * q], x_ptr, col, K, 4, 0, EVEN_K, SUB_X, INTERPRET)
+            hi, xhi = _group_sum(lanes[2 * q + 1], x_ptr, col, K, 4, 8, EVEN_K, SUB_X, INTERPRET)
             if not ASYNC:
                 tl.debug_barrier()
             m_u = (offs_n * 0 + v) < UC
@@ -399,8 +381,7 @@ def _gemv1_kernel(
             scale = ((byte >> 4).to(tl.float32) - z2) * s2
             acc += scale * (lo + hi - (byte & 15).to(tl.float32) * (xlo + xhi))
 
-    if SUBNORMAL:
-        acc = acc * (1.0 * (1 << 49))  # the group sums' scale undone (exact)
+    acc = acc * (1.0 * (1 << (149 - SUB_X)))  # the group sums' scale undone (exact)
     out = acc[:, None]  # [BLOCK_N, 1]
     if FUSE_OUTLIERS:  # the first split adds its rows' fp16 outliers
         first_split = (offs_n * 0 + pid_k) == 0  # block-shaped (interpreter: bool & scalar)
