@@ -119,7 +119,7 @@ def compile_spqr_kernel(
     constants = dict(
         N_TILES_G=256, SPLIT_K=split_k, CHUNKS_PER_SPLIT=256 // block_g // split_k,
         HAS_PERM=True, SPARSE=1, HAS_BIAS=has_bias, EVEN_K=True, BLOCK_TR=block_tr,
-        BLOCK_G=block_g, BLOCK_M=block_m, SUBNORMAL=dtype == "fp16", INTERPRET=False,
+        BLOCK_G=block_g, BLOCK_M=block_m, SUBNORMAL=True, INTERPRET=False,
     )  # fmt: skip
     return compile_for(spqr_gemv._spqr_gemv_kernel, pointers, scalars, constants, arch,
                        num_warps=num_warps)  # fmt: skip
@@ -139,17 +139,18 @@ def compile_spqr_dense_kernel(arch, block_tr=2, block_g=4):
 def spqr_table(arch: int) -> None:
     """Instructions per decoded 3-bit code of the SpQR kernel's main loop (one chunk of
     ``BLOCK_TR`` x 16 rows x ``BLOCK_G`` tiles per iteration)."""
-    print(
-        "| kernel | BLOCK_M | BLOCK_TR | BLOCK_G | warps | loop instrs | per code | most frequent |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for block_m, block_tr, block_g, warps in ((1, 4, 8, 4), (1, 8, 8, 4), (1, 16, 8, 4),
-                                               (16, 4, 16, 4), (16, 8, 16, 4)):  # fmt: skip
-        kernel = compile_spqr_kernel(block_m, block_tr, block_g, warps, arch)
+    print("| kernel | x | BLOCK_M | BLOCK_TR | BLOCK_G | warps | loop instrs | per code | "
+          "most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for block_m, block_tr, block_g, warps, dtype in (
+        (1, 4, 8, 4, "fp16"), (1, 8, 8, 4, "fp16"), (1, 8, 8, 4, "bf16"), (1, 16, 8, 4, "fp16"),
+        (16, 4, 16, 4, "fp16"), (16, 8, 16, 4, "fp16"),
+    ):  # fmt: skip
+        kernel = compile_spqr_kernel(block_m, block_tr, block_g, warps, arch, dtype)
         ops = loop_instructions(kernel.asm["cubin"])
         codes_per_thread = block_tr * 16 * block_g * 16 / (32 * warps)
         top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
-        print(f"| spqr | {block_m} | {block_tr} | {block_g} | {warps} | {len(ops)} | "
+        print(f"| spqr | {dtype} | {block_m} | {block_tr} | {block_g} | {warps} | {len(ops)} | "
               f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
 
 

@@ -92,16 +92,21 @@ def test_forced_configurations_and_split_k(config):
 
 
 @pytest.mark.parametrize("sparse", ["csr", "ptcsr"])
-@pytest.mark.parametrize("n, k, split", [(37, 50, 1), (48, 200, 3)])
-def test_fp16_codes_as_subnormals_give_the_exponent_tricks_bits(n, k, split, sparse):
-    """The fp16 GEMV multiplies each code as the subnormal float of its masked bits by
-    ``x * 2**(100 - p)``; the exponent-trick form (bf16's) sums the same products ``2**49``
-    larger: equal outputs bit for bit, with inputs at the ends of the fp16 range too (the
-    smallest subnormal, the smallest normal, 2**15)."""
+@pytest.mark.parametrize(
+    "n, k, split, dtype",
+    [(37, 50, 1, torch.float16), (48, 200, 3, torch.float16), (48, 200, 3, torch.bfloat16)],
+)
+def test_codes_as_subnormals_give_the_exponent_tricks_bits(n, k, split, dtype, sparse):
+    """The GEMV multiplies each code as the subnormal float of its masked bits by
+    ``x * 2**(E - p)`` (E = 100 for fp16, 64 for bf16); the exponent-trick form sums the same
+    products ``2**(149 - E)`` larger: equal outputs bit for bit, with inputs at the ends of
+    the range too (fp16: the smallest subnormal, the smallest normal, 2**15; bf16: 2**-20 and
+    just below 2**64, beside the randn ones)."""
     q = _weight(n, k, fraction=0.05, sparse=sparse, seed=n + split)
-    x = torch.randn(1, k, device=DEVICE).half()
-    x[0, :3] = torch.tensor([2.0**-24, -(2.0**-14), 2.0**15])
-    bias = torch.randn(n, device=DEVICE).half()
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    ends = [2.0**-24, -(2.0**-14), 2.0**15] if dtype == torch.float16 else [2.0**-20, -(2.0**63)]
+    x[0, : len(ends)] = torch.tensor(ends)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
     perm = q.perm_index().to(torch.int32)
     args = (x, q.words(), perm, sparse_operands(q.outliers), bias, n, (1, 2, 4, split, 4))
     subnormal = _launch(*args, subnormal=True)

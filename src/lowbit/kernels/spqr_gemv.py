@@ -14,13 +14,14 @@ split-K partial sums) goes back to memory.
 
 * ``BLOCK_M == 1`` (GEMV): per code ``q · x`` in fp32, summed per word; the scale and zero
   are applied once per word: ``s · (Σ q x − z · Σ x)``, exact algebra, fp32 rounding. A code is
-  masked in place at its bit ``p``, never shifted down. fp16 inputs: the masked bits read as a
-  float are the subnormal ``q · 2**(p − 149)`` (exact), times ``x · 2**(100 − p)`` (exact for
-  every fp16) the normal ``q · x · 2**−49``: one and and one FMA per code; the sums keep that
-  scale (every value they take stays a normal float) and the output is scaled back once, so the
-  result is the exponent-trick form's bit for bit. bf16 inputs (``x · 2**100`` would overflow):
-  the exponent trick ``float(bits | 0x4B000000) − 2**23 = q · 2**p`` times ``x · 2**−p``, one
-  add more per code.
+  masked in place at its bit ``p``, never shifted down: the masked bits read as a float are the
+  subnormal ``q · 2**(p − 149)`` (exact), times ``x · 2**(E − p)`` (exact) the normal
+  ``q · x · 2**(E − 149)``: one and and one FMA per code; the sums keep that scale and the
+  output is scaled back once. ``E`` is 100 for fp16 (every fp16 is below 2**16) and 64 for bf16
+  (fp32's range: ``x · 2**64`` overflows only from 2**64); while the sums stay normal floats
+  (true sums above 2**-77 and 2**-41) the result is the exponent-trick form's bit for bit,
+  ``float(bits | 0x4B000000) − 2**23 = q · 2**p`` times ``x · 2**−p`` (one add more per code;
+  ``subnormal=False`` in the launcher, for the tests).
 * ``BLOCK_M == 16`` (2 <= M <= 16, the small batch; Crnčević's kernel loops over the rows one
   at a time): per code slot ``i`` of the words, the dequantized weights ``fp16(s · fp16(q −
   z))`` (the reference's weights bit for bit) of a ``[BLOCK_TR · 16, BLOCK_G]`` block go into
@@ -177,6 +178,8 @@ if triton is not None:
         SUBNORMAL: tl.constexpr, INTERPRET: tl.constexpr,
     ):  # fmt: skip
         MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) = 2**23 + code
+        # SUBNORMAL: x is scaled by 2**(SUB_X - p), the sums by 2**(SUB_X - 149) (module doc)
+        SUB_X: tl.constexpr = 100 if x_ptr.dtype.element_ty == tl.float16 else 64
         BLOCK_N: tl.constexpr = BLOCK_TR * 16
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -226,27 +229,27 @@ if triton is not None:
                         xv = tl.load(x_ptr + src, mask=k_ok, other=0.0).to(tl.float32)
                     # code i masked in place at bit p: the float of its bits is code * 2**p
                     # with the exponent trick, the subnormal code * 2**(p - 149) without it;
-                    # the input is scaled by up = 2**(100 - p) or down = 2**-p (exact)
+                    # the input is scaled by up = 2**(SUB_X - p) or down = 2**-p (exact)
                     if i < 5:  # bits 6-20 of lo: 7 << p < 2**23
                         bits = lo & (7 << (6 + 3 * i))
-                        up, down = 1.0 * (1 << (94 - 3 * i)), 1.0 / (1 << (6 + 3 * i))
+                        up, down = 1.0 * (1 << (SUB_X - 6 - 3 * i)), 1.0 / (1 << (6 + 3 * i))
                     elif i < 8:  # bits 21-29: from lo >> 15
                         bits = lo_15 & (7 << (3 * i - 9))
-                        up, down = 1.0 * (1 << (109 - 3 * i)), 1.0 / (1 << (3 * i - 9))
+                        up, down = 1.0 * (1 << (SUB_X + 9 - 3 * i)), 1.0 / (1 << (3 * i - 9))
                     elif i == 8:  # bits 30-32 straddle the halves
                         bits = ((lo >> 30) & 3) | ((hi & 1) << 2)
-                        up, down = 1.0 * (1 << 100), 1.0
+                        up, down = 1.0 * (1 << SUB_X), 1.0
                     else:  # bits 33-53: hi bits 1-21
                         bits = hi & (7 << (3 * i - 26))
-                        up, down = 1.0 * (1 << (126 - 3 * i)), 1.0 / (1 << (3 * i - 26))
-                    if SUBNORMAL:  # code * 2**(p - 149) times x * 2**(100 - p): code x 2**-49
+                        up, down = 1.0 * (1 << (SUB_X + 26 - 3 * i)), 1.0 / (1 << (3 * i - 26))
+                    if SUBNORMAL:  # code * 2**(p - 149) times x * 2**(SUB_X - p)
                         partial += bits.to(tl.float32, bitcast=True) * (xv * up)
                     else:  # (2**23 + code * 2**p) - 2**23 times x * 2**-p
                         q = (bits | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
                         partial += q * (xv * down)
                     sum_x += xv
                 if SUBNORMAL:
-                    sum_x = sum_x * (1.0 / (1 << 49))  # the partial sums' scale, exact
+                    sum_x = sum_x * (1.0 / (1 << (149 - SUB_X)))  # the partial sums' scale
                 acc += scale.to(tl.float32) * (partial - zero.to(tl.float32) * sum_x)
             else:
                 for i in tl.static_range(16):
@@ -266,7 +269,7 @@ if triton is not None:
                         acc = tl.dot(w2.to(xv.dtype), xv, acc)  # [BLOCK_N, BLOCK_M]
         if BLOCK_M == 1:
             if SUBNORMAL:
-                acc = acc * (1.0 * (1 << 49))  # the sums' scale undone (exact)
+                acc = acc * (1.0 * (1 << (149 - SUB_X)))  # the sums' scale undone (exact)
             out = tl.reshape(tl.sum(acc, axis=2), (BLOCK_N, 1))  # [BLOCK_N, 1]
         else:
             out = acc  # [BLOCK_N, BLOCK_M]
@@ -379,10 +382,10 @@ def sparse_operands(outliers: CSRMatrix | PTCSRMatrix | None) -> tuple:
     return "ptcsr", outliers.tile_ptr, outliers.col_val
 
 
-def _launch(x, words, perm, sparse, bias, n, config, probe=False, subnormal=None):
+def _launch(x, words, perm, sparse, bias, n, config, probe=False, subnormal=True):
     """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only.
-    ``subnormal`` (default: for fp16 inputs) selects the GEMV's code form, for the tests that
-    compare the two."""
+    ``subnormal=False`` takes the GEMV's exponent-trick code form, for the tests that compare
+    the two."""
     m, k = x.shape
     block_m, block_tr, block_g, split_k, num_warps = config
     n_groups = words.shape[1] // TILE
@@ -402,7 +405,7 @@ def _launch(x, words, perm, sparse, bias, n, config, probe=False, subnormal=None
         HAS_PERM=perm is not None, SPARSE=_SPARSE_KIND[kind], HAS_BIAS=bias is not None,
         EVEN_K=k % TILE == 0 and per_split * split_k * block_g == n_groups,
         BLOCK_TR=block_tr, BLOCK_G=block_g, BLOCK_M=block_m,
-        SUBNORMAL=x.dtype == torch.float16 if subnormal is None else subnormal,
+        SUBNORMAL=subnormal,
         INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
     )  # fmt: skip
     return compiled if probe else out
