@@ -215,6 +215,16 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
             codes16 = (((words >> (j * BITS)) & CODE_MASK) | 0x6400).to(tl.uint16)
             offset16 = (offset - (8388608.0 - 1024.0)).to(tl.float16)  # [BLOCK_N]
             q = codes16.to(tl.float16, bitcast=True) - offset16[:, None]  # exact
+        elif BLOCK_M > 1 and BITS < 8:
+            # bf16: bits (code | 0x4300) are 128 + code, exact below 8-bit codes (bf16 holds
+            # integers up to 256), and so is 128 + zero
+            codes16 = (((words >> (j * BITS)) & CODE_MASK) | 0x4300).to(tl.uint16)
+            codes16 = codes16.to(tl.bfloat16, bitcast=True)
+            if INTERPRET:  # its bf16 arithmetic is wrong: the same exact values in fp32
+                q = codes16.to(tl.float32) - (offset - (8388608.0 - 128.0))[:, None]
+            else:
+                offset16 = (offset - (8388608.0 - 128.0)).to(tl.bfloat16)  # [BLOCK_N]
+                q = codes16 - offset16[:, None]  # exact
         else:
             codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
             q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
