@@ -87,3 +87,32 @@ def test_tuned_config_inside_a_graph_capture_computes_no_reference(monkeypatch):
     config_of = {"s1": (1,), "s2": (2,)}.get
     assert tuned_config(["s1", "s2"], config_of, None, references.append, 0.0) == (1,)
     assert references == []
+
+
+def test_compile_ahead_runs_every_item_in_threads_and_drops_their_errors(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(triton_support, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_support.os, "cpu_count", lambda: 4)
+    seen = []
+
+    def compile_one(item):
+        seen.append((item, threading.get_ident()))
+        if item == "bad":
+            raise RuntimeError("ptxas failed")  # the ordered pass meets it again
+
+    triton_support.compile_ahead(compile_one, ["a", "bad", "b"])
+    assert sorted(item for item, _ in seen) == ["a", "b", "bad"]
+    assert threading.get_ident() not in {thread for _, thread in seen}
+
+
+def test_tuned_config_compiles_the_candidates_ahead_then_times_them(monkeypatch):
+    ahead = []
+    monkeypatch.setattr(triton_support, "compile_ahead",
+                        lambda fn, items: ahead.append(list(items)))  # fmt: skip
+    monkeypatch.setattr(triton_support, "time_call", lambda fn: (fn(), 1.0)[1])
+    config_of = {"s1": (1,), "s2": "it spills", "s3": (3,)}.get
+    best = tuned_config(["s1", "s2", "s3"], config_of, lambda c: torch.ones(1),
+                        lambda: torch.ones(1), 0.0, compile_only=print)  # fmt: skip
+    assert best == (1,)  # equal times: the first
+    assert ahead == [["s2", "s3"], [(1,), (3,)]]  # the shapes past the first, then configs

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lowbit.kernels.int_layout import check_operands, tiled_reference
-from lowbit.kernels.triton_support import fastest_config, round_bf16
+from lowbit.kernels.triton_support import compile_ahead, fastest_config, round_bf16
 
 __all__ = ["int_gemm"]
 
@@ -195,6 +195,7 @@ def int_gemm(
                 config = (16, 32, 4, 1)  # small tiles: the interpreter runs them one by one
             elif tune and TUNE:
                 expected = tiled_reference(*args)
+                compile_ahead(lambda c: _launch(*args, c, probe=True), configs)
                 config = fastest_config(
                     lambda c: _launch(*args, c), configs, expected, TOL[x.dtype]
                 )

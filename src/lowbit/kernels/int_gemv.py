@@ -449,6 +449,7 @@ def _choose(args, m: int, n_tiles: int, tune: bool) -> tuple[int, int, int, int,
     return tuned_config(
         shapes, lambda s: _config(args, s, n_tiles), lambda c: _launch(*args, c),
         lambda: tiled_reference(*args), TOL[args[0].dtype],
+        compile_only=lambda c: _launch(*args, c, probe=True),
     )  # fmt: skip
 
 

@@ -764,6 +764,7 @@ def _choose(x, ops, bias, asynchronous, fuse_outliers, tune):
         shapes, lambda s: _config(x, ops, s, asynchronous, fuse_outliers),
         lambda c: _launch(x, ops, bias, c, asynchronous, fuse_outliers),
         lambda: mixed_reference(x, ops["weight"], bias), TOL[x.dtype],
+        compile_only=lambda c: _launch(x, ops, bias, c, asynchronous, fuse_outliers, probe=True),
     )  # fmt: skip
 
 

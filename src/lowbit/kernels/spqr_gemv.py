@@ -528,6 +528,7 @@ def _choose(args, m: int, n_groups: int) -> tuple[int, int, int, int, int]:
     return tuned_config(
         shapes, lambda s: _config(args, s, n_groups), lambda c: _launch(*args, c),
         lambda: _reference_of(*args), TOL[args[0].dtype],
+        compile_only=lambda c: _launch(*args, c, probe=True),
     )  # fmt: skip
 
 

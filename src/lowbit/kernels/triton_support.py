@@ -9,8 +9,10 @@ the backends refuse every layer with a sentence instead of failing at import.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,6 +40,7 @@ __all__ = [
     "resident_programs",
     "split_for",
     "fastest_config",
+    "compile_ahead",
     "capturing",
     "time_call",
     "interpreting",
@@ -47,6 +50,7 @@ __all__ = [
 ]
 
 Config = TypeVar("Config")
+T = TypeVar("T")
 
 
 def interpreting() -> bool:
@@ -212,14 +216,21 @@ def tuned_config(
     launch: Callable[[Config], Tensor],
     expected: Callable[[], Tensor],
     tolerance: float,
+    compile_only: Callable[[Config], object] | None = None,
 ) -> Config:
     """The launch configuration of one of ``shapes`` (block shapes, the default first):
     ``config_of(shape)`` gives its configuration or why it cannot launch; one shape is taken
-    as it is, several are timed by :func:`fastest_config` against ``expected()``. Raises
+    as it is, several are timed by :func:`fastest_config` against ``expected()``, their kernels
+    compiled side by side first (:func:`compile_ahead`: ``config_of`` compiles a shape's
+    kernel to read its resources, ``compile_only`` the chosen configurations'). Raises
     :class:`LaunchRefused` naming every refusal when no shape can launch."""
+    several = len(shapes) > 1 and not capturing()
+    first = config_of(shapes[0])  # in order first: Triton's per-kernel state is built once
+    if several:
+        compile_ahead(config_of, shapes[1:])
     configs, refused = [], []
-    for shape in shapes:
-        config = config_of(shape)
+    for i, shape in enumerate(shapes):
+        config = first if i == 0 else config_of(shape)
         if isinstance(config, str):
             refused.append(f"{shape}: {config}")
         else:
@@ -228,7 +239,32 @@ def tuned_config(
         raise LaunchRefused(f"no launch configuration runs here ({'; '.join(refused)})")
     if len(shapes) == 1 or capturing():  # capturing: no reference launched into the graph
         return configs[0]
+    if compile_only is not None:
+        compile_ahead(compile_only, configs)
     return fastest_config(launch, configs, expected(), tolerance)
+
+
+def compile_ahead(compile_one: Callable[[T], object], items: Sequence[T]) -> None:
+    """``compile_one(item)`` for every item at once, in threads (Triton compiles with the GIL
+    released and runs ptxas as a process): a tuning that then compiles them in order finds them
+    in Triton's cache, so a sweep costs about its slowest compile, not their sum. Purely a
+    warm-up: an item that fails here is compiled (and fails, or not) again in order, where the
+    error is dealt with; so every error here is dropped."""
+    workers = min(len(items), os.cpu_count() or 1)
+    if workers < 2 or interpreting():
+        return
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def one(item: T) -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+            compile_one(item)
+        except Exception:  # noqa: BLE001 - a warm-up: the ordered pass reports errors
+            pass
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, items))
 
 
 def fastest_config(
