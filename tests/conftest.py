@@ -56,3 +56,21 @@ def wikitext_path():
     if not path.is_file():
         pytest.skip(f"{path} is not present")
     return path
+
+
+@pytest.fixture
+def recording_compile():
+    """``compile(module) -> (compiled, graphs)``: ``torch.compile`` with a backend that keeps the
+    code of every FX graph dynamo hands it and runs the graph as it is (no codegen), so a test
+    can count what the compiled step calls."""
+
+    def compile_recording(module):
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append(gm.code)
+            return gm.forward
+
+        return torch.compile(module, backend=record), graphs
+
+    return compile_recording

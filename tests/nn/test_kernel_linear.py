@@ -202,7 +202,7 @@ def test_the_triton_kernel_form_holds_the_tiled_words_alone_and_gives_the_packed
 
 
 def test_a_compiled_kernel_form_is_one_opaque_op_per_member_and_one_product_per_input(
-    monkeypatch,
+    monkeypatch, recording_compile
 ):
     """Each member is its own node (the compiler would not merge identical calls), and the
     stacked product is still computed once per input at run time."""
@@ -211,19 +211,14 @@ def test_a_compiled_kernel_form_is_one_opaque_op_per_member_and_one_product_per_
     ids = IDS[:1, :4]
     with torch.no_grad():
         eager = model(ids).logits
-    graphs, products = [], []
+    products = []
     backend = type(model.model.layers[0].mlp.down_proj.layout.backend)
     matmul_layout = backend.matmul_layout
     monkeypatch.setattr(backend, "matmul_layout",
                         lambda self, x, prepared: products.append(1) or matmul_layout(self, x, prepared))  # fmt: skip
-
-    def record(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
+    compiled, graphs = recording_compile(model)
     with torch.no_grad():
-        compiled = torch.compile(model, backend=record)(ids).logits
-    assert torch.equal(compiled, eager)
+        assert torch.equal(compiled(ids).logits, eager)
     layers = model.config.num_hidden_layers
     assert len(graphs) == 1 and graphs[0].count("lowbit.layout_matmul(") == 7 * layers
     assert len(products) == 4 * layers  # q/k/v, o, gate/up, down

@@ -147,7 +147,7 @@ def test_packed_linear_on_cuda_matches_the_cpu(dtype):
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
-def test_a_compiled_model_keeps_each_packed_linear_as_one_opaque_op():
+def test_a_compiled_model_keeps_each_packed_linear_as_one_opaque_op(recording_compile):
     """torch.compile sees lowbit.packed_matmul once per packed linear, in one graph, and the
     compiled model gives the eager logits bit for bit (a recording backend: no codegen)."""
     import copy
@@ -157,15 +157,9 @@ def test_a_compiled_model_keeps_each_packed_linear_as_one_opaque_op():
     ids = torch.randint(3, 200, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         eager = model(ids).logits
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
+    compiled, graphs = recording_compile(model)
     with torch.no_grad():
-        compiled = torch.compile(model, backend=record)(ids).logits
-    assert torch.equal(compiled, eager)
+        assert torch.equal(compiled(ids).logits, eager)
     assert len(graphs) == 1 and graphs[0].count("lowbit.packed_matmul") == 14
     copied = copy.deepcopy(model)  # a copy's layers have handles of their own
     handles = {m._handle for m in model.modules() if isinstance(m, PackedLinear)}

@@ -137,7 +137,7 @@ def test_formats_the_packed_layout_cannot_hold_are_refused_when_packing():
         pack_model(model)
 
 
-def test_triton_backend_eager_and_compiled(quantized):
+def test_triton_backend_eager_and_compiled(quantized, recording_compile):
     """The packed model on the fused kernels (under the interpreter here): close to the
     reference backend; compiled, every linear is one torch.ops.lowbit.packed_matmul and the
     logits equal the eager kernels'."""
@@ -150,13 +150,7 @@ def test_triton_backend_eager_and_compiled(quantized):
     eager = _logits(half, ids)  # M = 3: the fused small-batch kernel; prepares every layer
     # measured 2.3e-3 of max|logit| (fp16 activations through 2 blocks)
     assert float((eager.float() - expected).abs().max() / expected.abs().max()) < 1e-2
-    graphs = []
-
-    def record(gm, example_inputs):  # a dynamo backend that keeps the graphs it is given
-        graphs.append(gm.code)
-        return gm.forward
-
-    compiled = torch.compile(half, backend=record)
+    compiled, graphs = recording_compile(half)
     assert torch.equal(_logits(compiled, ids), eager)
     code = "\n".join(graphs)
     assert code.count("lowbit.packed_matmul") == 14  # every packed linear, none traced through
