@@ -216,7 +216,8 @@ def _layout_matmul_op(x: Tensor, layout_handle: int, index: int, n: int) -> Tens
     layer alone gets the product itself."""
     layout = _LAYOUTS[layout_handle]
     out = layout.member(index, x)
-    return out if len(layout.columns) == 1 and out.is_contiguous() else out.clone()
+    alone = len(layout.columns) == 1 and out.untyped_storage().nbytes() == out.nbytes
+    return out if alone and out.is_contiguous() else out.clone()  # (alone: not a padded slice)
 
 
 @_layout_matmul_op.register_fake
