@@ -90,8 +90,8 @@ def main() -> None:
         name = "gemv M=1" if block_m == 1 else "M<=16 (tl.dot)"
         schedule = "async" if asynchronous else "sync"
         print(
-            f"| {name} | {dtype} | {schedule} | {'fused' if fuse else 'none'} | {block_n} | {tile} | "
-            f"{warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | {top} |",
+            f"| {name} | {dtype} | {schedule} | {'fused' if fuse else 'none'} | {block_n} | "
+            f"{tile} | {warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | {top} |",
             flush=True,
         )
 

@@ -176,8 +176,9 @@ def _triton_model(settings):
     return model
 
 
-@pytest.mark.parametrize("settings", [{"w_bits": 4, "w_group": 32},
-                                      {"w_bits": 3, "w_group": 32, "w_symmetric": False}])  # fmt: skip
+@pytest.mark.parametrize(
+    "settings", [{"w_bits": 4, "w_group": 32}, {"w_bits": 3, "w_group": 32, "w_symmetric": False}]
+)
 def test_the_triton_kernel_form_holds_the_tiled_words_alone_and_gives_the_packed_logits(settings):
     """The run form a GPU gets: the Triton kernels' tiled words and transposed statistics alone,
     q/k/v and gate/up stacked; the interpreter's launch is the same for the stacked N, so every
@@ -214,8 +215,12 @@ def test_a_compiled_kernel_form_is_one_opaque_op_per_member_and_one_product_per_
     products = []
     backend = type(model.model.layers[0].mlp.down_proj.layout.backend)
     matmul_layout = backend.matmul_layout
-    monkeypatch.setattr(backend, "matmul_layout",
-                        lambda self, x, prepared: products.append(1) or matmul_layout(self, x, prepared))  # fmt: skip
+
+    def counted(self, x, prepared):
+        products.append(1)
+        return matmul_layout(self, x, prepared)
+
+    monkeypatch.setattr(backend, "matmul_layout", counted)
     compiled, graphs = recording_compile(model)
     with torch.no_grad():
         assert torch.equal(compiled(ids).logits, eager)

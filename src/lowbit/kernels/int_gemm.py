@@ -17,8 +17,9 @@ weight per ``BLOCK_M`` rows, so it is amortised over the M tile; the scale goes 
 Programs are ordered in groups of ``GROUP_M`` row tiles so neighbouring programs share weight
 tiles in L2. Tile sizes, warps and pipeline stages are measured per shape on the GPU by
 :func:`int_gemm` (the wrapper times candidates once with
-:func:`~lowbit.kernels.triton_support.time_call` and caches the fastest); under ``TRITON_INTERPRET=1`` (no driver) it uses fixed sizes and fp32 dot
-operands (the interpreter's bf16 ``tl.dot`` is wrong).
+:func:`~lowbit.kernels.triton_support.time_call` and caches the fastest); under
+``TRITON_INTERPRET=1`` (no driver) it uses fixed sizes and fp32 dot operands (the interpreter's
+bf16 ``tl.dot`` is wrong).
 """
 
 from __future__ import annotations

@@ -67,9 +67,12 @@ def choose_sparse_format(layer, words, perm, device) -> str:
     if choice in ("csr", "ptcsr"):
         return choice
     stored = layer.stored_sparse
-    if device.type != "cuda" or interpreting() or os.environ.get("LOWBIT_TRITON_TUNE") == "0":
-        return stored
-    if capturing():  # profiling would launch into the graph being captured
+    if (
+        device.type != "cuda"
+        or interpreting()
+        or os.environ.get("LOWBIT_TRITON_TUNE") == "0"
+        or capturing()  # profiling would launch into the graph being captured
+    ):
         return stored
     key = _pattern_key(layer, device)
     if key not in _SPARSE_CHOICE:

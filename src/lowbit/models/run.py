@@ -12,8 +12,9 @@ weight is swapped for that form, which replaces its packed buffers
   (:func:`~lowbit.nn.run_linear.kernel_form`).
 
 Every packed layer left (SpQR and 2/4/16 on a GPU, whose kernels read the packed buffers
-themselves, or any layer in an fp32 run) has its backend's layout prepared in advance (:func:`~lowbit.kernels.dispatch.prepare_layer`), so that the first call of a compiled
-step, CUDA graphs included, allocates nothing it keeps.
+themselves, or any layer in an fp32 run) has its backend's layout prepared in advance
+(:func:`~lowbit.kernels.dispatch.prepare_layer`), so that the first call of a compiled step,
+CUDA graphs included, allocates nothing it keeps.
 
 Outputs are unchanged bit for bit (on a GPU up to the order of the stacked kernels' fp32
 sums); ``lowbit eval``, ``generate`` and ``info`` call
