@@ -51,19 +51,20 @@ def _mixed_down_projection(device: str, n: int, gen):
     yield name, config, compiled, _rel_err(got, mixed_reference(x, q)), torch.float16
 
 
-def _int_prefetch_rows(name: str, args, n_tiles: int):
-    """The M = 1 tuning candidates that load the next tile's words into registers while one
-    decodes (``stages`` 2: a branch per tile and a store that never runs in the loop, which
-    no default launch exercises), each launched once."""
+def _int_tile_loop_rows(name: str, args, n_tiles: int):
+    """The M = 1 tuning candidates whose tile loop no default launch exercises, each launched
+    once: ``stages`` 2 (the next tile's words loaded into registers while one decodes: a branch
+    per tile and a store that never runs) and above 2 (the words copied into shared memory
+    ahead of their use, by TMA from sm_90, with activations loaded by inline PTX)."""
     import torch
 
     from lowbit.kernels import int_gemv
     from lowbit.kernels.int_layout import tiled_reference
 
     for shape in int_gemv._candidates(1, args[5]):
-        if shape[4] != 2:
+        if shape[4] == 1:
             continue
-        label = f"{name} prefetch {shape[2]} warps"
+        label = f"{name} {shape[1]} rows {shape[2]} warps stages {shape[4]}"
         config = int_gemv._config(args, shape, n_tiles)
         if isinstance(config, str):  # cannot launch here: the reason stands in the config
             yield label, config, None, float("inf"), torch.float16
@@ -118,7 +119,7 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
                 name = f"int W{bits} g{group} {sym} M={m} {str(dtype)[6:]}"
                 yield name, config, compiled, _rel_err(got, tiled_reference(*args)), dtype
                 if m == 1 and bits == 4 and dtype == torch.float16:
-                    yield from _int_prefetch_rows(name, args, n_tiles)
+                    yield from _int_tile_loop_rows(name, args, n_tiles)
             # the prefill's weight decoder (the backend's path from DEQUANT_M rows)
             decode = dict(k=k, dtype=dtype, bits=bits, group_size=static["group_size"],
                           tile=static["tile"])  # fmt: skip

@@ -23,18 +23,19 @@ import tempfile
 from pathlib import Path
 
 
-def _compile(kernel, scalars, constants, dtype, arch, **options):
+def _compile(kernel, scalars, constants, dtype, arch, words="*i32", **options):
     """``kernel`` compiled for ``sm_<arch>`` with fp16 scales and 16-divisible pointers and
-    strides (as Triton's launcher specializes them)."""
-    pointers = {"x_ptr": f"*{dtype}", "words_ptr": "*i32", "scale_ptr": "*fp16",
+    strides (as Triton's launcher specializes them); ``words`` the words' argument type."""
+    pointers = {"x_ptr": f"*{dtype}", "words_ptr": words, "scale_ptr": "*fp16",
                 "zero_ptr": "*u8", "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}  # fmt: skip
     return compile_for(kernel, pointers, scalars, constants, arch, **options)
 
 
 def compile_for(kernel, pointers, scalars, constants, arch, **options):
-    """``kernel`` compiled for ``sm_<arch>``: ``pointers`` name -> Triton type, ``scalars``
-    int32, ``constants`` constexprs; pointers, K and strides declared 16-divisible. The split-K
-    outputs (``part_ptr`` fp32, ``count_ptr`` int32) are added where the kernel has them."""
+    """``kernel`` compiled for ``sm_<arch>``: ``pointers`` name -> Triton type (or a TMA
+    descriptor's, ``tensordesc<i32[128, 32]>``), ``scalars`` int32, ``constants`` constexprs;
+    pointers, K and strides declared 16-divisible. The split-K outputs (``part_ptr`` fp32,
+    ``count_ptr`` int32) are added where the kernel has them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,7 +44,8 @@ def compile_for(kernel, pointers, scalars, constants, arch, **options):
     if "part_ptr" in names:
         pointers = {**pointers, "part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {**pointers, **{s: "i32" for s in scalars}, **{c: "constexpr" for c in constants}}
-    aligned = [*pointers, *(s for s in scalars if s == "K" or s.startswith("stride"))]
+    pointers_only = [p for p, kind in pointers.items() if kind.startswith("*")]
+    aligned = [*pointers_only, *(s for s in scalars if s == "K" or s.startswith("stride"))]
     source = ASTSource(
         fn=kernel,
         signature=signature,
@@ -55,12 +57,12 @@ def compile_for(kernel, pointers, scalars, constants, arch, **options):
 
 def compile_decode_kernel(
     bits, block_m, block_n, num_warps, arch, dtype="fp16", split_k=1, has_bias=False,
-    symmetric=True, even_k=False, stages=1,
+    symmetric=True, even_k=False, stages=1, tma=None,
 ):  # fmt: skip
     """``_int_gemv_kernel``: g128, 32-word tiles, 16 tiles (``split_k`` splits); ``even_k``:
     K a multiple of the tile's codes (unmasked activation loads, most layers' shapes);
     ``stages``: 2 the next tile's words in registers, 3 or more pipelined through shared
-    memory."""
+    memory, by TMA (``tma``; by default from sm_90, as the launcher does) or ``cp.async``."""
     from lowbit.kernels import int_gemv
 
     scalars = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sg", "stride_zg", "stride_ps",
@@ -68,9 +70,11 @@ def compile_decode_kernel(
     constants = dict(
         BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
         K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=int_gemv.tiles_per_split(16, split_k, stages),
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=even_k, STAGES=stages, INTERPRET=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=even_k, STAGES=stages,
+        TMA=stages > 2 and (arch >= 90 if tma is None else tma), INTERPRET=False,
     )  # fmt: skip
-    return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch,
+    words = f"tensordesc<i32[{block_n}, 32]>" if constants["TMA"] else "*i32"
+    return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch, words=words,
                     num_warps=num_warps)  # fmt: skip
 
 
@@ -176,7 +180,9 @@ def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line)}
     best: list[str] = []
     for i, line in enumerate(lines):
-        match = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        # a loop's back edge is predicated; an unconditional backward branch returns from an
+        # out-of-line block (a TMA wait spinning on its barrier) into the loop
+        match = re.search(r"@!?U?P\w+\s+BRA `\((\.L_x_\d+)\)", line)
         if match and labels.get(match.group(1), i) < i and i - labels[match.group(1)] > len(best):
             best = lines[labels[match.group(1)] : i + 1]
     name = r"[A-Z][A-Z0-9.]+" if suffixes else r"[A-Z][A-Z0-9]+"
@@ -217,7 +223,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     runs = [("decode", bm, bn, w, "fp16", sym, 1)
             for bm, bn, w in ((1, 64, 4), (1, 128, 4)) for sym in (True, False)]  # fmt: skip
-    runs += [("decode", 1, 128, 4, "fp16", True, 3)]  # the pipelined tile loop
+    # the pipelined tile loop (TMA from sm_90), 3 and 4 stages
+    runs += [("decode", 1, bn, w, "fp16", sym, st) for bn, w, sym, st in
+             ((128, 4, True, 3), (128, 4, False, 3), (128, 4, True, 4), (128, 8, True, 3),
+              (64, 4, True, 3))]  # fmt: skip
     # the next tile's words in registers (two tiles a loop iteration)
     runs += [("decode", 1, 128, w, "fp16", sym, 2) for w in (4, 8) for sym in (True, False)]
     # bf16 at M = 1: the same subnormal codes, x scaled otherwise

@@ -266,12 +266,13 @@ def test_the_wrappers_refuse_bad_calls_in_a_sentence():
         int_gemm(x[:, :64], *tensors, None, **static)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("bits, symmetric", [(4, True), (3, False), (2, False)])
 def test_the_pipelined_tile_loop_computes_the_unpipelined_product(bits, symmetric, stages):
     """STAGES > 1 only changes when the tile loop's words are loaded (2: the next tile's into
-    registers, two tiles a step; 3: cp.async into shared memory); the sums, their order and so
-    the outputs are the same bit for bit. K = 800 in groups of 32: 7 tiles at 4 bits, 5 at 3,
+    registers, two tiles a step; 3 and 4: copied into shared memory, by TMA descriptors, which
+    the interpreter emulates, 37 rows in blocks of 32: the second block's rows past N read as
+    zeros); the sums, their order and so the outputs are the same bit for bit. K = 800 in groups of 32: 7 tiles at 4 bits, 5 at 3,
     4 at 2; over 2 splits (the last one short) and over 1 (two tiles a step: an odd count
     rounds up to a step past the last tile, which adds nothing). K = 768: whole tiles (3 at 4
     bits), whose last split runs past the last one (x masked by tile or the step skipped)."""
@@ -293,6 +294,25 @@ def _check_pipelined_product(bits, symmetric, stages, k):
             assert torch.equal(plain, piped), (k, m, split)
             want = tiled_reference(x[:m], *tensors, bias, **static)
             assert _rel_err(piped, want) <= TOL[torch.float16], (k, m, split)
+
+
+def test_a_pipelined_launch_takes_tma_only_where_its_descriptor_fits():
+    """A TMA descriptor needs 16-byte aligned rows: words whose rows are not (a view of a wider
+    buffer) are read through pointers, to the same product bit for bit."""
+    from lowbit.kernels.int_gemv import uses_tma
+
+    fast, _ = _layers(4, 32, True, 800)
+    x = torch.randn(1, 800, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
+    fast(x)  # prepares the layout
+    (words, *rest), static = _operands(fast)
+    wide = torch.zeros(words.shape[0], words.shape[1] + 1, dtype=words.dtype, device=DEVICE)
+    unaligned = wide[:, : words.shape[1]].copy_(words)  # rows 4 * (W + 1) bytes apart
+    config = (1, 32, 2, 4, 3)
+    assert uses_tma(words, config, x.device) and not uses_tma(unaligned, config, x.device)
+    assert not uses_tma(words, (1, 32, 2, 4, 2), x.device)
+    plain = int_gemv(x, words, *rest, None, **static, config=(1, 32, 2, 4, 1))
+    assert torch.equal(int_gemv(x, words, *rest, None, **static, config=config), plain)
+    assert torch.equal(int_gemv(x, unaligned, *rest, None, **static, config=config), plain)
 
 
 def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_product(monkeypatch):

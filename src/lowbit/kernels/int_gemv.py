@@ -46,9 +46,12 @@ Bytes in flight: with ``STAGES = 1`` each thread issues one tile's word loads, t
 them, and nothing loads during the decode. ``STAGES = 2`` takes two tiles a step and loads each
 one's words into registers while the other decodes (no shared memory, no barrier; twice the
 words' registers, so 8 warps of 128 rows or 4 warps at 2 blocks an SM). ``STAGES > 2``
-software-pipelines the tile loop through shared memory (``tl.range(num_stages=STAGES)``:
-``cp.async`` copies of the next tiles' words), at the cost of a shared-memory load per word
-and the barriers around the copies. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is measured
+software-pipelines the tile loop through shared memory (``tl.range(num_stages=STAGES)``): from
+sm_90 the Tensor Memory Accelerator copies the next ``STAGES - 1`` tiles' words (a descriptor
+per launch, one bulk copy per tile issued by one thread: no registers held, so each split's
+first tiles are all in flight at once and 4 blocks of 128 rows fit an SM), before it
+``cp.async``; a shared-memory load per word and 3 barriers a tile pay for it, and the
+activations are loaded by inline PTX, which the pipeliner leaves alone. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is measured
 per shape on the GPU by :func:`int_gemv` (the call replayed from a CUDA graph after an L2
 flush, :func:`~lowbit.kernels.triton_support.time_call`; cached), never under the interpreter.
 Accumulation is fp32 throughout.
@@ -62,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lowbit.errors import LowbitError
 from lowbit.kernels.int_layout import check_operands, tiled_reference
@@ -92,12 +96,23 @@ def _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET: tl.con
 
 @triton.jit
 def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr,
-            PAST_END: tl.constexpr):  # fmt: skip
+            PAST_END: tl.constexpr, INLINE: tl.constexpr):  # fmt: skip
     """``x_tile[J0 + offs_w]`` as fp32, 0 past K (``k_left`` columns from ``x_tile`` are
     below K). ``EVEN_K``: K is a multiple of the tile's codes, so a tile is wholly below K or
     wholly past it: no mask, or with ``PAST_END`` (the last split runs past the last tile) one
     the whole tile shares. ``x_tile`` is the tile's first column, so each slot's address is a
-    constant offset from it, and the mask compares ``offs_w`` with a scalar (32-bit compares)."""
+    constant offset from it, and the mask compares ``offs_w`` with a scalar (32-bit compares).
+    ``INLINE``: loaded by inline PTX, which Triton's software pipeliner leaves alone (it routes
+    a ``tl.load`` of a pipelined loop through shared memory, with the barriers that takes);
+    columns past K read below it (with ``EVEN_K`` the caller's ``x_tile`` is the last tile's
+    for a tile past K) and are zeroed."""
+    if INLINE and EVEN_K:  # a tile past K (k_left <= 0) reads the last tile's x, zeroed
+        x = _load_rows(x_tile + J0 + offs_w, False).to(tl.float32)
+        return tl.where(k_left > 0, x, 0.0) if PAST_END else x
+    if INLINE:  # columns past K read the last one's x, zeroed
+        cols = J0 + offs_w
+        x = _load_rows(x_tile + tl.minimum(cols, k_left - 1), False).to(tl.float32)
+        return tl.where(cols < k_left, x, 0.0)
     if EVEN_K and PAST_END:
         in_k = tl.zeros_like(offs_w) + k_left > 0  # (the interpreter takes no scalar mask)
         return tl.load(x_tile + J0 + offs_w, mask=in_k, other=0.0).to(tl.float32)
@@ -162,7 +177,7 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
                BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_K: tl.constexpr, PAST_END: tl.constexpr, SUBNORMAL: tl.constexpr,
-               SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+               SHIFT: tl.constexpr, INLINE_X: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """Tile ``t`` of the product: its ``words`` (``[BLOCK_N, TILE_WORDS]`` int32) decoded slot
     by slot into the accumulators (see :func:`_int_gemv_kernel`), the groups that end in it
     flushed; returns ``acc, acc_group, x_cols, acc_off``."""
@@ -178,8 +193,11 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
 
     words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
     upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1)
-    x_tile = x_ptr + t * TILE_K  # the tile's first column
-    k_left = K - t * TILE_K  # its columns below K
+    k_left = K - t * TILE_K  # the tile's columns below K
+    if INLINE_X and EVEN_K and PAST_END:  # a tile past K reads the last tile's x (zeroed)
+        x_tile = x_ptr + tl.minimum(t * TILE_K, K - TILE_K)
+    else:
+        x_tile = x_ptr + t * TILE_K  # the tile's first column
     for j in tl.static_range(PPW):
         k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
         offs_k = k0 + offs_w  # [TILE_WORDS]
@@ -205,7 +223,8 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
                 codes = src & low_mask  # [BLOCK_N, TILE_WORDS]
             else:
                 codes = src & (CODE_MASK << ((j % HALF) * BITS))
-            x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END)[None, :]
+            x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END,
+                        INLINE_X)[None, :]  # fmt: skip
             x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
             x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
             acc_group += codes.to(tl.float32, bitcast=True) * x
@@ -229,7 +248,8 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
             codes = ((words >> (j * BITS)) & CODE_MASK) | MAGIC  # [BLOCK_N, TILE_WORDS]
             q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
             if BLOCK_M == 1:  # (zero points: shifted down, fewer registers per row)
-                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END)
+                x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END,
+                            INLINE_X)  # fmt: skip
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
         if BLOCK_M > 1:
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -259,7 +279,7 @@ def _int_gemv_kernel(
     SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     TILE_K: tl.constexpr = (32 // BITS) * TILE_WORDS  # codes per tile
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
@@ -300,7 +320,8 @@ def _int_gemv_kernel(
     low_mask = tl.where(K > 0, CODE_MASK, 0).to(tl.uint32)
     # unmasked word loads: rows past N read row N - 1 and a tile past K_TILES (the last
     # split's) reads the last tile; their products are never stored or are skipped
-    w_rows = words_ptr + offs_row[:, None] * stride_wn + offs_w[None, :]  # [BLOCK_N, TILE_WORDS]
+    if not TMA:  # (TMA: words_ptr is the words' descriptor, tiles [BLOCK_N, TILE_WORDS])
+        w_rows = words_ptr + offs_row[:, None] * stride_wn + offs_w[None, :]  # [BLOCK_N, TILE_W.]
     t_first = pid_k * TILES_PER_SPLIT
     # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
     # take a runtime scalar as a range bound
@@ -321,7 +342,7 @@ def _int_gemv_kernel(
                     words_a, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
                     offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
                     low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K,
-                    False, SUBNORMAL, SHIFT, INTERPRET,
+                    False, SUBNORMAL, SHIFT, False, INTERPRET,
                 )  # fmt: skip
             # the split's last step loads nothing (the same mask for every thread; a tensor:
             # the interpreter takes no scalar mask)
@@ -333,20 +354,24 @@ def _int_gemv_kernel(
                     words_b, t + 1, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows,
                     zero_rows, offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
                     low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N,
-                    EVEN_K, False, SUBNORMAL, SHIFT, INTERPRET,
+                    EVEN_K, False, SUBNORMAL, SHIFT, False, INTERPRET,
                 )  # fmt: skip
     else:
         # one tile a step; STAGES > 2: Triton's pipeline copies the next STAGES - 1 tiles'
-        # words into shared memory (cp.async) while this one decodes. The last split's tiles
+        # words into shared memory (by TMA, else cp.async) while this one decodes, and x is
+        # loaded by inline PTX so that it stays out of the pipeline. The last split's tiles
         # past K are computed against x masked to 0 (PAST_END)
         for i in tl.range(TILES_PER_SPLIT, num_stages=STAGES):
             t = t_first + i
-            words = tl.load(w_rows + tl.minimum(t, K_TILES - 1) * TILE_WORDS)
+            if TMA:
+                words = words_ptr.load([pid_n * BLOCK_N, tl.minimum(t, K_TILES - 1) * TILE_WORDS])
+            else:
+                words = tl.load(w_rows + tl.minimum(t, K_TILES - 1) * TILE_WORDS)
             acc, acc_group, x_cols, acc_off = _gemv_tile(
                 words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
                 offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                 BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K, PAST_END,
-                SUBNORMAL, SHIFT, INTERPRET,
+                SUBNORMAL, SHIFT, STAGES > 2 and not INTERPRET, INTERPRET,
             )  # fmt: skip
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
@@ -375,6 +400,14 @@ def tiles_per_split(n_tiles: int, split_k: int, stages: int) -> int:
     return per_split + per_split % 2 if stages == 2 else per_split
 
 
+def uses_tma(words: Tensor, config: tuple[int, int, int, int, int], device) -> bool:
+    """Whether a launch copies its words into shared memory by TMA: a pipelined tile loop
+    (``stages`` > 2) on a device with a TMA (sm_90 on; the interpreter emulates it), words
+    16-byte aligned as its descriptors need; else ``cp.async`` copies them."""
+    aligned = words.data_ptr() % 16 == 0 and words.stride(0) % 4 == 0 and words.stride(1) == 1
+    return config[4] > 2 and aligned and (INTERPRET or device_limits(device).tma)
+
+
 def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=False):
     """One launch (the product ``[M, N]``), or with ``probe`` the compiled kernel only."""
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
@@ -384,8 +417,11 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
     split_k = -(-n_tiles // per_split)  # no empty splits
     grid = (-(-n // block_n), split_k)
     out, partials, counters = split_buffers(x, split_k, n, grid[0])
+    tiles = words
+    if uses_tma(words, config, x.device):  # the tiles as TMA copies them (rows past N: zeros)
+        tiles = TensorDescriptor(words, [n, words.shape[1]], [words.stride(0), 1], [block_n, tile])
     compiled = _int_gemv_kernel.run(
-        x, words, scale, words if zero is None else zero, x if bias is None else bias, out,
+        x, tiles, scale, words if zero is None else zero, x if bias is None else bias, out,
         partials, counters,
         m, n, k,
         x.stride(0), words.stride(0), scale.stride(0), 0 if zero is None else zero.stride(0),
@@ -393,7 +429,7 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
         BITS=bits, TILE_WORDS=tile, GROUP_SIZE=group_size or k, SYMMETRIC=zero is None,
         HAS_BIAS=bias is not None, K_TILES=n_tiles, SPLIT_K=split_k, TILES_PER_SPLIT=per_split,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        EVEN_K=k == n_tiles * tile * (32 // bits), STAGES=stages,
+        EVEN_K=k == n_tiles * tile * (32 // bits), STAGES=stages, TMA=tiles is not words,
         INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
     )  # fmt: skip
     return compiled if probe else out
@@ -409,7 +445,11 @@ def _candidates(m: int, bits: int = 4):
     if m == 1:
         gemv = ((1, 64, 4, 1, 1),) if bits == 2 else ((1, 128, 4, 1, 1), (1, 64, 4, 1, 1))
         yield from (*gemv, (MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1))
-        yield from ((1, 64, 4, 2, 3),) if bits == 2 else ((1, 128, 4, 2, 3), (1, 64, 4, 2, 3))
+        # the next tiles' words copied into shared memory (TMA from sm_90): every split's
+        # first STAGES - 1 tiles are in flight at once, so the splits stay as many as fit (at
+        # 2 and 3 bits 128 rows spill)
+        piped = ((1, 128, 4, 1, 3), (1, 128, 4, 1, 4)) if bits in (4, 8) else ((1, 64, 4, 1, 3),)
+        yield from piped
         # the next tile's words in registers: 8 warps at every width (at 4 and 8 bits 128
         # registers, 16 warps an SM), 4 warps where 32 more words a thread fit (8 warps an SM;
         # at 2 and 3 bits they spill)
@@ -417,7 +457,7 @@ def _candidates(m: int, bits: int = 4):
         yield (1, 128, 8, 1, 2)
     else:
         yield from ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 4, 4, 1))
-        yield from ((MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 64, 4, 1, 2))
+        yield from ((MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 128, 4, 1, 3), (MAX_ROWS, 64, 4, 1, 2))
 
 
 def _config(args, shape, n_tiles: int):
@@ -475,7 +515,8 @@ def int_gemv(
             :func:`lowbit.kernels.int_layout.check_operands`.
         config: ``(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, stages)`` to force one launch
             configuration (``stages``: 1 one tile at a time, 2 the next tile's words loaded
-            into registers while one decodes, 3 or more pipelined through shared memory).
+            into registers while one decodes, 3 or more pipelined through shared memory, by
+            TMA where the device has one).
         tune: on a GPU, time the candidate configurations once per shape and keep the fastest.
         check: validate the operands (False: the caller built them, as the backend does).
 
