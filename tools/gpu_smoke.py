@@ -133,14 +133,15 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
     spqr = spqr.to(device)
     words, perm = spqr.words(), (spqr.perm.to(torch.int32) & 0xFFFF)
     sparse = spqr_gemv.sparse_operands(spqr.outliers)
-    for m in (1, 16):
-        x = torch.randn(m, k, generator=gen).to(device, torch.float16)
-        args = (x, words, perm, sparse, bias.half(), n)
+    # M = 1 in both dtypes: their GEMVs scale the subnormal codes' x differently
+    for m, dtype in ((1, torch.float16), (1, torch.bfloat16), (16, torch.float16)):
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        args = (x, words, perm, sparse, bias.to(dtype), n)
         config = spqr_gemv._choose(args, m, words.shape[1] // 16)
         got = spqr_gemv._launch(*args, config)
         compiled = spqr_gemv._launch(*args, config, probe=True)
-        err = _rel_err(got, spqr_gemv.spqr_reference(x, spqr, bias.half()))
-        yield f"spqr w3 1% M={m}", config, compiled, err, torch.float16
+        err = _rel_err(got, spqr_gemv.spqr_reference(x, spqr, bias.to(dtype)))
+        yield f"spqr w3 1% M={m} {str(dtype)[6:]}", config, compiled, err, dtype
     dense = spqr_gemv.spqr_dequantize_dense(words, n, k)
     err = _rel_err(dense, spqr_gemv.words_dense_reference(words, n, k))
     compiled = spqr_gemv.spqr_dequantize_dense(words, n, k, probe=True)
@@ -148,13 +149,14 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
 
     q = mixed_quantize(weight, None, MixedWeightSpec()).quantized.to(device)
     ops = prepare_mixed(q)
-    for m in (1, 16):
-        x = torch.randn(m, k, generator=gen).to(device, torch.float16)
-        config = mixed_gemv._choose(x, ops, bias.half(), True, True, tune=False)
-        got = mixed_gemv._launch(x, ops, bias.half(), config, True, True)
-        compiled = mixed_gemv._launch(x, ops, bias.half(), config, True, True, probe=True)
-        err = _rel_err(got, mixed_reference(x, q, bias.half()))
-        yield f"mixed 2/4/16 M={m}", config, compiled, err, torch.float16
+    for m, dtype in ((1, torch.float16), (1, torch.bfloat16), (16, torch.float16)):
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        b = bias.to(dtype)
+        config = mixed_gemv._choose(x, ops, b, True, True, tune=False)
+        got = mixed_gemv._launch(x, ops, b, config, True, True)
+        compiled = mixed_gemv._launch(x, ops, b, config, True, True, probe=True)
+        err = _rel_err(got, mixed_reference(x, q, b))
+        yield f"mixed 2/4/16 M={m} {str(dtype)[6:]}", config, compiled, err, dtype
     err = _rel_err(mixed_dequant(ops, torch.float16), q.dequantize(torch.float16))
     compiled = mixed_dequant(ops, torch.float16, probe=True)
     yield "mixed 2/4/16 weight decoder", "-", compiled, err, torch.float16

@@ -182,21 +182,41 @@ def _load_pair(ptr, rows, stride, first, count, WIDTH: tl.constexpr):
 
 @triton.jit
 def _load_x8(ptr):
-    """Eight 16-bit activations at ``ptr`` (16-byte aligned) as eight scalars of ``ptr``'s
-    type: one vector load by inline PTX (a ``tl.load`` of a vector spreads it over threads),
-    each register's halves named apart (no shift to reach the high one)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 a, b, c, d;
-        ld.global.nc.v4.b32 {a, b, c, d}, [$8];
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        mov.b32 {$4, $5}, c;
-        mov.b32 {$6, $7}, d;
-        }""",
-        "=h,=h,=h,=h,=h,=h,=h,=h,l", [ptr], dtype=(ptr.dtype.element_ty,) * 8, is_pure=True,
-        pack=1,
-    )  # fmt: skip
+    """Eight 16-bit activations at ``ptr`` (16-byte aligned) as eight scalars: one vector load
+    by inline PTX (a ``tl.load`` of a vector spreads it over threads). fp16: each register's
+    halves named apart (no shift to reach the high one; widened by the caller, one instruction
+    each); bf16: widened to fp32 here, bf16 being fp32's upper half, by one shift (the low
+    half) or one mask (the high half) each, where a conversion of a named half takes two."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        xs = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, c, d;
+            ld.global.nc.v4.b32 {a, b, c, d}, [$8];
+            shl.b32 $0, a, 16;
+            and.b32 $1, a, 0xFFFF0000;
+            shl.b32 $2, b, 16;
+            and.b32 $3, b, 0xFFFF0000;
+            shl.b32 $4, c, 16;
+            and.b32 $5, c, 0xFFFF0000;
+            shl.b32 $6, d, 16;
+            and.b32 $7, d, 0xFFFF0000;
+            }""",
+            "=r,=r,=r,=r,=r,=r,=r,=r,l", [ptr], dtype=(tl.float32,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        xs = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, c, d;
+            ld.global.nc.v4.b32 {a, b, c, d}, [$8];
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            mov.b32 {$4, $5}, c;
+            mov.b32 {$6, $7}, d;
+            }""",
+            "=h,=h,=h,=h,=h,=h,=h,=h,l", [ptr], dtype=(ptr.dtype.element_ty,) * 8, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+    return xs
 
 
 @triton.jit
