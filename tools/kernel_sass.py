@@ -166,17 +166,35 @@ def compiler_line(arch: int) -> str:
     return f"Triton {triton.__version__}, sm_{arch}"
 
 
-def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
-    """Opcodes of the longest backward-branch loop of a cubin (``suffixes``: with their
-    modifiers, ``LDG.E.128``)."""
+#: an instruction's opcode with its modifiers (``LDG.E.128``), after a predicate if any
+_OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)")
+
+
+def _disassembly(cubin: bytes) -> list[str]:
+    """The SASS of a cubin, one line per instruction or label (Triton's bundled nvdisasm)."""
     import triton
 
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        lines = subprocess.run([nvdisasm, f.name], capture_output=True, text=True).stdout
-    lines = lines.splitlines()
+        return subprocess.run([nvdisasm, f.name], capture_output=True, text=True).stdout.splitlines()
+
+
+def split_sum_loads(cubin: bytes) -> tuple[int, int]:
+    """``(loads, before)``: how many loads of the split-K partials (``.cg``: ``LDG.E.STRONG.GPU``)
+    the program that arrives last issues, and how many of them come before its first add. A
+    loop over the splits issues one, waits for it, adds: 1; unrolled, all of them."""
+    names = [m.group(1) for line in _disassembly(cubin) if (m := _OPCODE.match(line))]
+    loads = [i for i, name in enumerate(names) if name.startswith("LDG.E.STRONG.GPU")]
+    first_add = next((i for i in range(loads[0], len(names)) if names[i] == "FADD"), len(names))
+    return len(loads), sum(i < first_add for i in loads)
+
+
+def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
+    """Opcodes of the longest backward-branch loop of a cubin (``suffixes``: with their
+    modifiers, ``LDG.E.128``)."""
+    lines = _disassembly(cubin)
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line)}
     best: list[str] = []
     for i, line in enumerate(lines):
@@ -185,9 +203,8 @@ def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
         match = re.search(r"@!?U?P\w+\s+BRA `\((\.L_x_\d+)\)", line)
         if match and labels.get(match.group(1), i) < i and i - labels[match.group(1)] > len(best):
             best = lines[labels[match.group(1)] : i + 1]
-    name = r"[A-Z][A-Z0-9.]+" if suffixes else r"[A-Z][A-Z0-9]+"
-    opcode = re.compile(rf"\s+/\*[0-9a-f]{{4,}}\*/\s+(?:@!?U?P\w+\s+)?({name})")
-    return [m.group(1) for line in best if (m := opcode.match(line))]
+    ops = [m.group(1) for line in best if (m := _OPCODE.match(line))]
+    return ops if suffixes else [op.split(".")[0] for op in ops]
 
 
 def word_load_positions(ops: list[str]) -> list[int]:

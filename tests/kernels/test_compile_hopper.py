@@ -30,7 +30,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from kernel_sass import (compile_decode_kernel, compile_dequant_kernel, compile_prefill_kernel,
                          compile_spqr_dense_kernel, compile_spqr_kernel, loop_instructions,
-                         word_load_positions)
+                         split_sum_loads, word_load_positions)
 from kernel_sass_mixed import compile_mixed, compile_mixed_dequant
 
 kernels = {
@@ -68,6 +68,12 @@ loops["pipelined TMA loop"] = loop_instructions(tma.asm["cubin"], suffixes=True)
 prefetch = compile_decode_kernel(4, 1, 128, 8, 90, split_k=3, stages=2, symmetric=False)
 ops = loop_instructions(prefetch.asm["cubin"], suffixes=True)
 loops["prefetch loads at"] = word_load_positions(ops)
+# the split-K sum of the last program (32 splits): every partial's load issued before the
+# first add
+loops["split sums"] = [
+    split_sum_loads(compile_mixed(1, 128, 2, 1, True, True, 90, split_k=32).asm["cubin"]),
+    split_sum_loads(compile_decode_kernel(4, 1, 128, 4, 90, split_k=32).asm["cubin"]),
+]
 print(json.dumps(loops))
 """
 
@@ -83,7 +89,11 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 14
+    assert len(loops) == 15
+    # 32 splits x 4 rows a thread (2/4/16) and x 1 (integer), all loaded before they are
+    # summed: as a loop over the splits, LLVM unrolled the integer one but left 2/4/16's
+    # rolled, a load and a wait for it per split ([4, 4]: the loop body's loads)
+    assert loops.pop("split sums") == [[128, 128], [32, 32]]
     # TMA: one bulk copy a tile, no word loaded by a thread from global memory, x kept out of
     # the pipeline (a tl.load of x went through shared memory: 11 barriers a tile, measured 3)
     ops = loops.pop("pipelined TMA loop")

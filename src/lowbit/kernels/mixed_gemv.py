@@ -116,21 +116,26 @@ def _second(second_ptr, rows, stride_r, slot, mask, HALVES: tl.constexpr = False
 def _add_outliers(out, x_ptr, row_ptr_ptr, col_val_ptr, offs_n, mask_n, offs_m, mask_m,
                   stride_xm, MAX_ROW_NNZ: tl.constexpr):  # fmt: skip
     """``out [BLOCK_N, BLOCK_M] += value * x[:, col]`` over the rows' CSR words (column in the
-    high 16 bits, fp16 value in the low 16)."""
+    high 16 bits, fp16 value in the low 16), ``CHUNK`` words of each row an iteration: their
+    loads, and the activations' that depend on them, are issued together (one word an
+    iteration waited for two round trips per outlier in series)."""
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
+    CHUNK: tl.constexpr = max(1, min(MAX_ROW_NNZ, 4 // BLOCK_M))  # [BLOCK_N, CHUNK, BLOCK_M]
+    offs_e = tl.arange(0, CHUNK)
     start = tl.load(row_ptr_ptr + offs_n, mask=mask_n, other=0)
     end = tl.load(row_ptr_ptr + offs_n + 1, mask=mask_n, other=0)
-    for e in range(MAX_ROW_NNZ):
-        idx = start + e
-        valid = mask_n & (idx < end)  # [BLOCK_N]
+    for e in range(0, MAX_ROW_NNZ, CHUNK):
+        idx = start[:, None] + e + offs_e[None, :]  # [BLOCK_N, CHUNK]
+        valid = mask_n[:, None] & (idx < end[:, None])
         word = tl.load(col_val_ptr + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
         col = (word >> 16).to(tl.int32)
         value = (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         x = tl.load(
-            x_ptr + offs_m[None, :] * stride_xm + col[:, None],
-            mask=valid[:, None] & mask_m[None, :],
+            x_ptr + offs_m[None, None, :] * stride_xm + col[:, :, None],
+            mask=valid[:, :, None] & mask_m[None, None, :],
             other=0.0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_M]
-        out += value[:, None] * x
+        ).to(tl.float32)  # [BLOCK_N, CHUNK, BLOCK_M]
+        out += tl.sum(value[:, :, None] * x, axis=1)
     return out
 
 
