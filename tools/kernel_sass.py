@@ -178,7 +178,8 @@ def _disassembly(cubin: bytes) -> list[str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([nvdisasm, f.name], capture_output=True, text=True).stdout.splitlines()
+        run = subprocess.run([nvdisasm, f.name], capture_output=True, text=True)
+    return run.stdout.splitlines()
 
 
 def split_sum_loads(cubin: bytes) -> tuple[int, int]:
