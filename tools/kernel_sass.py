@@ -10,6 +10,7 @@ Pointers and strides are declared 16-divisible, as Triton's launcher specializes
     python tools/kernel_sass.py --bits 2 3 4 8 --arch 90
     python tools/kernel_sass.py --bits 4 --arch 90 --even-k  # K a multiple of the tile
     python tools/kernel_sass.py --spqr --arch 90     # lowbit's fused SpQR kernel
+    python tools/kernel_sass.py --split-sums --arch 90  # the split-K epilogues' loads
 """
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ def spqr_table(arch: int) -> None:
               f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
 
 
+def split_sum_table(arch: int, splits: int = 32) -> None:
+    """The loads of the split-K partials in each GEMV's epilogue at ``splits`` splits, and how
+    many of them are issued before the first add (all: they wait once; a rolled loop waits
+    once per split)."""
+    from kernel_sass_mixed import compile_mixed
+
+    kernels = {
+        "int M=1, 128 rows, 4 warps": compile_decode_kernel(4, 1, 128, 4, arch, split_k=splits),
+        "int M=16, 64 rows, 4 warps": compile_decode_kernel(4, 16, 64, 4, arch, split_k=splits),
+        "spqr M=1, BLOCK_TR 8, 4 warps": compile_spqr_kernel(1, 8, 8, 4, arch, split_k=splits),
+        "2/4/16 M=1, 128 rows, 1 warp": compile_mixed(1, 128, 2, 1, True, True, arch,
+                                                      split_k=splits),
+    }  # fmt: skip
+    print(f"| kernel ({splits} splits) | partial loads | issued before the first add |")
+    print("|---|---|---|")
+    for name, kernel in kernels.items():
+        loads, before = split_sum_loads(kernel.asm["cubin"])
+        print(f"| {name} | {loads} | {before} |", flush=True)
+
+
 def compiler_line(arch: int) -> str:
     """Which Triton compiled the tables (their counts differ between versions: the device
     image runs Triton 3.6) and for which architecture."""
@@ -227,6 +248,8 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--spqr", action="store_true", help="the SpQR kernel's table instead")
+    parser.add_argument("--split-sums", action="store_true",
+                        help="how each GEMV's last program loads the split-K partials instead")  # fmt: skip
     parser.add_argument("--even-k", action="store_true",
                         help="decode kernels compiled for K a multiple of the tile's codes "
                              "(unmasked activation loads, as the launcher picks for such K)")  # fmt: skip
@@ -235,6 +258,9 @@ def main() -> None:
     print(compiler_line(args.arch))
     if args.spqr:
         spqr_table(args.arch)
+        return
+    if args.split_sums:
+        split_sum_table(args.arch)
         return
     print("| kernel | bits | x | zeros | BLOCK_M | BLOCK_N | warps | stages | shared bytes | "
           "loop instrs | per code | barriers per tile | words loaded at | most frequent |")  # fmt: skip
