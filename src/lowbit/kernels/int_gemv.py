@@ -48,11 +48,11 @@ one's words into registers while the other decodes (no shared memory, no barrier
 words' registers, so 8 warps of 128 rows or 4 warps at 2 blocks an SM). ``STAGES > 2``
 software-pipelines the tile loop through shared memory (``tl.range(num_stages=STAGES)``): from
 sm_90 the Tensor Memory Accelerator copies the next ``STAGES - 1`` tiles' words (a descriptor
-per launch, one bulk copy per tile issued by one thread: no registers held, so each split's
-first tiles are all in flight at once and 4 blocks of 128 rows fit an SM), before it
-``cp.async``; a shared-memory load per word and 3 barriers a tile pay for it, and the
-activations are loaded by inline PTX, which the pipeliner leaves alone. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is measured
-per shape on the GPU by :func:`int_gemv` (the call replayed from a CUDA graph after an L2
+per launch, one bulk copy per tile issued by one thread, no register held for words in flight,
+so each split's first tiles are all in flight at once), before sm_90 ``cp.async``; a
+shared-memory load per word and 3 barriers a tile pay for it, and the activations are loaded by
+inline PTX, which the pipeliner leaves alone. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is
+measured per shape on the GPU by :func:`int_gemv` (the call replayed from a CUDA graph after an L2
 flush, :func:`~lowbit.kernels.triton_support.time_call`; cached), never under the interpreter.
 Accumulation is fp32 throughout.
 """
@@ -320,8 +320,9 @@ def _int_gemv_kernel(
     low_mask = tl.where(K > 0, CODE_MASK, 0).to(tl.uint32)
     # unmasked word loads: rows past N read row N - 1 and a tile past K_TILES (the last
     # split's) reads the last tile; their products are never stored or are skipped
-    if not TMA:  # (TMA: words_ptr is the words' descriptor, tiles [BLOCK_N, TILE_WORDS])
-        w_rows = words_ptr + offs_row[:, None] * stride_wn + offs_w[None, :]  # [BLOCK_N, TILE_W.]
+    if not TMA:  # (with TMA words_ptr is the words' descriptor, blocks [BLOCK_N, TILE_WORDS])
+        # [BLOCK_N, TILE_WORDS]
+        w_rows = words_ptr + offs_row[:, None] * stride_wn + offs_w[None, :]
     t_first = pid_k * TILES_PER_SPLIT
     # constexpr trip counts: known to the compiler, and the interpreter (numpy >= 2.4) cannot
     # take a runtime scalar as a range bound
@@ -404,8 +405,9 @@ def uses_tma(words: Tensor, config: tuple[int, int, int, int, int], device) -> b
     """Whether a launch copies its words into shared memory by TMA: a pipelined tile loop
     (``stages`` > 2) on a device with a TMA (sm_90 on; the interpreter emulates it), words
     16-byte aligned as its descriptors need; else ``cp.async`` copies them."""
-    aligned = words.data_ptr() % 16 == 0 and words.stride(0) % 4 == 0 and words.stride(1) == 1
-    return config[4] > 2 and aligned and (INTERPRET or device_limits(device).tma)
+    if config[4] <= 2 or not (INTERPRET or device_limits(device).tma):
+        return False
+    return words.data_ptr() % 16 == 0 and words.stride(0) % 4 == 0 and words.stride(1) == 1
 
 
 def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=False):

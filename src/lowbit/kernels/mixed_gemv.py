@@ -41,12 +41,13 @@ tile's gathered activations, ``T`` groups deep, so decoding is paid once for all
 statistics load after a barrier behind the words.
 
 Outliers (``FUSE_OUTLIERS``): the first split of each row block walks its rows' CSR words
-(``MAX_ROW_NNZ`` iterations, the longest row rounded up to a power of two) and adds
-``value * x[col]``; unfused, a separate Triton SpMV over the same CSR adds them afterwards.
+(up to ``MAX_ROW_NNZ``, the longest row rounded up to a power of two, a few words of each row
+an iteration) and adds ``value * x[col]``; unfused, a separate Triton SpMV over the same CSR
+adds them afterwards.
 
 Split-K as in :mod:`lowbit.kernels.int_gemv`: fp32 partials ``[SPLIT_K, M, N]`` summed by
-torch (deterministic); launch configurations are timed per shape on a GPU (never under the
-interpreter).
+the tile's last program (:mod:`lowbit.kernels.split_k`, deterministic); launch configurations
+are timed per shape on a GPU (never under the interpreter).
 """
 
 from __future__ import annotations
