@@ -96,7 +96,7 @@ def _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET: tl.con
 
 @triton.jit
 def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr,
-            PAST_END: tl.constexpr, INLINE: tl.constexpr):  # fmt: skip
+            PAST_END: tl.constexpr, INLINE: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """``x_tile[J0 + offs_w]`` as fp32, 0 past K (``k_left`` columns from ``x_tile`` are
     below K). ``EVEN_K``: K is a multiple of the tile's codes, so a tile is wholly below K or
     wholly past it: no mask, or with ``PAST_END`` (the last split runs past the last tile) one
@@ -105,13 +105,13 @@ def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr,
     ``INLINE``: loaded by inline PTX, which Triton's software pipeliner leaves alone (it routes
     a ``tl.load`` of a pipelined loop through shared memory, with the barriers that takes);
     columns past K read below it (with ``EVEN_K`` the caller's ``x_tile`` is the last tile's
-    for a tile past K) and are zeroed."""
+    for a tile past K) and are zeroed (the interpreter loads the same addresses by ``tl.load``)."""
     if INLINE and EVEN_K:  # a tile past K (k_left <= 0) reads the last tile's x, zeroed
-        x = _load_rows(x_tile + J0 + offs_w, False).to(tl.float32)
+        x = _load_rows(x_tile + J0 + offs_w, INTERPRET).to(tl.float32)
         return tl.where(k_left > 0, x, 0.0) if PAST_END else x
     if INLINE:  # columns past K read the last one's x, zeroed
         cols = J0 + offs_w
-        x = _load_rows(x_tile + tl.minimum(cols, k_left - 1), False).to(tl.float32)
+        x = _load_rows(x_tile + tl.minimum(cols, k_left - 1), INTERPRET).to(tl.float32)
         return tl.where(cols < k_left, x, 0.0)
     if EVEN_K and PAST_END:
         in_k = tl.zeros_like(offs_w) + k_left > 0  # (the interpreter takes no scalar mask)
@@ -224,7 +224,7 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
             else:
                 codes = src & (CODE_MASK << ((j % HALF) * BITS))
             x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END,
-                        INLINE_X)[None, :]  # fmt: skip
+                        INLINE_X, INTERPRET)[None, :]  # fmt: skip
             x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
             x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
             acc_group += codes.to(tl.float32, bitcast=True) * x
@@ -249,7 +249,7 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
             q = codes.to(tl.float32, bitcast=True) - offset[:, None]  # code - zero, exact
             if BLOCK_M == 1:  # (zero points: shifted down, fewer registers per row)
                 x = _load_x(x_tile, j * TILE_WORDS, offs_w, k_left, EVEN_K, PAST_END,
-                            INLINE_X)  # fmt: skip
+                            INLINE_X, INTERPRET)  # fmt: skip
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
         if BLOCK_M > 1:
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -372,7 +372,7 @@ def _int_gemv_kernel(
                 words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
                 offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                 BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K, PAST_END,
-                SUBNORMAL, SHIFT, STAGES > 2 and not INTERPRET, INTERPRET,
+                SUBNORMAL, SHIFT, STAGES > 2, INTERPRET,
             )  # fmt: skip
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
