@@ -115,6 +115,19 @@ def test_codes_as_subnormals_give_the_exponent_tricks_bits(n, k, split, dtype, s
     assert torch.equal(subnormal.view(torch.int16), exponent.view(torch.int16))
 
 
+@pytest.mark.parametrize("sparse", ["csr", "ptcsr"])
+@pytest.mark.parametrize("config", [(1, 1, 2, 1, 4), (1, 1, 2, 3, 4), (16, 1, 16, 3, 4)])
+def test_outliers_are_walked_in_chunks_of_each_row(config, sparse):
+    """A program takes several outliers of a row an iteration (4 at M = 1, 1 at 16 rows): rows
+    of about 32 outliers (5 % at K = 640), split 1 or 3 ways, so whole and ragged chunks; a
+    skipped or repeated outlier (a heavy-tailed weight) would exceed the tolerance many times."""
+    q = _weight(37, 640, fraction=0.05, sparse=sparse, seed=8)
+    m = 1 if config[0] == 1 else 3
+    x = torch.randn(m, 640, generator=torch.Generator().manual_seed(9)).half().to(DEVICE)
+    got = _run(q, x, None, config)
+    assert _rel_err(got, spqr_reference(x.float(), q)) < TOL[torch.float16]
+
+
 def test_csr_and_ptcsr_give_the_same_product():
     q = _weight(37, 130, fraction=0.05, seed=5)
     x = torch.randn(1, 130, device=DEVICE).half()

@@ -275,14 +275,18 @@ if triton is not None:
             out = acc  # [BLOCK_N, BLOCK_M]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         mask_n = offs_n < N
-        # ---- the outliers of these rows: slots pid_k, pid_k + SPLIT_K, ... of each row
+        # ---- the outliers of these rows: slots pid_k, pid_k + SPLIT_K, ... of each row,
+        # CHUNK of them an iteration (their loads, and the permutation's and the inputs' that
+        # depend on them, issued together: one an iteration waited three round trips each)
+        CHUNK: tl.constexpr = max(1, 4 // BLOCK_M)
+        offs_e = tl.arange(0, CHUNK)[None, :]  # [1, CHUNK]
         if SPARSE == 1:  # CSR: row offsets per row
             start = tl.load(sp_ptr_ptr + offs_n, mask=mask_n, other=0)
             end = tl.load(sp_ptr_ptr + offs_n + 1, mask=mask_n, other=0)
             longest = tl.max(end - start, axis=0)
-            for j in range(0, tl.cdiv(longest - pid_k, SPLIT_K)):
-                slot = start + pid_k + j * SPLIT_K  # [BLOCK_N]
-                ok = slot < end
+            for j in range(0, tl.cdiv(tl.cdiv(longest - pid_k, SPLIT_K), CHUNK)):
+                slot = start[:, None] + pid_k + (j * CHUNK + offs_e) * SPLIT_K  # [BLOCK_N, CHUNK]
+                ok = slot < end[:, None]
                 word = tl.load(sp_val_ptr + slot, mask=ok, other=0)
                 out += _outlier_product(word, ok, x_ptr, perm_ptr, stride_xm, offs_m, mask_m,
                                         HAS_PERM)  # fmt: skip
@@ -292,10 +296,11 @@ if triton is not None:
             t_end = tl.load(sp_ptr_ptr + tile + 1, mask=mask_n, other=0)
             width = (t_end - t_start) // 16  # [BLOCK_N]
             longest = tl.max(width, axis=0)
-            for j in range(0, tl.cdiv(longest - pid_k, SPLIT_K)):
-                i = pid_k + j * SPLIT_K
-                ok = i < width
-                word = tl.load(sp_val_ptr + t_start + i * 16 + offs_n % 16, mask=ok, other=0)
+            for j in range(0, tl.cdiv(tl.cdiv(longest - pid_k, SPLIT_K), CHUNK)):
+                i = pid_k + (j * CHUNK + offs_e) * SPLIT_K  # [1, CHUNK]
+                ok = i < width[:, None]  # [BLOCK_N, CHUNK]
+                slot = t_start[:, None] + i * 16 + (offs_n % 16)[:, None]
+                word = tl.load(sp_val_ptr + slot, mask=ok, other=0)
                 out += _outlier_product(word, ok, x_ptr, perm_ptr, stride_xm, offs_m, mask_m,
                                         HAS_PERM)  # fmt: skip
         offs_out = offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
@@ -305,12 +310,15 @@ if triton is not None:
 
     @triton.jit
     def _outlier_product(word, ok, x_ptr, perm_ptr, stride_xm, offs_m, mask_m, HAS_PERM):
-        """``value · x[:, perm[col]]`` ``[BLOCK_N, BLOCK_M]`` of col_val words ``[BLOCK_N]``
-        (fp16 value in the high half, column in the low half; padding words are 0)."""
+        """``sum_e value · x[:, perm[col]]`` ``[BLOCK_N, BLOCK_M]`` of col_val words
+        ``[BLOCK_N, CHUNK]`` (fp16 value in the high half, column in the low half; padding
+        words are 0)."""
         col = word & 0xFFFF
         value = ((word >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-        xv = _gather_x(x_ptr, perm_ptr, col, ok, stride_xm, offs_m, mask_m, HAS_PERM)
-        return value.to(tl.float32)[:, None] * xv.to(tl.float32)
+        src = tl.load(perm_ptr + col, mask=ok, other=0) if HAS_PERM else col
+        ptrs = x_ptr + offs_m[None, None, :] * stride_xm + src[:, :, None]
+        xv = tl.load(ptrs, mask=ok[:, :, None] & mask_m[None, None, :], other=0.0)
+        return tl.sum(value.to(tl.float32)[:, :, None] * xv.to(tl.float32), axis=1)
 
     @triton.jit
     def _spqr_dense_kernel(
