@@ -9,6 +9,7 @@ Each kernel is compiled in its heaviest variant (split-K epilogue, bias, zero po
 where they add code). ::
 
     python tools/kernel_resources.py --arch 90
+    python tools/kernel_resources.py --arch 90 --even-k  # the integer GEMV for whole tiles
 """
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ def _outlier_spmv(arch):
                        "stride_om"], constants, arch, num_warps=4)  # fmt: skip
 
 
-def kernel_variants(arch: int = 90):
+def kernel_variants(arch: int = 90, even_k: bool = False):
     """``(kernel, configuration, variant, compile())`` for every kernel and every distinct
     compiled shape its tuner's candidates take at M = 1 and M = 16 (SPLIT_K only decides
-    whether the split epilogue is compiled: it is, with 4 splits)."""
+    whether the split epilogue is compiled: it is, with 4 splits). ``even_k``: the integer
+    GEMV compiled for K a whole number of tiles (unmasked activations, most layers), not its
+    heaviest variant."""
     from lowbit.kernels import int_gemm, int_gemv, mixed_gemv, spqr_gemv
 
     seen = set()
@@ -90,7 +93,7 @@ def kernel_variants(arch: int = 90):
                         config,
                         f"{bits}-bit fp16 sym split 4",
                         lambda a=shape, s=stages: compile_decode_kernel(
-                            *a, arch, split_k=4, stages=s
+                            *a, arch, split_k=4, stages=s, even_k=even_k
                         ),
                     )
                 yield (
@@ -98,7 +101,14 @@ def kernel_variants(arch: int = 90):
                     config,
                     f"{bits}-bit bf16 asym split 4 bias",
                     lambda a=shape, s=stages: compile_decode_kernel(
-                        *a, arch, dtype="bf16", split_k=4, has_bias=True, symmetric=False, stages=s
+                        *a,
+                        arch,
+                        dtype="bf16",
+                        split_k=4,
+                        has_bias=True,
+                        symmetric=False,
+                        stages=s,
+                        even_k=even_k,
                     ),
                 )
     for block_m, block_n, warps, stages in int_gemm._candidates():
@@ -181,12 +191,12 @@ def kernel_variants(arch: int = 90):
     )
 
 
-def resource_rows(arch: int = 90):
+def resource_rows(arch: int = 90, even_k: bool = False):
     """One dict per compiled variant: kernel, config, variant, resources, blocks per SM and
     why it cannot launch (None when it can)."""
     from lowbit.kernels.triton_support import SM90, blocks_per_sm, launch_refusal
 
-    for kernel, config, variant, make in kernel_variants(arch):
+    for kernel, config, variant, make in kernel_variants(arch, even_k):
         res = cubin_resources(make())
         yield dict(kernel=kernel, config=config, variant=variant, resources=res,
                    blocks=blocks_per_sm(res, SM90), refusal=launch_refusal(res, SM90))  # fmt: skip
@@ -195,13 +205,15 @@ def resource_rows(arch: int = 90):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--even-k", action="store_true",
+                        help="the integer GEMV for K a whole number of tiles (most layers)")  # fmt: skip
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     print(compiler_line(args.arch))
     print("| kernel | configuration | variant | registers | shared bytes | spill bytes | "
           "blocks/SM | launches on sm_90 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    for row in resource_rows(args.arch):
+    for row in resource_rows(args.arch, args.even_k):
         res = row["resources"]
         print(f"| {row['kernel']} | {row['config']} | {row['variant']} | {res.registers} | "
               f"{res.shared} | {res.spill} | {row['blocks']} | {row['refusal'] or 'yes'} |",
