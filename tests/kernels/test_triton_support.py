@@ -89,6 +89,21 @@ def test_tuned_config_inside_a_graph_capture_computes_no_reference(monkeypatch):
     assert references == []
 
 
+def test_a_configuration_chosen_inside_a_graph_capture_is_not_kept(monkeypatch):
+    """Inside a capture a wrapper takes its default untimed; the first call outside it tunes
+    and its choice is kept."""
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cache, chosen = {}, iter(["default", "tuned", "again"])
+    assert triton_support.cached_config(cache, "k", lambda: next(chosen)) == "default"
+    assert cache == {}
+    capturing[0] = False
+    assert triton_support.cached_config(cache, "k", lambda: next(chosen)) == "tuned"
+    assert triton_support.cached_config(cache, "k", lambda: next(chosen)) == "tuned"
+    assert cache == {"k": "tuned"}
+
+
 def test_compile_ahead_runs_every_item_in_threads_and_drops_their_errors(monkeypatch):
     import threading
 

@@ -32,7 +32,13 @@ import triton.language as tl
 from torch import Tensor
 
 from lowbit.kernels.int_layout import check_operands, tiled_reference
-from lowbit.kernels.triton_support import compile_ahead, fastest_config, round_bf16
+from lowbit.kernels.triton_support import (
+    cached_config,
+    capturing,
+    compile_ahead,
+    fastest_config,
+    round_bf16,
+)
 
 __all__ = ["int_gemm"]
 
@@ -189,18 +195,18 @@ def int_gemm(
     args = (x, words, scale, zero, bias, bits, group_size, tile)
     if config is None:
         key = (triton.next_power_of_2(m), n, k, bits, group_size, tile, zero is None, x.dtype)
-        config = _TUNED.get(key)
-        if config is None:
-            configs = list(_candidates())
-            if INTERPRET:
-                config = (16, 32, 4, 1)  # small tiles: the interpreter runs them one by one
-            elif tune and TUNE:
-                expected = tiled_reference(*args)
-                compile_ahead(lambda c: _launch(*args, c, probe=True), configs)
-                config = fastest_config(
-                    lambda c: _launch(*args, c), configs, expected, TOL[x.dtype]
-                )
-            else:
-                config = configs[0]
-            _TUNED[key] = config
+        config = cached_config(_TUNED, key, lambda: _choose(args, tune))
     return _launch(*args, config)
+
+
+def _choose(args, tune: bool) -> tuple[int, int, int, int]:
+    """The launch configuration: the fastest candidate that computes the reference's product
+    on a GPU (tuning on, outside a graph capture), else the default."""
+    configs = list(_candidates())
+    if INTERPRET:
+        return 16, 32, 4, 1  # small tiles: the interpreter runs them one by one
+    if not (tune and TUNE) or capturing():  # (a capture may take nothing but the product)
+        return configs[0]
+    expected = tiled_reference(*args)
+    compile_ahead(lambda c: _launch(*args, c, probe=True), configs)
+    return fastest_config(lambda c: _launch(*args, c), configs, expected, TOL[args[0].dtype])

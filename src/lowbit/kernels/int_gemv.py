@@ -71,6 +71,7 @@ from lowbit.errors import LowbitError
 from lowbit.kernels.int_layout import check_operands, tiled_reference
 from lowbit.kernels.split_k import split_buffers, store_output
 from lowbit.kernels.triton_support import (
+    cached_config,
     device_limits,
     resident_programs,
     split_for,
@@ -540,7 +541,5 @@ def int_gemv(
     args = (x, words, scale, zero, bias, bits, group_size, tile)
     if config is None:
         key = (m == 1, n, k, bits, group_size, tile, zero is None, x.dtype, x.device)
-        config = _TUNED.get(key)
-        if config is None:
-            config = _TUNED[key] = _choose(args, m, words.shape[1] // tile, tune)
+        config = cached_config(_TUNED, key, lambda: _choose(args, m, words.shape[1] // tile, tune))
     return _launch(*args, config)

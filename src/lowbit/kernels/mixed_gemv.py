@@ -63,6 +63,7 @@ from lowbit.errors import LowbitError
 from lowbit.kernels.mixed_layout import mixed_reference
 from lowbit.kernels.split_k import split_buffers, store_output
 from lowbit.kernels.triton_support import (
+    cached_config,
     device_limits,
     resident_programs,
     split_for,
@@ -836,9 +837,9 @@ def mixed_gemv(
         x = x.contiguous()
     if config is None:
         key = (m == 1, n, k, ops["segments"], x.dtype, x.device, asynchronous, fuse_outliers)
-        config = _TUNED.get(key)
-        if config is None:
-            config = _TUNED[key] = _choose(x, ops, bias, asynchronous, fuse_outliers, tune)
+        config = cached_config(
+            _TUNED, key, lambda: _choose(x, ops, bias, asynchronous, fuse_outliers, tune)
+        )
     return _launch(x, ops, bias, config, asynchronous, fuse_outliers)
 
 

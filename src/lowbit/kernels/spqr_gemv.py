@@ -54,6 +54,7 @@ from lowbit.errors import LowbitError
 from lowbit.formats.sparse import CSRMatrix, PTCSRMatrix
 from lowbit.formats.spqr import TILE, SpQRQuantized, unpack_words
 from lowbit.kernels.triton_support import (
+    cached_config,
     device_limits,
     resident_programs,
     split_for,
@@ -486,9 +487,7 @@ def spqr_gemv(
     args = (x, words, perm, sparse, bias, out_features)
     if config is None:
         key = (m == 1, out_features, x.shape[1], sparse[0], perm is not None, x.dtype, x.device)
-        config = _TUNED.get(key)
-        if config is None:
-            config = _TUNED[key] = _choose(args, m, words.shape[1] // TILE)
+        config = cached_config(_TUNED, key, lambda: _choose(args, m, words.shape[1] // TILE))
     return _launch(*args, config)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -42,6 +42,7 @@ __all__ = [
     "fastest_config",
     "compile_ahead",
     "capturing",
+    "cached_config",
     "time_call",
     "interpreting",
     "input_refusal",
@@ -210,6 +211,18 @@ def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph: whatever launches now lands in it,
     so tuning, profiling and references wait for a call outside the capture."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def cached_config(cache: dict, key: Hashable, choose: Callable[[], Config]) -> Config:
+    """``cache[key]``, set to ``choose()`` on the key's first call. A choice made inside a CUDA
+    graph capture (the default configuration, untimed: nothing may be launched into the graph
+    but the product) is used and not kept, so that the first call outside a capture tunes."""
+    config = cache.get(key)
+    if config is None:
+        config = choose()
+        if not capturing():
+            cache[key] = config
+    return config
 
 
 def tuned_config(
