@@ -194,7 +194,8 @@ def int_gemm(
     x = x.contiguous()
     args = (x, words, scale, zero, bias, bits, group_size, tile)
     if config is None:
-        key = (triton.next_power_of_2(m), n, k, bits, group_size, tile, zero is None, x.dtype)
+        key = (triton.next_power_of_2(m), n, k, bits, group_size, tile, zero is None, x.dtype,
+               x.device)  # fmt: skip
         config = cached_config(_TUNED, key, lambda: _choose(args, tune))
     return _launch(*args, config)
 
