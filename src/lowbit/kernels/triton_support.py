@@ -252,7 +252,7 @@ def tuned_config(
             configs.append(config)
     if not configs:
         raise LaunchRefused(f"no launch configuration runs here ({'; '.join(refused)})")
-    if len(shapes) == 1 or capturing():  # capturing: no reference launched into the graph
+    if not several:  # one shape, or capturing: no reference launched into the graph
         return configs[0]
     if compile_only is not None:
         compile_ahead(compile_only, configs)
