@@ -3,7 +3,13 @@ SASS instructions of their main loop per decoded code (Triton's bundled ptxas an
 
 A GEMV at low bits is bound by instruction issue as much as by memory: an H100 issues about
 3.3e13 thread-instructions/s, a 4-bit GEMV at 3 TB/s decodes 6e12 codes/s, so the loop must stay
-near 5 instructions per code. This counts them; it says nothing about stalls (measure on a GPU).
+near 5 instructions per code. This counts them. It also reads the scheduling controls ptxas
+gives each instruction (the scoreboards a load sets and an instruction waits on) and replays
+one loop iteration of a lone warp with every global load taking ``--latency`` cycles: how many
+times the warp waits for memory a tile, one round trip after another ("round trips"), and the
+cycles that takes. A model, not a measurement: loads that hit a cache return sooner, other
+warps issue while one waits, and copies by TMA or cp.async (in flight across iterations) are
+not counted.
 For the prefill kernel a decoded weight serves BLOCK_M rows, so its count is per BLOCK_M MACs.
 Pointers and strides are declared 16-divisible, as Triton's launcher specializes them. ::
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -141,12 +148,12 @@ def compile_spqr_dense_kernel(arch, block_tr=2, block_g=4):
                        "stride_on"], constants, arch, num_warps=4)  # fmt: skip
 
 
-def spqr_table(arch: int) -> None:
+def spqr_table(arch: int, latency: int) -> None:
     """Instructions per decoded 3-bit code of the SpQR kernel's main loop (one chunk of
-    ``BLOCK_TR`` x 16 rows x ``BLOCK_G`` tiles per iteration)."""
+    ``BLOCK_TR`` x 16 rows x ``BLOCK_G`` tiles per iteration), and its round trips a chunk."""
     print("| kernel | x | BLOCK_M | BLOCK_TR | BLOCK_G | warps | loop instrs | per code | "
-          "most frequent |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "round trips per chunk | lone-warp cycles per chunk | most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for block_m, block_tr, block_g, warps, dtype in (
         (1, 4, 8, 4, "fp16"), (1, 8, 8, 4, "fp16"), (1, 8, 8, 4, "bf16"), (1, 16, 8, 4, "fp16"),
         (16, 4, 16, 4, "fp16"), (16, 8, 16, 4, "fp16"),
@@ -155,8 +162,10 @@ def spqr_table(arch: int) -> None:
         ops = loop_instructions(kernel.asm["cubin"])
         codes_per_thread = block_tr * 16 * block_g * 16 / (32 * warps)
         top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
+        trips, cycles = memory_round_trips(kernel.asm["cubin"], latency)
         print(f"| spqr | {dtype} | {block_m} | {block_tr} | {block_g} | {warps} | {len(ops)} | "
-              f"{len(ops) / codes_per_thread:.1f} | {top} |", flush=True)  # fmt: skip
+              f"{len(ops) / codes_per_thread:.1f} | {trips} | {cycles} | {top} |",
+              flush=True)  # fmt: skip
 
 
 def split_sum_table(arch: int, splits: int = 32) -> None:
@@ -192,15 +201,70 @@ _OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+
 
 
 def _disassembly(cubin: bytes) -> list[str]:
-    """The SASS of a cubin, one line per instruction or label (Triton's bundled nvdisasm)."""
+    """The SASS of a cubin, one line per instruction or label (Triton's bundled nvdisasm),
+    each instruction followed by a line with the upper half of its 128-bit encoding."""
     import triton
 
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        run = subprocess.run([nvdisasm, f.name], capture_output=True, text=True)
+        run = subprocess.run([nvdisasm, "-hex", f.name], capture_output=True, text=True)
     return run.stdout.splitlines()
+
+
+#: the upper half of an instruction's encoding, on the line after it (``nvdisasm -hex``)
+_UPPER = re.compile(r"^\s+/\* 0x([0-9a-f]{16}) \*/\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """An instruction with the controls ptxas encodes in bits 105-125 of it (Volta and later):
+    the cycles to stall before the next one issues, the scoreboard (0-5, or None) it releases
+    when its result is written and when its operands have been read, and the scoreboards it
+    waits on before it issues (a bit mask)."""
+
+    opcode: str  # with modifiers: LDG.E.128
+    stall: int
+    writes: int | None
+    reads: int | None
+    waits: int
+
+
+def _scheduled(lines: list[str]) -> list[Scheduled]:
+    out = []
+    for line, upper in zip(lines, lines[1:], strict=False):
+        if (m := _OPCODE.match(line)) and (u := _UPPER.match(upper)):
+            controls = int(u.group(1), 16) >> 41
+            writes, reads = (controls >> 5) & 7, (controls >> 8) & 7
+            out.append(Scheduled(m.group(1), controls & 15, writes if writes < 6 else None,
+                                 reads if reads < 6 else None, (controls >> 11) & 63))  # fmt: skip
+    return out
+
+
+def memory_round_trips(cubin: bytes, latency: int = 800) -> tuple[float, int]:
+    """``(round trips, cycles)`` of one iteration of the longest loop for a warp alone on its
+    scheduler, every global load (``LDG``) ``latency`` cycles, other variable-latency
+    instructions 20, operand reads 15: the in-order replay of the loop's scheduling controls,
+    the fourth iteration (a load issued in one iteration and used in the next counts there).
+    A round trip is a wait of more than a quarter of ``latency``; loads issued together wait
+    once, a load issued only once another has arrived waits again."""
+    body = _scheduled(_loop_lines(cubin))
+    now, ready, trips, start = 0, [0] * 6, 0, 0
+    for _ in range(4):  # the fourth iteration is the one measured
+        start, trips = now, 0
+        for ins in body:
+            due = max([ready[b] for b in range(6) if ins.waits >> b & 1], default=now)
+            if due - now > latency // 4:
+                trips += 1
+            now = max(now, due)
+            if ins.writes is not None:
+                done = now + (latency if ins.opcode.startswith("LDG") else 20)
+                ready[ins.writes] = max(ready[ins.writes], done)
+            if ins.reads is not None:
+                ready[ins.reads] = max(ready[ins.reads], now + 15)
+            now += max(ins.stall, 1)
+    return trips, now - start
 
 
 def split_sum_loads(cubin: bytes) -> tuple[int, int]:
@@ -213,9 +277,8 @@ def split_sum_loads(cubin: bytes) -> tuple[int, int]:
     return len(loads), sum(i < first_add for i in loads)
 
 
-def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
-    """Opcodes of the longest backward-branch loop of a cubin (``suffixes``: with their
-    modifiers, ``LDG.E.128``)."""
+def _loop_lines(cubin: bytes) -> list[str]:
+    """The disassembly's lines of the longest backward-branch loop of a cubin."""
     lines = _disassembly(cubin)
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line)}
     best: list[str] = []
@@ -224,8 +287,14 @@ def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
         # out-of-line block (a TMA wait spinning on its barrier) into the loop
         match = re.search(r"@!?U?P\w+\s+BRA `\((\.L_x_\d+)\)", line)
         if match and labels.get(match.group(1), i) < i and i - labels[match.group(1)] > len(best):
-            best = lines[labels[match.group(1)] : i + 1]
-    ops = [m.group(1) for line in best if (m := _OPCODE.match(line))]
+            best = lines[labels[match.group(1)] : i + 2]  # (and the branch's encoding)
+    return best
+
+
+def loop_instructions(cubin: bytes, suffixes: bool = False) -> list[str]:
+    """Opcodes of the longest backward-branch loop of a cubin (``suffixes``: with their
+    modifiers, ``LDG.E.128``)."""
+    ops = [m.group(1) for line in _loop_lines(cubin) if (m := _OPCODE.match(line))]
     return ops if suffixes else [op.split(".")[0] for op in ops]
 
 
@@ -250,6 +319,12 @@ def main() -> None:
     parser.add_argument("--spqr", action="store_true", help="the SpQR kernel's table instead")
     parser.add_argument("--split-sums", action="store_true",
                         help="how each GEMV's last program loads the split-K partials instead")  # fmt: skip
+    parser.add_argument(
+        "--latency",
+        type=int,
+        default=800,
+        help="cycles a global load takes in the round-trip model (default 800)",
+    )
     parser.add_argument("--even-k", action="store_true",
                         help="decode kernels compiled for K a multiple of the tile's codes "
                              "(unmasked activation loads, as the launcher picks for such K)")  # fmt: skip
@@ -257,14 +332,15 @@ def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     print(compiler_line(args.arch))
     if args.spqr:
-        spqr_table(args.arch)
+        spqr_table(args.arch, args.latency)
         return
     if args.split_sums:
         split_sum_table(args.arch)
         return
     print("| kernel | bits | x | zeros | BLOCK_M | BLOCK_N | warps | stages | shared bytes | "
-          "loop instrs | per code | barriers per tile | words loaded at | most frequent |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "loop instrs | per code | barriers per tile | words loaded at | round trips per tile | "
+          "lone-warp cycles per tile | most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     runs = [("decode", bm, bn, w, "fp16", sym, 1)
             for bm, bn, w in ((1, 64, 4), (1, 128, 4)) for sym in (True, False)]  # fmt: skip
     # the pipelined tile loop (TMA from sm_90), 3 and 4 stages
@@ -293,11 +369,12 @@ def main() -> None:
             codes_per_thread = tiles * block_n * 32 * (32 // bits) / (32 * warps)
             barriers = sum(op == "BAR" for op in ops) / tiles
             loads = ", ".join(map(str, word_load_positions(full))) if name == "decode" else "-"
+            trips, cycles = memory_round_trips(kernel.asm["cubin"], args.latency)
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
             print(f"| {name} | {bits} | {dtype} | {'no' if sym else 'yes'} | {block_m} | "
                   f"{block_n} | {warps} | {stages} | {kernel.metadata.shared} | {len(ops)} | "
                   f"{len(ops) / codes_per_thread:.2f} | {barriers:g} | {loads or '-'} | "
-                  f"{top} |", flush=True)  # fmt: skip
+                  f"{trips / tiles:g} | {cycles / tiles:.0f} | {top} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

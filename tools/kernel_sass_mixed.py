@@ -20,7 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_sass import compile_for, compiler_line, loop_instructions  # noqa: E402
+from kernel_sass import (  # noqa: E402
+    compile_for,
+    compiler_line,
+    loop_instructions,
+    memory_round_trips,
+)
 
 _POINTERS = {
     "primary_ptr": "*i32", "secondary_ptr": "*i32", "stats2_ptr": "*i16", "stats4_ptr": "*u8",
@@ -69,12 +74,18 @@ def compile_mixed_dequant(arch):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument(
+        "--latency",
+        type=int,
+        default=800,
+        help="cycles a global load takes in the round-trip model (default 800)",
+    )
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     print(compiler_line(args.arch))
     print("| kernel | x | schedule | outliers | BLOCK_N | T | warps | loop instrs | per code | "
-          "most frequent |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "round trips per step | lone-warp cycles per step | most frequent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     runs = [(1, bn, 2, w, a, True, "fp16") for bn, w in ((128, 1), (256, 2)) for a in (True, False)]
     runs += [(1, 128, 2, 1, True, False, "fp16"), (1, 128, 2, 1, True, True, "bf16")]
     runs += [(16, 64, 16, 4, True, True, "fp16")]
@@ -87,11 +98,13 @@ def main() -> None:
         else:  # a tile: T words of 64 codes for BLOCK_N rows
             codes_per_thread = block_n * tile * 64 / (32 * warps)
         top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(6))
+        trips, cycles = memory_round_trips(kernel.asm["cubin"], args.latency)
         name = "gemv M=1" if block_m == 1 else "M<=16 (tl.dot)"
         schedule = "async" if asynchronous else "sync"
         print(
             f"| {name} | {dtype} | {schedule} | {'fused' if fuse else 'none'} | {block_n} | "
-            f"{tile} | {warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | {top} |",
+            f"{tile} | {warps} | {len(ops)} | {len(ops) / codes_per_thread:.2f} | {trips} | "
+            f"{cycles} | {top} |",
             flush=True,
         )
 
