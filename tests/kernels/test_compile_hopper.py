@@ -30,7 +30,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from kernel_sass import (compile_decode_kernel, compile_dequant_kernel, compile_prefill_kernel,
                          compile_spqr_dense_kernel, compile_spqr_kernel, loop_instructions,
-                         split_sum_loads, word_load_positions)
+                         memory_round_trips, split_sum_loads, word_load_positions)
 from kernel_sass_mixed import compile_mixed, compile_mixed_dequant
 
 kernels = {
@@ -74,6 +74,12 @@ loops["split sums"] = [
     split_sum_loads(compile_mixed(1, 128, 2, 1, True, True, 90, split_k=32).asm["cubin"]),
     split_sum_loads(compile_decode_kernel(4, 1, 128, 4, 90, split_k=32).asm["cubin"]),
 ]
+# how often a lone warp waits for memory a tile, one round trip after another (the model of
+# tools/kernel_sass.py), 4-bit g128 whole tiles at M = 1 and 16
+loops["round trips"] = [
+    memory_round_trips(compile_decode_kernel(4, m, 128, 4, 90, even_k=True).asm["cubin"])[0]
+    for m in (1, 16)
+]
 print(json.dumps(loops))
 """
 
@@ -89,7 +95,11 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 15
+    assert len(loops) == 16
+    # a tile's scales loaded with its words (M = 1) and every slot's x before the first slot's
+    # barriers (M = 16): measured [2, 2], [4, 9] when each was loaded where it is used
+    trips = loops.pop("round trips")
+    assert trips[0] <= 2 and trips[1] <= 2, trips
     # 32 splits x 4 rows a thread (2/4/16) and x 1 (integer), all loaded before they are
     # summed: as a loop over the splits, LLVM unrolled the integer one but left 2/4/16's
     # rolled, a load and a wait for it per split ([4, 4]: the loop body's loads)

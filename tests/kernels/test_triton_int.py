@@ -44,13 +44,20 @@ DTYPES = [torch.float16, torch.bfloat16]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 # (bits, group, symmetric, K): every width, sym/asym, groups of 32 (K = 160: five groups, the
-# last tile partial) and per channel (K = 96), plus 64-groups and 16-groups (16-word tiles)
+# last tile partial) and per channel (K = 96), plus 64-groups and 16-groups (16-word tiles);
+# and the groups whose scales (and zeros) a tile loads before it decodes: two groups a tile
+# (128 in 32-word 4-bit tiles, 64 in 16-word ones), one (128 in 16-word tiles, 8-bit 128 in
+# 32-word ones), and one every other tile (512 in 32-word 4-bit tiles)
 FORMATS = [
     *[(b, 32, sym, 160) for b in (2, 3, 4, 8) for sym in (True, False)],
     *[(b, None, sym, 96) for b in (2, 3, 4, 8) for sym in (True, False)],
     (4, 64, False, 128),
     (8, 16, True, 96),
     (3, 16, False, 160),
+    (4, 128, True, 512),
+    (4, 128, False, 640),
+    (8, 128, False, 256),
+    (4, 512, False, 1024),
 ]
 
 
@@ -267,21 +274,25 @@ def test_the_wrappers_refuse_bad_calls_in_a_sentence():
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("bits, symmetric", [(4, True), (3, False), (2, False)])
-def test_the_pipelined_tile_loop_computes_the_unpipelined_product(bits, symmetric, stages):
+@pytest.mark.parametrize(
+    "bits, symmetric, group", [(4, True, 32), (3, False, 32), (2, False, 32), (4, False, 128)]
+)
+def test_the_pipelined_tile_loop_computes_the_unpipelined_product(bits, symmetric, group, stages):
     """STAGES > 1 only changes when the tile loop's words are loaded (2: the next tile's into
     registers, two tiles a step; 3 and 4: copied into shared memory, by TMA descriptors, which
     the interpreter emulates, 37 rows in blocks of 32: the second block's rows past N read as
     zeros); the sums, their order and so the outputs are the same bit for bit. K = 800 in groups of 32: 7 tiles at 4 bits, 5 at 3,
     4 at 2; over 2 splits (the last one short) and over 1 (two tiles a step: an odd count
     rounds up to a step past the last tile, which adds nothing). K = 768: whole tiles (3 at 4
-    bits), whose last split runs past the last one (x masked by tile or the step skipped)."""
-    for k in (800, 768):
-        _check_pipelined_product(bits, symmetric, stages, k)
+    bits), whose last split runs past the last one (x masked by tile or the step skipped).
+    Groups of 128 (zeros and scales loaded as a tile starts): K = 768 in three 32-word tiles
+    of two groups each, K = 640 in five 16-word tiles of one."""
+    for k in (800, 768) if group == 32 else (768, 640):
+        _check_pipelined_product(bits, symmetric, stages, k, group)
 
 
-def _check_pipelined_product(bits, symmetric, stages, k):
-    fast, _ = _layers(bits, 32, symmetric, k)
+def _check_pipelined_product(bits, symmetric, stages, k, group):
+    fast, _ = _layers(bits, group, symmetric, k)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
     fast(x[:1])  # prepares the layout
     tensors, static = _operands(fast)

@@ -88,14 +88,6 @@ TUNE = os.environ.get("LOWBIT_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
-def _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET: tl.constexpr):
-    """``acc + s * acc_group`` for one group (``[BLOCK_N, ...]``), the scales loaded in the
-    accumulator's row layout (:func:`_load_rows`)."""
-    scale = _load_rows(scale_rows + group * stride_sg, INTERPRET)
-    return acc + acc_group * scale.to(tl.float32)[:, None]
-
-
-@triton.jit
 def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr,
             PAST_END: tl.constexpr, INLINE: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """``x_tile[J0 + offs_w]`` as fp32, 0 past K (``k_left`` columns from ``x_tile`` are
@@ -123,42 +115,60 @@ def _load_x(x_tile, J0: tl.constexpr, offs_w, k_left, EVEN_K: tl.constexpr,
 
 
 @triton.jit
-def _load_rows(ptrs, INTERPRET: tl.constexpr):
+def _load_rows(ptrs, INTERPRET: tl.constexpr, ORDERED: tl.constexpr = False):
     """``*ptrs`` (every pointer valid) in the layout its consumer gives ``ptrs``. A ``tl.load``
     of a ``[BLOCK_N]`` vector is coalesced to one row per thread, and moving it to the
     accumulator's rows then takes shared memory and two barriers; inline PTX is not coalesced:
-    each thread loads its own rows (a global load per row, from L1 for the threads sharing it)."""
+    each thread loads its own rows (a global load per row, from L1 for the threads sharing it).
+    ``ORDERED``: a coherent load (``ld.global``), which ptxas keeps above a later store
+    (:func:`_keep_loads_above`); a non-coherent one (``.nc``, read-only data) it moves freely."""
     if INTERPRET:
         return tl.load(ptrs)
-    elif ptrs.dtype.element_ty.primitive_bitwidth == 8:
+    BITS: tl.constexpr = ptrs.dtype.element_ty.primitive_bitwidth
+    if BITS == 8 and ORDERED:
+        value = tl.inline_asm_elementwise("ld.global.u8 $0, [$1];", "=r,l", [ptrs],
+                                          dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    elif BITS == 8:
         value = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs],
                                           dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
-        return value.to(ptrs.dtype.element_ty)
-    elif ptrs.dtype.element_ty.primitive_bitwidth == 16:
-        return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs],
-                                         dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
+    elif BITS == 16 and ORDERED:
+        value = tl.inline_asm_elementwise("ld.global.b16 $0, [$1];", "=h,l", [ptrs],
+                                          dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
+    elif BITS == 16:
+        value = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs],
+                                          dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
+    elif ORDERED:
+        value = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs],
+                                          dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
     else:
-        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
-                                         dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
+        value = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
+                                          dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
+    return value.to(ptrs.dtype.element_ty)
 
 
 @triton.jit
-def _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows, group,
-                     stride_sg, stride_zg, SYMMETRIC: tl.constexpr, BITS: tl.constexpr,
-                     SUB_SHIFT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+def _group_offsets(scale_rows, zero_rows, group, stride_sg, stride_zg, SYMMETRIC: tl.constexpr,
+                   BITS: tl.constexpr, INTERPRET: tl.constexpr, ORDERED: tl.constexpr = False):  # fmt: skip
+    """``(scale, offset)`` ``[BLOCK_N]`` fp32 of a group: its scales, and its zeros or the
+    symmetric codes' ``2**(BITS - 1)`` (``ORDERED``: see :func:`_load_rows`)."""
+    scale = _load_rows(scale_rows + group * stride_sg, INTERPRET, ORDERED).to(tl.float32)
+    if SYMMETRIC:
+        offset = tl.full(scale.shape, 1 << (BITS - 1), tl.float32)
+    else:
+        offset = _load_rows(zero_rows + group * stride_zg, INTERPRET, ORDERED).to(tl.float32)
+    return scale, offset
+
+
+@triton.jit
+def _flush_offsets(acc, acc_off, acc_group, x_cols, scale, offset, SUB_SHIFT: tl.constexpr):
     """One group of the GEMV (M = 1) that applies offsets per row: ``acc_group`` holds the
     unsigned ``sum code * x * 2**-SUB_SHIFT`` per element (``SUB_SHIFT`` 49 for fp16 x, 85 for
     bf16: the subnormal codes' scale) and ``x_cols`` the group's ``x`` per column; the scale
-    multiplies the elements, the offset (``8`` symmetric, else the zero) goes to the per-row
-    ``acc_off`` through the group's scalar ``sum x``:
+    ``[BLOCK_N]`` multiplies the elements, the offset (``8`` symmetric, else the zero) goes to
+    the per-row ``acc_off`` through the group's scalar ``sum x``:
     ``acc + s * acc_group``, ``acc_off - s * z * sum x * 2**-SUB_SHIFT``."""
-    scale = _load_rows(scale_rows + group * stride_sg, INTERPRET).to(tl.float32)
     x_sum = tl.sum(tl.sum(x_cols, axis=1), axis=0) * (1.0 / (1 << SUB_SHIFT))  # exact scaling
-    if SYMMETRIC:
-        acc_off -= scale * (x_sum * (1 << (BITS - 1)))
-    else:
-        zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
-        acc_off -= scale * (zero.to(tl.float32) * x_sum)
+    acc_off -= scale * (offset * x_sum)
     return acc + acc_group * scale[:, None], acc_off
 
 
@@ -173,8 +183,8 @@ def _keep_loads_above(out_ptr, K):
 
 
 @triton.jit
-def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows, offs_w,
-               offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
+def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows, zero_rows,
+               offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_K: tl.constexpr, PAST_END: tl.constexpr, SUBNORMAL: tl.constexpr,
@@ -199,6 +209,34 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
         x_tile = x_ptr + tl.minimum(t * TILE_K, K - TILE_K)
     else:
         x_tile = x_ptr + t * TILE_K  # the tile's first column
+    # the scales (and zeros) of the groups that end in this tile (ENDS of them, at slots known
+    # at compile time) loaded before any of it is decoded, and at M = 1 kept above the decode
+    # with the words and x loaded so far (at M = 16 the barriers keep them): loaded where a
+    # group ends, they took a round trip to memory each, in series with the words'
+    # (tools/kernel_sass.py, its round trips)
+    ENDS: tl.constexpr = (TILE_K // GROUP_SIZE if TILE_K % GROUP_SIZE == 0 else
+                          (1 if GROUP_SIZE % TILE_K == 0 else 0))  # fmt: skip
+    PRELOAD: tl.constexpr = ENDS == 1 or ENDS == 2
+    if PRELOAD:
+        first_end = (t * TILE_K + tl.minimum(GROUP_SIZE, TILE_K) - 1) // GROUP_SIZE
+        first_end = tl.minimum(first_end, (K - 1) // GROUP_SIZE)  # (a tile past K: clamped)
+        scale_a, offset_a = _group_offsets(scale_rows, zero_rows, first_end, stride_sg,
+                                           stride_zg, SYMMETRIC, BITS, INTERPRET, True)  # fmt: skip
+        if ENDS == 2:
+            second_end = tl.minimum(first_end + 1, (K - 1) // GROUP_SIZE)
+            scale_b, offset_b = _group_offsets(scale_rows, zero_rows, second_end, stride_sg,
+                                               stride_zg, SYMMETRIC, BITS, INTERPRET, True)  # fmt: skip
+        if BLOCK_M == 1:
+            _keep_loads_above(out_ptr, K)
+    if BLOCK_M > 1:
+        # every slot's x loaded before any slot is decoded: loaded in its slot, each waited a
+        # round trip of its own, since ptxas keeps a load below the barriers of the slot
+        # before (the dot's operands staged in shared memory)
+        xs = ()
+        for j in tl.static_range(PPW):
+            offs_k = t * TILE_K + j * TILE_WORDS + offs_w  # [TILE_WORDS]
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            xs = xs + (tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0),)
     for j in tl.static_range(PPW):
         k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
         offs_k = k0 + offs_w  # [TILE_WORDS]
@@ -207,6 +245,13 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
             pass
         elif SYMMETRIC:
             offset = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+        elif PRELOAD and (j == 0 or (j * TILE_WORDS) % GROUP_SIZE == 0):
+            # the slot starts a group, one of those that end in this tile (ENDS == 2: the
+            # second from the slot at GROUP_SIZE)
+            if ENDS == 2 and j * TILE_WORDS >= GROUP_SIZE:
+                offset = offset_b + 8388608.0
+            else:
+                offset = offset_a + 8388608.0
         elif j == 0 or not SAME_GROUP or (j * TILE_WORDS) % GROUP_SIZE == 0:
             # the slot starts a group (or may): its zeros, kept for the group's next slots
             zero = _load_rows(zero_rows + group * stride_zg, INTERPRET)
@@ -253,20 +298,25 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zer
                             INLINE_X, INTERPRET)  # fmt: skip
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
         if BLOCK_M > 1:
-            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+            x = xs[j]  # [BLOCK_M, TILE_WORDS]
             if INTERPRET:  # the interpreter's bf16 dot is wrong: exact fp32 operands
                 acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
             else:  # |code - zero| <= 255: exact in fp16 and bf16
                 acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
-        if (k0 + TILE_WORDS) % GROUP_SIZE == 0 and SUBNORMAL:
-            acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows,
-                                            zero_rows, group, stride_sg, stride_zg,
-                                            SYMMETRIC, BITS, SHIFT, INTERPRET)  # fmt: skip
-            acc_group = tl.zeros_like(acc)
-            x_cols = tl.zeros_like(x_cols)
-        elif (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
-            acc = _flush_group(acc, acc_group, scale_rows, group, stride_sg, INTERPRET)
+        if (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
+            if not PRELOAD:
+                end_scale, end_offset = _group_offsets(scale_rows, zero_rows, group, stride_sg,
+                                                       stride_zg, SYMMETRIC, BITS, INTERPRET)  # fmt: skip
+            elif ENDS == 2 and (j + 1) * TILE_WORDS > GROUP_SIZE:
+                end_scale, end_offset = scale_b, offset_b
+            else:
+                end_scale, end_offset = scale_a, offset_a
+            if SUBNORMAL:
+                acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, end_scale,
+                                              end_offset, SHIFT)  # fmt: skip
+                x_cols = tl.zeros_like(x_cols)
+            else:
+                acc += acc_group * end_scale[:, None]
             acc_group = tl.zeros_like(acc)
     return acc, acc_group, x_cols, acc_off
 
@@ -341,8 +391,8 @@ def _int_gemv_kernel(
             _keep_loads_above(out_ptr, K)
             if t < K_TILES:
                 acc, acc_group, x_cols, acc_off = _gemv_tile(
-                    words_a, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
-                    offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
+                    words_a, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows,
+                    zero_rows, offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
                     low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K,
                     False, SUBNORMAL, SHIFT, False, INTERPRET,
                 )  # fmt: skip
@@ -353,7 +403,7 @@ def _int_gemv_kernel(
             _keep_loads_above(out_ptr, K)
             if t + 1 < K_TILES:
                 acc, acc_group, x_cols, acc_off = _gemv_tile(
-                    words_b, t + 1, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows,
+                    words_b, t + 1, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows,
                     zero_rows, offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
                     low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N,
                     EVEN_K, False, SUBNORMAL, SHIFT, False, INTERPRET,
@@ -370,21 +420,21 @@ def _int_gemv_kernel(
             else:
                 words = tl.load(w_rows + tl.minimum(t, K_TILES - 1) * TILE_WORDS)
             acc, acc_group, x_cols, acc_off = _gemv_tile(
-                words, t, acc, acc_group, x_cols, acc_off, x_ptr, scale_rows, zero_rows,
+                words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows, zero_rows,
                 offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                 BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K, PAST_END,
                 SUBNORMAL, SHIFT, STAGES > 2, INTERPRET,
             )  # fmt: skip
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
+    scale, offset = _group_offsets(scale_rows, zero_rows, last // GROUP_SIZE, stride_sg,
+                                   stride_zg, SYMMETRIC, BITS, INTERPRET)  # fmt: skip
     if SUBNORMAL:
-        acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale_rows, zero_rows,
-                                        last // GROUP_SIZE, stride_sg, stride_zg, SYMMETRIC, BITS,
-                                        SHIFT, INTERPRET)  # fmt: skip
+        acc, acc_off = _flush_offsets(acc, acc_off, acc_group, x_cols, scale, offset, SHIFT)
         out = (tl.sum(acc, axis=1) + acc_off) * (1.0 * (1 << SHIFT))  # [BLOCK_N], exact
         out = out[:, None]  # [BLOCK_N, 1]
     else:
-        acc = _flush_group(acc, acc_group, scale_rows, last // GROUP_SIZE, stride_sg, INTERPRET)
+        acc += acc_group * scale[:, None]
         if BLOCK_M == 1:
             out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
         else:
