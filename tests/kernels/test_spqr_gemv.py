@@ -16,6 +16,7 @@ from lowbit.algorithms.spqr import SpQRSpec  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.kernels.spqr_gemv import (  # noqa: E402
     _launch,
+    aligned_permutation,
     sparse_operands,
     spqr_dequantize_dense,
     spqr_gemv,
@@ -175,6 +176,25 @@ def test_prefill_multiplies_by_the_references_weight(dtype, sparse):
     weight = (dense + q.outliers.to_dense(torch.float32)).to(dtype)
     want = F.linear(x[:, perm.long()], weight, bias)
     assert torch.equal(spqr_product(x, prepared, bias, n), want)
+
+
+def test_a_permutation_the_gemv_cannot_load_by_16_bytes_is_copied():
+    """The GEMV loads the permutation four entries at a time (16-byte vector loads on the GPU):
+    a view that starts 4 bytes into its buffer, or strided, is copied to one that can be
+    (same entries); an aligned contiguous one is taken as it is; the product is the same."""
+    q = _weight(48, 64, seed=9)
+    perm = q.perm_index().to(torch.int32)
+    aligned = aligned_permutation(perm)
+    assert aligned is perm
+    shifted = torch.zeros(65, dtype=torch.int32, device=DEVICE)[1:].copy_(perm)  # 4 bytes in
+    strided = torch.zeros(128, dtype=torch.int32, device=DEVICE)[::2].copy_(perm)
+    for view in (shifted, strided):
+        copy = aligned_permutation(view)
+        assert copy.data_ptr() % 16 == 0 and copy.is_contiguous() and torch.equal(copy, perm)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE).half()
+    want = spqr_gemv(x, q.words(), perm, q.outliers, None, out_features=48)
+    got = spqr_gemv(x, q.words(), shifted, q.outliers, None, out_features=48)
+    assert torch.equal(got, want)
 
 
 def test_bad_operands_are_one_sentence():

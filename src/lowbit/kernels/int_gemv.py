@@ -73,6 +73,7 @@ from lowbit.kernels.split_k import split_buffers, store_output
 from lowbit.kernels.triton_support import (
     cached_config,
     device_limits,
+    keep_loads_above,
     resident_programs,
     split_for,
     tuned_config,
@@ -121,7 +122,7 @@ def _load_rows(ptrs, INTERPRET: tl.constexpr, ORDERED: tl.constexpr = False):
     accumulator's rows then takes shared memory and two barriers; inline PTX is not coalesced:
     each thread loads its own rows (a global load per row, from L1 for the threads sharing it).
     ``ORDERED``: a coherent load (``ld.global``), which ptxas keeps above a later store
-    (:func:`_keep_loads_above`); a non-coherent one (``.nc``, read-only data) it moves freely."""
+    (:func:`keep_loads_above`); a non-coherent one (``.nc``, read-only data) it moves freely."""
     if INTERPRET:
         return tl.load(ptrs)
     BITS: tl.constexpr = ptrs.dtype.element_ty.primitive_bitwidth
@@ -173,16 +174,6 @@ def _flush_offsets(acc, acc_off, acc_group, x_cols, scale, offset, SUB_SHIFT: tl
 
 
 @triton.jit
-def _keep_loads_above(out_ptr, K):
-    """A store that never runs (``K >= 1`` whenever a kernel runs): the loads issued before it
-    stay above it, since ptxas does not move a load across a store it cannot prove disjoint.
-    Without it ptxas schedules a prefetch just before its first use, in the next step, even
-    with registers to spare (``tools/kernel_sass.py`` prints where each loop loads its words;
-    Triton 3.6's and 3.9's ptxas alike)."""
-    tl.store(out_ptr, 0.0, mask=K < 0)
-
-
-@triton.jit
 def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows, zero_rows,
                offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -227,7 +218,7 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
             scale_b, offset_b = _group_offsets(scale_rows, zero_rows, second_end, stride_sg,
                                                stride_zg, SYMMETRIC, BITS, INTERPRET, True)  # fmt: skip
         if BLOCK_M == 1:
-            _keep_loads_above(out_ptr, K)
+            keep_loads_above(out_ptr, K)
     if BLOCK_M > 1:
         # every slot's x loaded before any slot is decoded: loaded in its slot, each waited a
         # round trip of its own, since ptxas keeps a load below the barriers of the slot
@@ -380,7 +371,7 @@ def _int_gemv_kernel(
     if STAGES == 2:
         # two tiles a step (TILES_PER_SPLIT is even), each one's words loaded while the other
         # decodes. Each decode is its own block (a branch, which also skips the last split's
-        # tiles past K), and each load is kept above it (_keep_loads_above): ptxas moves a load
+        # tiles past K), and each load is kept above it (keep_loads_above): ptxas moves a load
         # across neither, so the loads are issued as the step and its second half begin. (A
         # loop-carried prefetch would share the words' registers, and ptxas would issue it once
         # they are dead, at the loop's end.)
@@ -388,7 +379,7 @@ def _int_gemv_kernel(
         for i in tl.range(0, TILES_PER_SPLIT, 2):
             t = t_first + i
             words_b = tl.load(w_rows + tl.minimum(t + 1, K_TILES - 1) * TILE_WORDS)
-            _keep_loads_above(out_ptr, K)
+            keep_loads_above(out_ptr, K)
             if t < K_TILES:
                 acc, acc_group, x_cols, acc_off = _gemv_tile(
                     words_a, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows,
@@ -400,7 +391,7 @@ def _int_gemv_kernel(
             # the interpreter takes no scalar mask)
             more = tl.zeros((BLOCK_N, TILE_WORDS), tl.int32) + t + 2 < t_first + TILES_PER_SPLIT
             words_a = tl.load(w_rows + tl.minimum(t + 2, K_TILES - 1) * TILE_WORDS, mask=more)
-            _keep_loads_above(out_ptr, K)
+            keep_loads_above(out_ptr, K)
             if t + 1 < K_TILES:
                 acc, acc_group, x_cols, acc_off = _gemv_tile(
                     words_b, t + 1, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows,

@@ -157,14 +157,49 @@ if triton is not None:
         return bits.to(tl.float16, bitcast=True) - 1024.0
 
     @triton.jit
-    def _gather_x(x_ptr, perm_ptr, k, mask, stride_xm, offs_m, mask_m, HAS_PERM: tl.constexpr):
-        """``x[m, perm[k]]``: ``k`` ``[G]`` column indices in stored order → ``[G, BLOCK_M]``."""
-        if HAS_PERM:
-            src = tl.load(perm_ptr + k, mask=mask, other=0)
+    def _gather_inputs(x_ptr, perm_ptr, out_ptr, first, K, stride_xm, offs_m, mask_m,
+                       HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       INTERPRET: tl.constexpr):  # fmt: skip
+        """The inputs of the 16 columns ``first + i`` (``first`` the stored columns of code 0:
+        ``[1, 1, G]`` at M = 1, ``[G]`` for the 16-row kernel) as a 16-tuple of ``x[perm[k]]``
+        (``[1, 1, G]``) or ``x[m, perm[k]]`` (``[G, BLOCK_M]``), 0 past K; all 16 entries of
+        the permutation are loaded before any input (at M = 1 kept there by a store that never
+        runs: ptxas gave them one register and so issued each after the last had arrived)."""
+        srcs = ()
+        if HAS_PERM and EVEN_K and BLOCK_M == 1 and not INTERPRET:
+            # four 16-byte loads: ptxas gave 16 scalar loads one register and so issued each
+            # after the last had arrived (kept above the inputs' loads as well, by a store
+            # that never runs, they save another two round trips a chunk, but Triton 3.9's
+            # ptxas then spills a register)
+            for q in tl.static_range(4):
+                srcs = srcs + tl.inline_asm_elementwise(
+                    "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                    [perm_ptr + first + 4 * q], dtype=(tl.int32,) * 4, is_pure=True, pack=1,
+                )  # fmt: skip
         else:
-            src = k
-        ptrs = x_ptr + offs_m[None, :] * stride_xm + src[:, None]
-        return tl.load(ptrs, mask=mask[:, None] & mask_m[None, :], other=0.0)
+            for i in tl.static_range(16):
+                k = first + i
+                if HAS_PERM and EVEN_K:
+                    srcs = srcs + (tl.load(perm_ptr + k),)
+                elif HAS_PERM:
+                    srcs = srcs + (tl.load(perm_ptr + k, mask=k < K, other=0),)
+                else:
+                    srcs = srcs + (k,)
+        xs = ()
+        for i in tl.static_range(16):
+            k_ok = first + i < K
+            if BLOCK_M == 1:  # [1, 1, G]
+                if EVEN_K:  # no padded columns (and every chunk whole): no masks
+                    xs = xs + (tl.load(x_ptr + srcs[i]),)
+                else:
+                    xs = xs + (tl.load(x_ptr + srcs[i], mask=k_ok, other=0.0),)
+            else:  # [G, BLOCK_M]
+                ptrs = x_ptr + offs_m[None, :] * stride_xm + srcs[i][:, None]
+                if EVEN_K:  # every column real: only the rows are masked
+                    xs = xs + (tl.load(ptrs, mask=mask_m[None, :], other=0.0),)
+                else:
+                    xs = xs + (tl.load(ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0),)
+        return xs
 
     @triton.jit
     def _spqr_gemv_kernel(
@@ -214,20 +249,25 @@ if triton is not None:
             lo = words.to(tl.int32)  # truncation: bits 0-31
             hi = (words >> 32).to(tl.int32)  # bits 32-63 (62-63 are zero)
             scale, zero = _tile_statistics(lo, hi, r3)  # [TR, 16, G] fp16
+            # every column's input loaded before any code is decoded, the permutation's
+            # entries first: loaded code by code, each of the 16 waited for its round trips in
+            # turn (ptxas issues a load where the program has it, and an input's address needs
+            # its entry; tools/kernel_sass.py --spqr, its round trips)
+            if BLOCK_M == 1:
+                xs = _gather_inputs(x_ptr, perm_ptr, out_ptr, g3 * 16, K, 0, offs_m, mask_m,
+                                    HAS_PERM, EVEN_K, BLOCK_M, INTERPRET)  # fmt: skip
+            else:
+                xs = _gather_inputs(x_ptr, perm_ptr, out_ptr, g * 16, K, stride_xm, offs_m,
+                                    mask_m, HAS_PERM, EVEN_K, BLOCK_M, INTERPRET)  # fmt: skip
             if BLOCK_M == 1:
                 # inputs as [1, 1, G] tensors: loaded in the words' layout, no conversion
                 partial = tl.zeros((BLOCK_TR, 16, BLOCK_G), dtype=tl.float32)
                 sum_x = tl.zeros((1, 1, BLOCK_G), dtype=tl.float32)
+                for i in tl.static_range(16):  # (summed first: every input is needed at once)
+                    sum_x += xs[i].to(tl.float32)
                 lo_15 = lo >> 15
                 for i in tl.static_range(16):
-                    k3 = g3 * 16 + i  # [1, 1, G] stored column
-                    if EVEN_K:  # no padded columns (and every chunk whole): no masks
-                        src = tl.load(perm_ptr + k3) if HAS_PERM else k3
-                        xv = tl.load(x_ptr + src).to(tl.float32)
-                    else:
-                        k_ok = k3 < K
-                        src = tl.load(perm_ptr + k3, mask=k_ok, other=0) if HAS_PERM else k3
-                        xv = tl.load(x_ptr + src, mask=k_ok, other=0.0).to(tl.float32)
+                    xv = xs[i].to(tl.float32)  # [1, 1, G]
                     # code i masked in place at bit p: the float of its bits is code * 2**p
                     # with the exponent trick, the subnormal code * 2**(p - 149) without it;
                     # the input is scaled by up = 2**(SUB_X - p) or down = 2**-p (exact)
@@ -248,20 +288,12 @@ if triton is not None:
                     else:  # (2**23 + code * 2**p) - 2**23 times x * 2**-p
                         q = (bits | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
                         partial += q * (xv * down)
-                    sum_x += xv
                 if SUBNORMAL:
                     sum_x = sum_x * (1.0 / (1 << (149 - SUB_X)))  # the partial sums' scale
                 acc += scale.to(tl.float32) * (partial - zero.to(tl.float32) * sum_x)
             else:
                 for i in tl.static_range(16):
-                    k = g * 16 + i  # [G]
-                    if EVEN_K:  # every column real: only the rows are masked
-                        src = tl.load(perm_ptr + k) if HAS_PERM else k
-                        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + src[:, None]
-                        xv = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)  # [G, BLOCK_M]
-                    else:
-                        xv = _gather_x(x_ptr, perm_ptr, k, k < K, stride_xm, offs_m, mask_m,
-                                       HAS_PERM)  # fmt: skip
+                    xv = xs[i]  # [G, BLOCK_M]
                     w = _weight(lo, hi, scale, zero, i)  # [TR, 16, G]
                     w2 = tl.reshape(w, (BLOCK_N, BLOCK_G))
                     if INTERPRET:  # the interpreter's low-precision dot is wrong: exact fp32
@@ -444,6 +476,14 @@ def check_operands(x: Tensor, words: Tensor, perm: Tensor | None, n: int) -> tup
     return m, k
 
 
+def aligned_permutation(perm: Tensor | None) -> Tensor | None:
+    """``perm`` itself if contiguous and 16-byte aligned, else such a copy: the GEMV loads its
+    entries four at a time (16-byte vector loads)."""
+    if perm is None or (perm.stride(0) == 1 and perm.data_ptr() % 16 == 0):
+        return perm
+    return perm.clone(memory_format=torch.contiguous_format)
+
+
 def spqr_gemv(
     x: Tensor,
     words: Tensor,
@@ -461,7 +501,8 @@ def spqr_gemv(
         x: ``[M, K]`` fp16/bf16, M <= 16, original column order.
         words: ``[ceil(N / 16), ceil(K / 16) * 16]`` int64 packed words.
         perm: ``[K]`` int32 input permutation (stored column ``j`` reads ``x[:, perm[j]]``) or
-            None (:meth:`SpQRQuantized.perm_index` as int32; the containers keep 16 bits).
+            None (:meth:`SpQRQuantized.perm_index` as int32; the containers keep 16 bits);
+            with ``check=False`` contiguous and 16-byte aligned (:func:`aligned_permutation`).
         outliers: CSR or PTCSR with Crnčević's ``col_val`` words (stored column order), or
             None, or their :func:`sparse_operands` computed once (no ``nnz`` read per call).
         bias: ``[N]`` in ``x``'s dtype, or None.
@@ -475,6 +516,7 @@ def spqr_gemv(
     if check:
         _require_triton()
         m, _ = check_operands(x, words, perm, out_features)
+        perm = aligned_permutation(perm)
     else:
         m = x.shape[0]
     if not 1 <= m <= MAX_ROWS:

@@ -382,3 +382,14 @@ if triton is not None:
         bits = v.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def keep_loads_above(out_ptr, K):
+        """A store that never runs (``K >= 1`` whenever a kernel runs): the loads issued before
+        it stay above it, since ptxas does not move a load across a store it cannot prove
+        disjoint. Without it ptxas issues a load just before its first use, even with registers
+        to spare: a prefetch lands in the next step, and loads whose uses are spread over a
+        loop wait for memory one after another (``tools/kernel_sass.py`` prints where each
+        loop loads its words and how many round trips it waits; Triton 3.6's and 3.9's ptxas
+        alike). Coherent loads only: a ``.nc`` load may still move across it."""
+        tl.store(out_ptr, 0.0, mask=K < 0)
