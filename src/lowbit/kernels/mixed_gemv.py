@@ -458,19 +458,28 @@ def _scale(code, second_ptr, rows, stride_r, slot, mask):
 def _mma_lane(acc, lane, zero, scale, x_ptr, cols, K, stride_xm, offs_m, mask_m,
               BITS: tl.constexpr, OFFSET: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """``acc += ((code - z) * s) @ x`` over the lane's codes, the ``T`` groups of the tile as
-    the dot's depth. ``acc [BLOCK_N, BLOCK_M]``."""
-    for j in tl.static_range(32 // BITS):
-        c = cols + OFFSET + j  # [T]
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + c[None, :],
-            mask=mask_m[:, None] & (c < K)[None, :],
-            other=0.0,
-        )  # [BLOCK_M, T]
-        w = (_codes(lane, j * BITS, (1 << BITS) - 1) - zero) * scale  # [BLOCK_N, T] fp32
-        if INTERPRET:  # the interpreter's low-precision dot is not exact: fp32 operands
-            acc = tl.dot(w.to(x.dtype).to(tl.float32), tl.trans(x.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    the dot's depth. ``acc [BLOCK_N, BLOCK_M]``. The activations of four codes are loaded
+    before the first of their dots: loaded code by code, each waited a round trip of its own
+    behind the barriers of the dot before (the operands are staged in shared memory); eight
+    at a time spilled the 32-row candidate's registers under Triton 3.6."""
+    for j0 in tl.static_range(0, 32 // BITS, 4):
+        xs = ()
+        for j in tl.static_range(j0, j0 + 4):
+            c = cols + OFFSET + j  # [T]
+            xs = xs + (
+                tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + c[None, :],
+                    mask=mask_m[:, None] & (c < K)[None, :],
+                    other=0.0,
+                ),
+            )  # [BLOCK_M, T]
+        for j in tl.static_range(j0, j0 + 4):
+            x = xs[j - j0]
+            w = (_codes(lane, j * BITS, (1 << BITS) - 1) - zero) * scale  # [BLOCK_N, T] fp32
+            if INTERPRET:  # the interpreter's low-precision dot is not exact: fp32 operands
+                acc = tl.dot(w.to(x.dtype).to(tl.float32), tl.trans(x.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
     return acc
 
 
