@@ -277,6 +277,21 @@ def _group_sum(lane, x_ptr, col, K, BITS: tl.constexpr, OFFSET: tl.constexpr,
 
 
 @triton.jit
+def _columns_a(col2_ptr, col4_ptr, u0, count, PAD):
+    """The first columns of segment A's words ``u0`` and ``u0 + 1`` (those below ``count``;
+    ``PAD`` for the others): each word's three 2-bit groups' and its 4-bit group's, as an
+    8-tuple of scalars. Loaded a step ahead with the words (ASYNC): loaded in the step, each
+    column's load and then its activations' were two round trips in series."""
+    cols = ()
+    for h in tl.static_range(2):
+        live = u0 + h < count
+        for g in tl.static_range(3):
+            cols = cols + (tl.load(col2_ptr + 3 * (u0 + h) + g, mask=live, other=PAD),)
+        cols = cols + (tl.load(col4_ptr + u0 + h, mask=live, other=PAD),)
+    return cols
+
+
+@triton.jit
 def _gemv1_kernel(
     x_ptr, primary_ptr, secondary_ptr, stats2_ptr, stats4_ptr, second2_ptr, second4_ptr,
     col2_ptr, col4_ptr, row_ptr_ptr, col_val_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
@@ -311,31 +326,35 @@ def _gemv1_kernel(
     nxt_s = _load_pair(secondary_ptr, offs_row, stride_sn, first, UA, 1)
     nxt_t2 = _load_pair(stats2_ptr, offs_row, stride_t2, first, UA, 1)
     nxt_t4 = _load_pair(stats4_ptr, offs_row, stride_t4, first, UA, 1)
+    nxt_cols = _columns_a(col2_ptr, col4_ptr, first, UA, PAD)
     for step in range(STEPS_A):
         u0 = first + 2 * step
         if ASYNC:  # this step's loads were issued one step ago; issue the next step's now
-            words, sec, t2, t4 = nxt_w, nxt_s, nxt_t2, nxt_t4
+            words, sec, t2, t4, cols = nxt_w, nxt_s, nxt_t2, nxt_t4, nxt_cols
             more = UA * (step + 1 < STEPS_A)  # the next step is still this split's
             nxt_w = _load_word_pair(primary_ptr, offs_row, stride_pn, u0 + 2, more)
             nxt_s = _load_pair(secondary_ptr, offs_row, stride_sn, u0 + 2, more, 1)
             nxt_t2 = _load_pair(stats2_ptr, offs_row, stride_t2, u0 + 2, more, 1)
             nxt_t4 = _load_pair(stats4_ptr, offs_row, stride_t4, u0 + 2, more, 1)
+            nxt_cols = _columns_a(col2_ptr, col4_ptr, u0 + 2, more, PAD)
         else:
             words = _load_word_pair(primary_ptr, offs_row, stride_pn, u0, UA)
             sec = _load_pair(secondary_ptr, offs_row, stride_sn, u0, UA, 1)
+            cols = _columns_a(col2_ptr, col4_ptr, u0, UA, PAD)
         a0, a1, a2, a3, b0, b1, b2, b3 = _split8(words, BLOCK_N)
         sec_a, sec_b = tl.split(sec.to(tl.uint32, bitcast=True))
         for h in tl.static_range(2):
             u = u0 + h
-            live = u < UA
             if h == 0:
                 la, lb, lc, l4, ls = a0, a1, a2, a3, sec_a
             else:
                 la, lb, lc, l4, ls = b0, b1, b2, b3, sec_b
-            col_a = tl.load(col2_ptr + 3 * u, mask=live, other=PAD)
-            col_b = tl.load(col2_ptr + 3 * u + 1, mask=live, other=PAD)
-            col_c = tl.load(col2_ptr + 3 * u + 2, mask=live, other=PAD)
-            col_4 = tl.load(col4_ptr + u, mask=live, other=PAD)
+            col_a, col_b, col_c, col_4 = (
+                cols[4 * h],
+                cols[4 * h + 1],
+                cols[4 * h + 2],
+                cols[4 * h + 3],
+            )
             pa, xa = _group_sum(la, x_ptr, col_a, K, 2, 0, EVEN_K, SUB_X, INTERPRET)
             pb, xb = _group_sum(lb, x_ptr, col_b, K, 2, 0, EVEN_K, SUB_X, INTERPRET)
             pc, xc = _group_sum(lc, x_ptr, col_c, K, 2, 0, EVEN_K, SUB_X, INTERPRET)
