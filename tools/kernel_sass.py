@@ -242,14 +242,18 @@ def _scheduled(lines: list[str]) -> list[Scheduled]:
     return out
 
 
-def memory_round_trips(cubin: bytes, latency: int = 800) -> tuple[float, int]:
-    """``(round trips, cycles)`` of one iteration of the longest loop for a warp alone on its
-    scheduler, every global load (``LDG``) ``latency`` cycles, other variable-latency
-    instructions 20, operand reads 15: the in-order replay of the loop's scheduling controls,
-    the fourth iteration (a load issued in one iteration and used in the next counts there).
-    A round trip is a wait of more than a quarter of ``latency``; loads issued together wait
-    once, a load issued only once another has arrived waits again."""
-    body = _scheduled(_loop_lines(cubin))
+def memory_round_trips(cubin: bytes, latency: int = 800) -> tuple[int, int]:
+    """``(round trips, cycles)`` of one iteration of the longest loop of a cubin for a warp
+    alone on its scheduler (:func:`replay`)."""
+    return replay(_scheduled(_loop_lines(cubin)), latency)
+
+
+def replay(body: list[Scheduled], latency: int = 800) -> tuple[int, int]:
+    """``(round trips, cycles)`` of a loop body issued in order by a lone warp, every global
+    load (``LDG``) ``latency`` cycles, other variable-latency instructions 20, operand reads
+    15: the fourth iteration (a load issued in one iteration and used in the next counts
+    there). A round trip is a wait of more than a quarter of ``latency``: loads issued together
+    wait once, a load issued only once another has arrived waits again."""
     now, ready, trips, start = 0, [0] * 6, 0, 0
     for _ in range(4):  # the fourth iteration is the one measured
         start, trips = now, 0
