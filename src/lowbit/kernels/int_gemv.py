@@ -51,7 +51,12 @@ sm_90 the Tensor Memory Accelerator copies the next ``STAGES - 1`` tiles' words 
 per launch, one bulk copy per tile issued by one thread, no register held for words in flight,
 so each split's first tiles are all in flight at once), before sm_90 ``cp.async``; a
 shared-memory load per word and 3 barriers a tile pay for it, and the activations are loaded by
-inline PTX, which the pipeliner leaves alone. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is
+inline PTX, which the pipeliner leaves alone. Whatever the stages, a tile's loads go out
+together so that a thread waits for memory once a tile, not once per load: at M = 1 the scales
+(and zeros) of the groups that end in the tile are loaded as it starts, held above its decode by
+a store that never runs (:func:`~lowbit.kernels.triton_support.keep_loads_above`); at M = 16
+every slot's activations are loaded before the first slot's operands are staged in shared
+memory. Which (BLOCK_M, BLOCK_N, SPLIT_K, STAGES) wins is
 measured per shape on the GPU by :func:`int_gemv` (the call replayed from a CUDA graph after an L2
 flush, :func:`~lowbit.kernels.triton_support.time_call`; cached), never under the interpreter.
 Accumulation is fp32 throughout.
