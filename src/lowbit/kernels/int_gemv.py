@@ -130,24 +130,16 @@ def _load_rows(ptrs, INTERPRET: tl.constexpr, ORDERED: tl.constexpr = False):
     (:func:`keep_loads_above`); a non-coherent one (``.nc``, read-only data) it moves freely."""
     if INTERPRET:
         return tl.load(ptrs)
+    LOAD: tl.constexpr = "ld.global" if ORDERED else "ld.global.nc"
     BITS: tl.constexpr = ptrs.dtype.element_ty.primitive_bitwidth
-    if BITS == 8 and ORDERED:
-        value = tl.inline_asm_elementwise("ld.global.u8 $0, [$1];", "=r,l", [ptrs],
+    if BITS == 8:
+        value = tl.inline_asm_elementwise(LOAD + ".u8 $0, [$1];", "=r,l", [ptrs],
                                           dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
-    elif BITS == 8:
-        value = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs],
-                                          dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
-    elif BITS == 16 and ORDERED:
-        value = tl.inline_asm_elementwise("ld.global.b16 $0, [$1];", "=h,l", [ptrs],
-                                          dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
     elif BITS == 16:
-        value = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs],
-                                          dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
-    elif ORDERED:
-        value = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs],
+        value = tl.inline_asm_elementwise(LOAD + ".b16 $0, [$1];", "=h,l", [ptrs],
                                           dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
     else:
-        value = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
+        value = tl.inline_asm_elementwise(LOAD + ".b32 $0, [$1];", "=r,l", [ptrs],
                                           dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)  # fmt: skip
     return value.to(ptrs.dtype.element_ty)
 
