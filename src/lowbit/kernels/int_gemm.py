@@ -98,11 +98,19 @@ def _int_gemm_kernel(
     for t in range(K_TILES):
         w_ptrs = words_ptr + offs_n[None, :] * stride_wn + (t * TILE_WORDS + offs_w)[:, None]
         words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)  # [TILE_WORDS, BLOCK_N] int32
+        # every slot's scales (and zeros) loaded before the tile's first dot: loaded slot by
+        # slot, each waited a round trip of its own behind the dot before
+        # (tools/kernel_sass.py, its round trips)
+        slot_scales = ()
+        for j in tl.static_range(PPW):
+            slot_scales = slot_scales + (
+                slot_scale_offset(scale_ptr, zero_ptr, offs_n, mask_n, t * TILE_K + j * TILE_WORDS,
+                                  K, stride_sg, stride_zg, BITS, GROUP_SIZE, SYMMETRIC),
+            )  # fmt: skip
         for j in tl.static_range(PPW):
             k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
             offs_k = k0 + offs_w  # [TILE_WORDS]
-            scale, offset = slot_scale_offset(scale_ptr, zero_ptr, offs_n, mask_n, k0, K,
-                                              stride_sg, stride_zg, BITS, GROUP_SIZE, SYMMETRIC)  # fmt: skip
+            scale, offset = slot_scales[j]
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
             if x.dtype == tl.float16 and scale.dtype == tl.float16:
