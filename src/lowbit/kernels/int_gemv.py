@@ -204,7 +204,8 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
     # (tools/kernel_sass.py, its round trips)
     ENDS: tl.constexpr = (TILE_K // GROUP_SIZE if TILE_K % GROUP_SIZE == 0 else
                           (1 if GROUP_SIZE % TILE_K == 0 else 0))  # fmt: skip
-    PRELOAD: tl.constexpr = ENDS == 1 or ENDS == 2
+    # (not the pipelined loop's zeros: behind the tile's scales they waited once more)
+    PRELOAD: tl.constexpr = (ENDS == 1 or ENDS == 2) and (SYMMETRIC or not INLINE_X)
     if PRELOAD:
         first_end = (t * TILE_K + tl.minimum(GROUP_SIZE, TILE_K) - 1) // GROUP_SIZE
         first_end = tl.minimum(first_end, (K - 1) // GROUP_SIZE)  # (a tile past K: clamped)
