@@ -81,6 +81,8 @@ def _int_gemm_kernel(
     TILE_K: tl.constexpr = PPW * TILE_WORDS  # codes per tile
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
     MAGIC: tl.constexpr = 0x4B000000  # float bits of 2**23: (code | MAGIC) as f32 = 2**23 + code
+    # groups start at the same slots of every tile (whole groups a tile, or whole tiles a group)
+    SAME_GROUP: tl.constexpr = TILE_K % GROUP_SIZE == 0 or GROUP_SIZE % TILE_K == 0
     # grouped ordering: GROUP_M row tiles sweep the same column tiles together (L2 reuse)
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -101,15 +103,16 @@ def _int_gemm_kernel(
     for t in range(K_TILES):
         w_ptrs = words_ptr + offs_n[None, :] * stride_wn + (t * TILE_WORDS + offs_w)[:, None]
         words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)  # [TILE_WORDS, BLOCK_N] int32
-        # every slot's scales (and zeros) loaded before the tile's first dot: loaded slot by
-        # slot, each waited a round trip of its own behind the dot before
-        # (tools/kernel_sass.py, its round trips)
+        # every slot's scales (and zeros) loaded before the tile's first dot, once a group
+        # where groups start at the same slots in every tile: loaded slot by slot, each waited
+        # a round trip of its own behind the dot before (tools/kernel_sass.py, its round trips)
         slot_scales = ()
         for j in tl.static_range(PPW):
-            slot_scales = slot_scales + (
-                slot_scale_offset(scale_ptr, zero_ptr, offs_n, mask_n, t * TILE_K + j * TILE_WORDS,
-                                  K, stride_sg, stride_zg, BITS, GROUP_SIZE, SYMMETRIC),
-            )  # fmt: skip
+            if j == 0 or not SAME_GROUP or (j * TILE_WORDS) % GROUP_SIZE == 0:
+                group_scales = slot_scale_offset(scale_ptr, zero_ptr, offs_n, mask_n,
+                                                 t * TILE_K + j * TILE_WORDS, K, stride_sg,
+                                                 stride_zg, BITS, GROUP_SIZE, SYMMETRIC)  # fmt: skip
+            slot_scales = slot_scales + (group_scales,)
         for j in tl.static_range(PPW):
             k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
             offs_k = k0 + offs_w  # [TILE_WORDS]
