@@ -14,7 +14,7 @@ weight per ``BLOCK_M`` rows, so it is amortised over the M tile; the scale goes 
 (``TILE_WORDS * BLOCK_N`` multiplies per slot) rather than on the accumulator
 (``BLOCK_M * BLOCK_N``) because BLOCK_M >= 64 > TILE_WORDS here.
 
-A K tile's scales (and zeros), every slot's, are loaded before its first dot, so that a warp
+A K tile's scales (and zeros) are loaded before its first dot, once a group, so that a warp
 waits for them once a tile rather than once a slot behind each dot.
 
 Programs are ordered in groups of ``GROUP_M`` row tiles so neighbouring programs share weight
