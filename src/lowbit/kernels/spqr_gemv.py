@@ -157,20 +157,19 @@ if triton is not None:
         return bits.to(tl.float16, bitcast=True) - 1024.0
 
     @triton.jit
-    def _gather_inputs(x_ptr, perm_ptr, out_ptr, first, K, stride_xm, offs_m, mask_m,
+    def _gather_inputs(x_ptr, perm_ptr, first, K, stride_xm, offs_m, mask_m,
                        HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        INTERPRET: tl.constexpr):  # fmt: skip
         """The inputs of the 16 columns ``first + i`` (``first`` the stored columns of code 0:
         ``[1, 1, G]`` at M = 1, ``[G]`` for the 16-row kernel) as a 16-tuple of ``x[perm[k]]``
         (``[1, 1, G]``) or ``x[m, perm[k]]`` (``[G, BLOCK_M]``), 0 past K; all 16 entries of
-        the permutation are loaded before any input (at M = 1 kept there by a store that never
-        runs: ptxas gave them one register and so issued each after the last had arrived)."""
+        the permutation are loaded before any input. At M = 1 (K whole tiles) the entries come
+        by four 16-byte loads: ptxas gave 16 scalar loads one register, and so issued each
+        after the input load that needed the one before had its address."""
         srcs = ()
         if HAS_PERM and EVEN_K and BLOCK_M == 1 and not INTERPRET:
-            # four 16-byte loads: ptxas gave 16 scalar loads one register and so issued each
-            # after the last had arrived (kept above the inputs' loads as well, by a store
-            # that never runs, they save another two round trips a chunk, but Triton 3.9's
-            # ptxas then spills a register)
+            # (held above the inputs' loads by a store that never runs as well, they saved two
+            # more round trips a chunk, but Triton 3.9's ptxas then spilled a register)
             for q in tl.static_range(4):
                 srcs = srcs + tl.inline_asm_elementwise(
                     "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
@@ -253,12 +252,9 @@ if triton is not None:
             # entries first: loaded code by code, each of the 16 waited for its round trips in
             # turn (ptxas issues a load where the program has it, and an input's address needs
             # its entry; tools/kernel_sass.py --spqr, its round trips)
-            if BLOCK_M == 1:
-                xs = _gather_inputs(x_ptr, perm_ptr, out_ptr, g3 * 16, K, 0, offs_m, mask_m,
-                                    HAS_PERM, EVEN_K, BLOCK_M, INTERPRET)  # fmt: skip
-            else:
-                xs = _gather_inputs(x_ptr, perm_ptr, out_ptr, g * 16, K, stride_xm, offs_m,
-                                    mask_m, HAS_PERM, EVEN_K, BLOCK_M, INTERPRET)  # fmt: skip
+            first = g3 * 16 if BLOCK_M == 1 else g * 16  # [1, 1, G] or [G] stored columns
+            xs = _gather_inputs(x_ptr, perm_ptr, first, K, stride_xm, offs_m, mask_m, HAS_PERM,
+                                EVEN_K, BLOCK_M, INTERPRET)  # fmt: skip
             if BLOCK_M == 1:
                 # inputs as [1, 1, G] tensors: loaded in the words' layout, no conversion
                 partial = tl.zeros((BLOCK_TR, 16, BLOCK_G), dtype=tl.float32)
