@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -200,9 +202,11 @@ def compiler_line(arch: int) -> str:
 _OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)")
 
 
-def _disassembly(cubin: bytes) -> list[str]:
+@functools.lru_cache(maxsize=8)
+def _disassembly(cubin: bytes) -> tuple[str, ...]:
     """The SASS of a cubin, one line per instruction or label (Triton's bundled nvdisasm),
-    each instruction followed by a line with the upper half of its 128-bit encoding."""
+    each instruction followed by a line with the upper half of its 128-bit encoding (kept for
+    the tables that read one kernel's code twice: its opcodes and its round trips)."""
     import triton
 
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
@@ -210,7 +214,7 @@ def _disassembly(cubin: bytes) -> list[str]:
         f.write(cubin)
         f.flush()
         run = subprocess.run([nvdisasm, "-hex", f.name], capture_output=True, text=True)
-    return run.stdout.splitlines()
+    return tuple(run.stdout.splitlines())
 
 
 #: the upper half of an instruction's encoding, on the line after it (``nvdisasm -hex``)
@@ -231,7 +235,7 @@ class Scheduled:
     waits: int
 
 
-def _scheduled(lines: list[str]) -> list[Scheduled]:
+def _scheduled(lines: Sequence[str]) -> list[Scheduled]:
     out = []
     for line, upper in zip(lines, lines[1:], strict=False):
         if (m := _OPCODE.match(line)) and (u := _UPPER.match(upper)):
@@ -281,11 +285,11 @@ def split_sum_loads(cubin: bytes) -> tuple[int, int]:
     return len(loads), sum(i < first_add for i in loads)
 
 
-def _loop_lines(cubin: bytes) -> list[str]:
+def _loop_lines(cubin: bytes) -> Sequence[str]:
     """The disassembly's lines of the longest backward-branch loop of a cubin."""
     lines = _disassembly(cubin)
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line)}
-    best: list[str] = []
+    best: Sequence[str] = ()
     for i, line in enumerate(lines):
         # a loop's back edge is predicated; an unconditional backward branch returns from an
         # out-of-line block (a TMA wait spinning on its barrier) into the loop
