@@ -3,7 +3,7 @@
 The interpreter tests check what the kernels compute, but the interpreter runs them as Python:
 a constexpr missing from a launch, a type the compiler rejects or a helper that only works
 interpreted pass there and fail on the first CUDA call. This compiles each kernel — integer
-decode (3 and 4 bits, split-K with bias), integer prefill, SpQR, the 2/4/16 GEMV (async and
+decode (2, 3 and 4 bits, M = 1 and 16, split-K with bias), integer prefill, SpQR, the 2/4/16 GEMV (async and
 sync, split-K with bias) and its 16-row kernel, and the three formats' weight decoders —
 through Triton's own ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its
 main loop (the decoders, which have none, their 16-byte stores; the pipelined integer decode,
@@ -37,6 +37,9 @@ kernels = {
     "decode 4-bit M=1": lambda: compile_decode_kernel(4, 1, 128, 4, 90),
     "decode 3-bit M=16 split 4 bias bf16": lambda: compile_decode_kernel(
         3, 16, 64, 4, 90, dtype="bf16", split_k=4, has_bias=True),
+    "decode 4-bit M=16": lambda: compile_decode_kernel(4, 16, 128, 4, 90, even_k=True),
+    "decode 2-bit M=16 bf16 asym": lambda: compile_decode_kernel(
+        2, 16, 64, 4, 90, dtype="bf16", symmetric=False, even_k=True),
     "prefill 4-bit": lambda: compile_prefill_kernel(4, 64, 64, 4, 90),
     "spqr M=1 split 2 bias": lambda: compile_spqr_kernel(1, 8, 8, 4, 90, split_k=2,
                                                          has_bias=True),
@@ -99,7 +102,7 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
     loops = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(loops) == 16
+    assert len(loops) == 18
     # a tile's scales loaded with its words (integer M = 1) and the activations (the scales,
     # for the prefill) before the barriers of the dots that take them (integer, SpQR and
     # 2/4/16 at M = 16, integer prefill): measured [2, 2, 2, 17, 1], [4, 9, 32, 65, 8] when
@@ -136,5 +139,11 @@ def test_every_kernel_compiles_for_sm90():
     # 2/4/16's bf16 GEMV (a step: two 64-code words of each of a thread's 4 rows, 512 codes):
     # measured 4.47 a code, fp16's count (4.61 with bf16 x widened from named 16-bit halves)
     assert loops["mixed M=1 async fused bf16"] <= 4.5 * 512, loops
+    # the 16-row integer kernel (256 codes a thread a tile, 4-bit 128 rows and 2-bit 64 rows):
+    # two slots' codes a dot, a PRMT, a LOP3 and an HFMA2 for two codes (measured 2.62 and 3.66
+    # a code under Triton 3.9; 3.77 and 5.34 with a shift, a mask, a repack and half a
+    # subtraction per code)
+    assert loops["decode 4-bit M=16"] <= 2.8 * 256, loops
+    assert loops["decode 2-bit M=16 bf16 asym"] <= 4.0 * 256, loops
     for name, instructions in loops.items():
         assert instructions > 50, name  # a real main loop (measured 575 to 5623 instructions)

@@ -16,10 +16,14 @@ One program owns ``BLOCK_N`` output rows and a range of K tiles. Per tile it loa
 * ``BLOCK_M == 16`` (small batch, 2 <= M <= 16, rows masked; a tuning candidate at M = 1):
   one ``tl.dot`` of the codes ``[BLOCK_N, TILE_WORDS]`` (exact small integers in x's dtype)
   with ``xᵀ [TILE_WORDS, 16]``, the weight as the MMA's tall operand (N fills the 64-row wgmma
-  tile; M = 16 is its narrow side). Decoding is paid once for all rows; CUDA-core FMAs would
-  cost M per code and saturate the ALUs from M ~ 4. With fp16 inputs the codes are decoded in
-  fp16 directly (bits ``code | 0x6400`` are ``1024 + code``), two per instruction; bf16 takes
-  the fp32 trick and a conversion (bf16's 8-bit mantissa cannot hold 8-bit codes that way).
+  tile; M = 16 is its narrow side), taken from registers. Decoding is paid once for all rows;
+  CUDA-core FMAs would cost M per code and saturate the ALUs from M ~ 4. The codes are decoded
+  in x's dtype directly (bits ``code | 0x6400`` are fp16 ``1024 + code``, ``code | 0x4300``
+  bf16 ``128 + code``). Where two neighbouring slots lie in one group (2, 4 and 8 bits; bf16
+  below 8), one dot takes both, interleaved column by column, so that the two halves of each
+  register the MMA reads come from one word: a PRMT, a LOP3 and a packed FMA for two codes
+  (:func:`_decode_pair`). Otherwise (3 bits, 8-bit bf16 through the fp32 trick, groups of 32
+  in 32-word tiles) one slot a dot.
 
 Both sum the unscaled ``(code - zero) * x`` of a group and apply the group's scale once when
 its last run is done (scale loads and multiplies per group, not per code). At 3 TB/s a 4-bit
@@ -171,6 +175,58 @@ def _flush_offsets(acc, acc_off, acc_group, x_cols, scale, offset, SUB_SHIFT: tl
 
 
 @triton.jit
+def _pair_words(words, BITS: tl.constexpr):
+    """A tile's ``words`` (``[BLOCK_N, TILE_WORDS]`` uint32) as ``[BLOCK_N, 2 * TILE_WORDS]``:
+    column ``2i`` word ``i``, column ``2i + 1`` word ``i`` shifted right by ``BITS``, so that
+    slot ``j + 1``'s code sits in column ``2i + 1`` where slot ``j``'s sits in column ``2i``
+    (:func:`_decode_pair`)."""
+    pairs = tl.join(words, words >> BITS)  # [BLOCK_N, TILE_WORDS, 2]
+    return pairs.reshape(words.shape[0], 2 * words.shape[1])
+
+
+@triton.jit
+def _decode_pair(pairs, J: tl.constexpr, offset, BITS: tl.constexpr, BF16: tl.constexpr,
+                 INTERPRET: tl.constexpr):  # fmt: skip
+    """Slots ``J`` and ``J + 1`` (``J`` even) of a tile whose words are ``pairs``
+    (:func:`_pair_words`) as the ``[BLOCK_N, 2 * TILE_WORDS]`` operand of one dot: column
+    ``2i + h`` is the code of slot ``J + h`` in word ``i`` minus ``offset`` (``[BLOCK_N]`` fp32,
+    the zero plus ``2**23``), in fp16 (bf16 with ``BF16``), exact.
+
+    The MMA takes neighbouring columns of its operand as the two halves of one register, and
+    the two codes of a column pair sit in the same byte of their elements of ``pairs``: one
+    PRMT puts that byte in each half of a register, one LOP3 masks the codes in place and ORs
+    in an exponent (code ``q`` at bit ``LOW`` of the byte: fp16 ``1024 + q * 2**LOW``, bf16
+    ``128 + q * 2**LOW``, exact as integers below 2048 and 256) and one packed FMA scales by
+    ``2**-LOW`` and subtracts ``1024 * 2**-LOW + zero`` (bf16 ``128 * ...``): three
+    instructions per two codes, in place of a shift, a mask, a repack and half a subtraction
+    per code. Each element of ``pairs`` holds its own code, so the result does not depend on
+    which two elements Triton hands the assembly."""
+    LOW: tl.constexpr = (J * BITS) % 8  # the codes' place in their byte (2 bits: 0 or 4)
+    BYTE: tl.constexpr = (J * BITS) // 8  # their byte
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    BIAS: tl.constexpr = (128.0 if BF16 else 1024.0) / (1 << LOW)  # the exponent, scaled
+    base = offset - (8388608.0 - BIAS)  # [BLOCK_N] fp32: the scaled exponent plus the zero
+    if INTERPRET:  # the same exact values in fp32
+        codes = (pairs >> (8 * BYTE + LOW)) & CODE_MASK
+        return codes.to(tl.float32) + BIAS - base[:, None]
+    # the byte selector, the mask and the scale as operands (a JIT function cannot format them
+    # into the assembly; ptxas folds them back into the instructions)
+    sel = tl.full(pairs.shape, BYTE | BYTE << 4 | (4 + BYTE) << 8 | (4 + BYTE) << 12, tl.int32)
+    mask = tl.full(pairs.shape, (CODE_MASK << LOW) * 0x10001, tl.int32)
+    dtype = tl.bfloat16 if BF16 else tl.float16
+    scale = tl.full(pairs.shape, 1.0 / (1 << LOW), dtype)
+    return tl.inline_asm_elementwise(
+        # $1 $2 the elements' words, $3 the scales, $4 the negated bases, $5 $6 the selector,
+        # $7 $8 the mask
+        "{ .reg .b32 t; prmt.b32 t, $1, $2, $5; "
+        + ("lop3.b32 t, t, $7, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, $3, $4; }" if BF16 else
+           "lop3.b32 t, t, $7, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, $3, $4; }"),
+        "=r,r,r,r,r,r,r,r,r", [pairs, scale, (-base).to(dtype)[:, None], sel, mask],
+        dtype=dtype, is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@triton.jit
 def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows, zero_rows,
                offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -190,7 +246,14 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
     # or whole tiles per group)
     SAME_GROUP: tl.constexpr = TILE_K % GROUP_SIZE == 0 or GROUP_SIZE % TILE_K == 0
 
+    # M > 1 at 2, 4 and 8 bits (not bf16 at 8): slots j and j + 1 decoded together into one
+    # dot of twice the depth (_decode_pair), where the two lie in one group
+    PAIRED: tl.constexpr = (BLOCK_M > 1 and BITS != 3 and GROUP_SIZE % (2 * TILE_WORDS) == 0
+                            and (x_ptr.dtype.element_ty == tl.float16 or BITS < 8))  # fmt: skip
+    STEP: tl.constexpr = 2 if PAIRED else 1  # slots a step
     words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
+    if PAIRED:
+        word_pairs = _pair_words(words, BITS)  # [BLOCK_N, 2 * TILE_WORDS]
     upper = words >> (HALF * BITS)  # the upper half's codes below bit 16 (M = 1)
     k_left = K - t * TILE_K  # the tile's columns below K
     if INLINE_X and EVEN_K and PAST_END:  # a tile past K reads the last tile's x (zeroed)
@@ -226,10 +289,19 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
             offs_k = t * TILE_K + j * TILE_WORDS + offs_w  # [TILE_WORDS]
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             xs = xs + (tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0),)
-    for j in tl.static_range(PPW):
+        if PAIRED:
+            # x[:, 2i + h] is slot j + h's column i, as in _decode_pair's operand; joined here,
+            # so that each pair's operand gets a shared-memory buffer of its own (joined at its
+            # dot, the pairs shared one, and each pair waited at two barriers more)
+            x_pairs = ()
+            for j in tl.static_range(0, PPW, 2):
+                pair = tl.join(xs[j], xs[j + 1])  # [BLOCK_M, TILE_WORDS, 2]
+                x_pairs = x_pairs + (pair.reshape(BLOCK_M, 2 * TILE_WORDS),)
+            xs = x_pairs  # [BLOCK_M, 2 * TILE_WORDS] each
+    for j in tl.static_range(0, PPW, STEP):  # j: the step's first slot
         k0 = t * TILE_K + j * TILE_WORDS  # first code of slot j's run
         offs_k = k0 + offs_w  # [TILE_WORDS]
-        group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the run lies in one group
+        group = tl.minimum(k0, K - 1) // GROUP_SIZE  # the step lies in one group
         if SUBNORMAL:  # the offsets come once per group (x_cols, _flush_offsets)
             pass
         elif SYMMETRIC:
@@ -263,6 +335,9 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
             x_cols += x  # [1, TILE_WORDS] (2-D: the layout of the products' x)
             x = x * (1.0 * (1 << (SUB_X - (j % HALF) * BITS)))  # exact
             acc_group += codes.to(tl.float32, bitcast=True) * x
+        elif PAIRED:
+            q = _decode_pair(word_pairs, j, offset, BITS, x_ptr.dtype.element_ty == tl.bfloat16,
+                             INTERPRET)  # fmt: skip
         elif BLOCK_M > 1 and x_ptr.dtype.element_ty == tl.float16:
             # the same trick in fp16, two codes per instruction: bits (code | 0x6400) are
             # 1024 + code, and 1024 + zero is exact in fp16 (integers up to 2048)
@@ -287,16 +362,16 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
                             INLINE_X, INTERPRET)  # fmt: skip
                 acc_group += q * x[None, :]  # [BLOCK_N, TILE_WORDS]
         if BLOCK_M > 1:
-            x = xs[j]  # [BLOCK_M, TILE_WORDS]
+            x = xs[j // STEP]  # [BLOCK_M, STEP * TILE_WORDS]
             if INTERPRET:  # the interpreter's bf16 dot is wrong: exact fp32 operands
                 acc_group = tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), acc_group)
             else:  # |code - zero| <= 255: exact in fp16 and bf16
                 acc_group = tl.dot(q.to(x.dtype), tl.trans(x), acc_group)  # [BLOCK_N, BLOCK_M]
-        if (k0 + TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
+        if (k0 + STEP * TILE_WORDS) % GROUP_SIZE == 0:  # the group ends here: apply its scale
             if not PRELOAD:
                 end_scale, end_offset = _group_offsets(scale_rows, zero_rows, group, stride_sg,
                                                        stride_zg, SYMMETRIC, BITS, INTERPRET)  # fmt: skip
-            elif ENDS == 2 and (j + 1) * TILE_WORDS > GROUP_SIZE:
+            elif ENDS == 2 and (j + STEP) * TILE_WORDS > GROUP_SIZE:
                 end_scale, end_offset = scale_b, offset_b
             else:
                 end_scale, end_offset = scale_a, offset_a
@@ -483,10 +558,12 @@ def _candidates(m: int, bits: int = 4):
     by the divisor (fewer, longer splits: less fp32 partial traffic at 16 rows, and more tiles
     for a pipelined loop to overlap). Every shape compiles for sm_90 within its limits at its
     width (tests/kernels/test_kernel_resources.py: at 2 bits with zero points, 128 rows on 4
-    warps at M = 1 spill)."""
+    warps spill, the GEMV's and the 16-row kernel's)."""
     if m == 1:
         gemv = ((1, 64, 4, 1, 1),) if bits == 2 else ((1, 128, 4, 1, 1), (1, 64, 4, 1, 1))
-        yield from (*gemv, (MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1))
+        yield from gemv
+        yield from () if bits == 2 else ((MAX_ROWS, 128, 4, 1, 1),)
+        yield (MAX_ROWS, 64, 4, 1, 1)
         # the next tiles' words copied into shared memory (TMA from sm_90): every split's
         # first STAGES - 1 tiles are in flight at once, so the splits stay as many as fit (at
         # 2 and 3 bits 128 rows spill)
@@ -497,6 +574,8 @@ def _candidates(m: int, bits: int = 4):
         # at 2 and 3 bits they spill)
         yield from ((1, 128, 4, 1, 2),) if bits in (4, 8) else ()
         yield (1, 128, 8, 1, 2)
+    elif bits == 2:  # (128 rows: two slots' codes decoded together take more registers)
+        yield from ((MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 64, 4, 1, 2))
     else:
         yield from ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 4, 4, 1))
         yield from ((MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 128, 4, 1, 3), (MAX_ROWS, 64, 4, 1, 2))
