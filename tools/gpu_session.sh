@@ -23,7 +23,7 @@
 #               smoke alone over 90 s on a fresh H100; since 2026-11-27 it also launches
 #               the three formats' weight decoders (ten more compiles: give it 170); later
 #               that day every non-default M = 1 tile loop (TMA) and bf16 SpQR and 2/4/16
-#               GEMVs (8 more: 180)
+#               GEMVs (8 more: 180); then 8-bit g128 (8 more: 200)
 #   irregular   the kernel tests on irregular shapes (tests/kernels, compiled instead of
 #               interpreted) and every `gpu` test of tests/kernels: 46 tests in 60 s, not finished
 #   int-4096    bench_gemv, 4-bit g128 at M = 1, 16, 256, 2048 on 4096x4096 (tuning on; from

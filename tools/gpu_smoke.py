@@ -95,7 +95,9 @@ def smoke_rows(device: str = "cuda", n: int = 4096, k: int = 4096, prefill_rows:
     yield from _mixed_down_projection(device, n, gen)
     weight = torch.randn(n, k, generator=gen) * 0.02
     bias = (torch.randn(n, generator=gen) * 0.02).to(device)
-    for bits, group, symmetric in ((4, 128, True), (4, 128, False), (3, 128, True), (2, 64, False)):
+    # (8 bits: the 16-row kernel's fp16 pairs of codes from two bytes of a word)
+    formats = ((4, 128, True), (4, 128, False), (3, 128, True), (2, 64, False), (8, 128, True))
+    for bits, group, symmetric in formats:
         q = IntQuantized.from_float(weight, bits, group_size=group, symmetric=symmetric,
                                     scale_dtype=torch.float16)  # fmt: skip
         layer = PackedLinear.from_quantized(q, backend="triton").to(device)
