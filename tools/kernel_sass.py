@@ -359,7 +359,7 @@ def main() -> None:
     runs += [("decode", 1, 128, w, "fp16", sym, 2) for w in (4, 8) for sym in (True, False)]
     # bf16 at M = 1: the same subnormal codes, x scaled otherwise
     runs += [("decode", 1, 128, w, "bf16", True, st) for w, st in ((4, 1), (4, 2), (8, 2))]
-    runs += [("decode", 16, bn, 4, "fp16", True, 1) for bn in (64, 128)]
+    runs += [("decode", 16, bn, w, "fp16", True, 1) for bn, w in ((64, 4), (128, 4), (128, 8))]
     runs += [("decode", 16, 64, 4, "fp16", True, 3), ("decode", 16, 128, 4, "bf16", True, 1)]
     runs += [("prefill", 128, 128, 8, dt, True, 2) for dt in ("fp16", "bf16")]  # 2: it fits
     for bits in args.bits:

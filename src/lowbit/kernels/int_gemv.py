@@ -579,6 +579,9 @@ def _candidates(m: int, bits: int = 4):
     else:
         yield from ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 4, 4, 1))
         yield from ((MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 128, 4, 1, 3), (MAX_ROWS, 64, 4, 1, 2))
+        # two warpgroups of 64 rows: half the registers a thread, twice the warps an SM to
+        # hide a tile's loads behind the other warps' decode
+        yield (MAX_ROWS, 128, 8, 1, 1)
 
 
 def _config(args, shape, n_tiles: int):
