@@ -341,10 +341,10 @@ def test_tuning_keeps_the_fastest_candidate_that_launches_and_computes_the_produ
     shapes = list(gemv_module._candidates(1))
     assert shapes[0] == (1, 128, 4, 1, 1) and all(s[0] in (1, 16) for s in shapes)
     # shape 1 cannot launch; shape 2 is fastest but wrong; shape 3 beats the default; the
-    # pipelined shapes after them cannot launch either
+    # shapes after them (the 8-warp 16-row tile, the pipelined ones) cannot launch either
     resident = {shapes[0]: 264, shapes[1]: "it spills", shapes[2]: 132, shapes[3]: 132}
     resident.update({s: "it needs more shared memory" for s in shapes[4:]})
-    assert shapes[4:] and all(s[4] > 1 for s in shapes[4:])
+    assert shapes[4:] and all(s[4] > 1 or s[2] == 8 for s in shapes[4:])
     monkeypatch.setattr(gemv_module, "resident_programs",
                         lambda probe, device: resident[current[0]])  # fmt: skip
     current = [None]

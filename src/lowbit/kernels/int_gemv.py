@@ -562,8 +562,11 @@ def _candidates(m: int, bits: int = 4):
     if m == 1:
         gemv = ((1, 64, 4, 1, 1),) if bits == 2 else ((1, 128, 4, 1, 1), (1, 64, 4, 1, 1))
         yield from gemv
+        # the 16-row kernel, its codes decoded two at a time for the tensor cores (fewer
+        # instructions a code than the GEMV's FFMAs, fewer blocks an SM)
         yield from () if bits == 2 else ((MAX_ROWS, 128, 4, 1, 1),)
         yield (MAX_ROWS, 64, 4, 1, 1)
+        yield from () if bits == 2 else ((MAX_ROWS, 128, 8, 1, 1),)
         # the next tiles' words copied into shared memory (TMA from sm_90): every split's
         # first STAGES - 1 tiles are in flight at once, so the splits stay as many as fit (at
         # 2 and 3 bits 128 rows spill)
