@@ -35,8 +35,9 @@
 #   prefill     bench_gemv at M = 2048 on 11008x4096: SpQR's and 2/4/16's prefill (weights
 #               decoded by spqr_dequantize_dense and mixed_dequant, then cuBLAS) beside
 #               cuBLAS fp16 (not yet run)
-#   decode      bench_decode on the 7B-shaped random Llama, compiled (CUDA graphs) only: fp16,
-#               W4 g128, 2/4/16 (with eager rows as well: over 240 s before W4 compiled)
+#   decode      bench_decode on the 7B-shaped random Llama, compiled (CUDA graphs) only: W4
+#               g128 first (three stages ended before it, behind fp16, which two runs measured),
+#               then fp16 and 2/4/16 (with eager rows as well: over 240 s before W4 compiled)
 #   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
 #   tests       every `gpu` test of the repository: 41 tests in 95 s, not finished (second run:
 #               41 passed in 82 s, then the 2/4/16 kernel refused at 4096x11008; third, H100:
@@ -119,7 +120,7 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | 
     prefill) run prefill "$py" benchmarks/bench_gemv.py --device cuda --mixed --formats spqr \
         --rows 2048 --shapes 11008x4096 --out "$dest/prefill_$stamp.md" ;;
     decode) run decode "$py" benchmarks/bench_decode.py --device cuda --compiled-only --cost \
-        --new-tokens 128 --rows fp16 "W4 g128 (GPTQ 4-bit format)" "2/4/16 mixed" \
+        --new-tokens 128 --rows "W4 g128 (GPTQ 4-bit format)" fp16 "2/4/16 mixed" \
         --out "$dest/decode_$stamp.md" ;;
     decode-spqr) run decode-spqr "$py" benchmarks/bench_decode.py --device cuda --compiled-only \
         --new-tokens 128 --rows fp16 "SpQR w3 1%" "SpQR w3 0%" --out "$dest/decode_spqr_$stamp.md" ;;
