@@ -3,12 +3,12 @@
 The interpreter tests check what the kernels compute, but the interpreter runs them as Python:
 a constexpr missing from a launch, a type the compiler rejects or a helper that only works
 interpreted pass there and fail on the first CUDA call. This compiles each kernel — integer
-decode (2, 3 and 4 bits, M = 1 and 16, split-K with bias), integer prefill, SpQR, the 2/4/16 GEMV (async and
-sync, split-K with bias) and its 16-row kernel, and the three formats' weight decoders —
-through Triton's own ptxas to SASS (``tools/kernel_sass*.py``) and checks that each has its
-main loop (the decoders, which have none, their 16-byte stores; the pipelined integer decode,
-its asynchronous copies, by TMA from sm_90; the register-prefetching one, its word loads a tile
-ahead of their use).
+decode (2, 3 and 4 bits, M = 1 and 16, split-K with bias), integer prefill, SpQR, the 2/4/16
+GEMV (async and sync, split-K with bias) and its 16-row kernel, and the three formats' weight
+decoders — through Triton's own ptxas to SASS (``tools/kernel_sass*.py``) and checks that each
+has its main loop (the decoders, which have none, their 16-byte stores; the pipelined integer
+decode, its asynchronous copies, by TMA from sm_90; the register-prefetching one, its word loads
+a tile ahead of their use).
 It runs in a fresh process because ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``, under
 which ``@triton.jit`` builds interpreted functions that cannot be compiled.
 """
