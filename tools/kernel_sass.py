@@ -81,7 +81,8 @@ def compile_decode_kernel(
         BITS=bits, TILE_WORDS=32, GROUP_SIZE=128, SYMMETRIC=symmetric, HAS_BIAS=has_bias,
         K_TILES=16, SPLIT_K=split_k, TILES_PER_SPLIT=int_gemv.tiles_per_split(16, split_k, stages),
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=even_k, STAGES=stages,
-        TMA=stages > 2 and (arch >= 90 if tma is None else tma), INTERPRET=False,
+        TMA=stages > 2 and (arch >= 90 if tma is None else tma), PAIRS=arch >= 90,
+        INTERPRET=False,
     )  # fmt: skip
     words = f"tensordesc<i32[{block_n}, 32]>" if constants["TMA"] else "*i32"
     return _compile(int_gemv._int_gemv_kernel, scalars, constants, dtype, arch, words=words,

@@ -22,8 +22,9 @@ One program owns ``BLOCK_N`` output rows and a range of K tiles. Per tile it loa
   bf16 ``128 + code``). Where two neighbouring slots lie in one group (2, 4 and 8 bits; bf16
   below 8), one dot takes both, interleaved column by column, so that the two halves of each
   register the MMA reads come from one word: a PRMT, a LOP3 and a packed FMA for two codes
-  (:func:`_decode_pair`). Otherwise (3 bits, 8-bit bf16 through the fp32 trick, groups of 32
-  in 32-word tiles) one slot a dot.
+  (:func:`_decode_pair`; from sm_90, ``PAIRS``: compiled for sm_80 and sm_89 the pairs'
+  operands spill registers at 128 rows). Otherwise (3 bits, 8-bit bf16 through the fp32
+  trick, groups of 32 in 32-word tiles, before sm_90) one slot a dot.
 
 Both sum the unscaled ``(code - zero) * x`` of a group and apply the group's scale once when
 its last run is done (scale loads and multiplies per group, not per code). At 3 TB/s a 4-bit
@@ -232,7 +233,8 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
                BITS: tl.constexpr, TILE_WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_K: tl.constexpr, PAST_END: tl.constexpr, SUBNORMAL: tl.constexpr,
-               SHIFT: tl.constexpr, INLINE_X: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+               SHIFT: tl.constexpr, INLINE_X: tl.constexpr, PAIRS: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
     """Tile ``t`` of the product: its ``words`` (``[BLOCK_N, TILE_WORDS]`` int32) decoded slot
     by slot into the accumulators (see :func:`_int_gemv_kernel`), the groups that end in it
     flushed; returns ``acc, acc_group, x_cols, acc_off``."""
@@ -246,9 +248,10 @@ def _gemv_tile(words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_
     # or whole tiles per group)
     SAME_GROUP: tl.constexpr = TILE_K % GROUP_SIZE == 0 or GROUP_SIZE % TILE_K == 0
 
-    # M > 1 at 2, 4 and 8 bits (not bf16 at 8): slots j and j + 1 decoded together into one
-    # dot of twice the depth (_decode_pair), where the two lie in one group
-    PAIRED: tl.constexpr = (BLOCK_M > 1 and BITS != 3 and GROUP_SIZE % (2 * TILE_WORDS) == 0
+    # M > 1 at 2, 4 and 8 bits (not bf16 at 8) with PAIRS: slots j and j + 1 decoded together
+    # into one dot of twice the depth (_decode_pair), where the two lie in one group
+    PAIRED: tl.constexpr = (PAIRS and BLOCK_M > 1 and BITS != 3
+                            and GROUP_SIZE % (2 * TILE_WORDS) == 0
                             and (x_ptr.dtype.element_ty == tl.float16 or BITS < 8))  # fmt: skip
     STEP: tl.constexpr = 2 if PAIRED else 1  # slots a step
     words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
@@ -394,7 +397,7 @@ def _int_gemv_kernel(
     SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     TILE_K: tl.constexpr = (32 // BITS) * TILE_WORDS  # codes per tile
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
@@ -458,7 +461,7 @@ def _int_gemv_kernel(
                     words_a, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows,
                     zero_rows, offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
                     low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K,
-                    False, SUBNORMAL, SHIFT, False, INTERPRET,
+                    False, SUBNORMAL, SHIFT, False, PAIRS, INTERPRET,
                 )  # fmt: skip
             # the split's last step loads nothing (the same mask for every thread; a tensor:
             # the interpreter takes no scalar mask)
@@ -470,7 +473,7 @@ def _int_gemv_kernel(
                     words_b, t + 1, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows,
                     zero_rows, offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg,
                     low_mask, BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N,
-                    EVEN_K, False, SUBNORMAL, SHIFT, False, INTERPRET,
+                    EVEN_K, False, SUBNORMAL, SHIFT, False, PAIRS, INTERPRET,
                 )  # fmt: skip
     else:
         # one tile a step; STAGES > 2: Triton's pipeline copies the next STAGES - 1 tiles'
@@ -487,7 +490,7 @@ def _int_gemv_kernel(
                 words, t, acc, acc_group, x_cols, acc_off, x_ptr, out_ptr, scale_rows, zero_rows,
                 offs_w, offs_m, mask_m, M, K, stride_xm, stride_sg, stride_zg, low_mask,
                 BITS, TILE_WORDS, GROUP_SIZE, SYMMETRIC, BLOCK_M, BLOCK_N, EVEN_K, PAST_END,
-                SUBNORMAL, SHIFT, STAGES > 2, INTERPRET,
+                SUBNORMAL, SHIFT, STAGES > 2, PAIRS, INTERPRET,
             )  # fmt: skip
     # a group cut by this split's end (or a per-channel K that is not a multiple of TILE_WORDS)
     last = tl.minimum((pid_k + 1) * TILES_PER_SPLIT * TILE_K, K) - 1
@@ -520,7 +523,7 @@ def uses_tma(words: Tensor, config: tuple[int, int, int, int, int], device) -> b
     """Whether a launch copies its words into shared memory by TMA: a pipelined tile loop
     (``stages`` > 2) on a device with a TMA (sm_90 on; the interpreter emulates it), words
     16-byte aligned as its descriptors need; else ``cp.async`` copies them."""
-    if config[4] <= 2 or not (INTERPRET or device_limits(device).tma):
+    if config[4] <= 2 or not (INTERPRET or device_limits(device).hopper):
         return False
     return words.data_ptr() % 16 == 0 and words.stride(0) % 4 == 0 and words.stride(1) == 1
 
@@ -547,7 +550,8 @@ def _launch(x, words, scale, zero, bias, bits, group_size, tile, config, probe=F
         HAS_BIAS=bias is not None, K_TILES=n_tiles, SPLIT_K=split_k, TILES_PER_SPLIT=per_split,
         BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_K=k == n_tiles * tile * (32 // bits), STAGES=stages, TMA=tiles is not words,
-        INTERPRET=INTERPRET, num_warps=num_warps, grid=grid, warmup=probe,
+        PAIRS=device_limits(x.device).hopper, INTERPRET=INTERPRET, num_warps=num_warps,
+        grid=grid, warmup=probe,
     )  # fmt: skip
     return compiled if probe else out
 

@@ -99,7 +99,9 @@ class SMLimits:
     warps: int = 64
     blocks: int = 32
     sms: int = 132  # an H100 SXM
-    tma: bool = True  # the Tensor Memory Accelerator (sm_90 on): bulk copies to shared memory
+    # sm_90 on: the Tensor Memory Accelerator (bulk copies to shared memory), and warpgroup MMAs
+    # that read their first operand from registers
+    hopper: bool = True
 
 
 #: sm_90 (H100): the target the compile tests and the default grids assume
@@ -151,7 +153,7 @@ def device_limits(device: torch.device) -> SMLimits:
             shared_per_block=getattr(props, "shared_memory_per_block_optin", SM90.shared_per_block),
             warps=getattr(props, "max_threads_per_multi_processor", 32 * SM90.warps) // 32,
             sms=props.multi_processor_count,
-            tma=props.major >= 9,
+            hopper=props.major >= 9,
         )
     return _LIMITS[device]
 
