@@ -563,14 +563,17 @@ def _candidates(m: int, bits: int = 4):
     for a pipelined loop to overlap). Every shape compiles for sm_90 within its limits at its
     width (tests/kernels/test_kernel_resources.py: at 2 bits with zero points, 128 rows on 4
     warps spill, the GEMV's and the 16-row kernel's)."""
+    # the 16-row kernel, one tile a step: its codes decoded two at a time for the tensor cores
+    # (fewer instructions a code than the GEMV's FFMAs, fewer blocks an SM); at 2 bits 64 rows
+    # only (at 128 the pairs spill); on 8 warps two warpgroups of 64 rows, half the registers a
+    # thread and twice the warps an SM to hide a tile's loads behind the other warps' decode
+    if bits == 2:
+        dot = ((MAX_ROWS, 64, 4, 1, 1),)
+    else:
+        dot = ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 8, 1, 1))
     if m == 1:
         gemv = ((1, 64, 4, 1, 1),) if bits == 2 else ((1, 128, 4, 1, 1), (1, 64, 4, 1, 1))
-        yield from gemv
-        # the 16-row kernel, its codes decoded two at a time for the tensor cores (fewer
-        # instructions a code than the GEMV's FFMAs, fewer blocks an SM)
-        yield from () if bits == 2 else ((MAX_ROWS, 128, 4, 1, 1),)
-        yield (MAX_ROWS, 64, 4, 1, 1)
-        yield from () if bits == 2 else ((MAX_ROWS, 128, 8, 1, 1),)
+        yield from (*gemv, *dot)
         # the next tiles' words copied into shared memory (TMA from sm_90): every split's
         # first STAGES - 1 tiles are in flight at once, so the splits stay as many as fit (at
         # 2 and 3 bits 128 rows spill)
@@ -581,14 +584,9 @@ def _candidates(m: int, bits: int = 4):
         # at 2 and 3 bits they spill)
         yield from ((1, 128, 4, 1, 2),) if bits in (4, 8) else ()
         yield (1, 128, 8, 1, 2)
-    elif bits == 2:  # (128 rows: two slots' codes decoded together take more registers)
-        yield from ((MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 64, 4, 1, 2))
     else:
-        yield from ((MAX_ROWS, 128, 4, 1, 1), (MAX_ROWS, 64, 4, 1, 1), (MAX_ROWS, 128, 4, 4, 1))
-        yield from ((MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 128, 4, 1, 3), (MAX_ROWS, 64, 4, 1, 2))
-        # two warpgroups of 64 rows: half the registers a thread, twice the warps an SM to
-        # hide a tile's loads behind the other warps' decode
-        yield (MAX_ROWS, 128, 8, 1, 1)
+        yield from (*dot, (MAX_ROWS, 64, 4, 2, 3), (MAX_ROWS, 64, 4, 1, 2))
+        yield from () if bits == 2 else ((MAX_ROWS, 128, 4, 4, 1), (MAX_ROWS, 128, 4, 1, 3))
 
 
 def _config(args, shape, n_tiles: int):
