@@ -185,6 +185,39 @@ def _pair_words(words, BITS: tl.constexpr):
     return pairs.reshape(words.shape[0], 2 * words.shape[1])
 
 
+@triton.constexpr_function
+def pair_bias(slot: int, bits: int, bf16: bool) -> float:
+    """What :func:`pair_decode_asm` adds to each code before the zero is subtracted: the
+    exponent it ORs in, times the scale ``2**-low`` (fp16 ``1024 * 2**-low``, bf16 ``128 *
+    2**-low``)."""
+    return (128.0 if bf16 else 1024.0) / (1 << slot * bits % 8)
+
+
+@triton.constexpr_function
+def pair_decode_asm(slot: int, bits: int, bf16: bool) -> str:
+    """The PTX of :func:`_decode_pair` for slots ``slot`` and ``slot + 1`` (``pack=2``): ``$1``
+    and ``$2`` two elements' words, ``$3`` their negated bases (:func:`pair_bias` plus the
+    zero) as packed fp16 (bf16), ``$0`` their codes minus their zeros, packed alike.
+
+    A PRMT copies the code's byte of ``$1`` into the low half of a register and that of ``$2``
+    into the high half, a LOP3 keeps the code's bits and ORs in an exponent (code ``q`` at bit
+    ``low`` of the byte: fp16 ``1024 + q * 2**low``, bf16 ``128 + q * 2**low``, exact as long as
+    ``q * 2**low`` stays below the exponent's mantissa range: 1024 and 128) and a packed FMA
+    scales by ``2**-low`` and adds the negated base."""
+    byte, low = slot * bits // 8, slot * bits % 8  # the code's byte, its bit in the byte
+    select = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12  # bytes of t: a a b b
+    mask = (((1 << bits) - 1) << low) * 0x10001  # the code's bits in both halves
+    if bf16:
+        exponent, scale, fma = 0x43004300, ((127 - low) << 7) * 0x10001, "fma.rn.bf16x2"
+    else:
+        exponent, scale, fma = 0x64006400, ((15 - low) << 10) * 0x10001, "fma.rn.f16x2"
+    return (
+        f"{{ .reg .b32 t, s; prmt.b32 t, $1, $2, {select:#x}; "
+        f"lop3.b32 t, t, {mask:#x}, {exponent:#x}, 0xea; "  # (t & mask) | exponent
+        f"mov.b32 s, {scale:#x}; {fma} $0, t, s, $3; }}"
+    )
+
+
 @triton.jit
 def _decode_pair(pairs, J: tl.constexpr, offset, BITS: tl.constexpr, BF16: tl.constexpr,
                  INTERPRET: tl.constexpr):  # fmt: skip
@@ -194,35 +227,18 @@ def _decode_pair(pairs, J: tl.constexpr, offset, BITS: tl.constexpr, BF16: tl.co
     the zero plus ``2**23``), in fp16 (bf16 with ``BF16``), exact.
 
     The MMA takes neighbouring columns of its operand as the two halves of one register, and
-    the two codes of a column pair sit in the same byte of their elements of ``pairs``: one
-    PRMT puts that byte in each half of a register, one LOP3 masks the codes in place and ORs
-    in an exponent (code ``q`` at bit ``LOW`` of the byte: fp16 ``1024 + q * 2**LOW``, bf16
-    ``128 + q * 2**LOW``, exact as integers below 2048 and 256) and one packed FMA scales by
-    ``2**-LOW`` and subtracts ``1024 * 2**-LOW + zero`` (bf16 ``128 * ...``): three
-    instructions per two codes, in place of a shift, a mask, a repack and half a subtraction
-    per code. Each element of ``pairs`` holds its own code, so the result does not depend on
-    which two elements Triton hands the assembly."""
-    LOW: tl.constexpr = (J * BITS) % 8  # the codes' place in their byte (2 bits: 0 or 4)
-    BYTE: tl.constexpr = (J * BITS) // 8  # their byte
-    CODE_MASK: tl.constexpr = (1 << BITS) - 1
-    BIAS: tl.constexpr = (128.0 if BF16 else 1024.0) / (1 << LOW)  # the exponent, scaled
-    base = offset - (8388608.0 - BIAS)  # [BLOCK_N] fp32: the scaled exponent plus the zero
+    the two codes of a column pair sit in the same byte of their elements of ``pairs``, so
+    three instructions decode two codes (:func:`pair_decode_asm`), in place of a shift, a mask,
+    a repack and half a subtraction per code. Each element of ``pairs`` holds its own code, so
+    the result does not depend on which two elements Triton hands the assembly."""
+    BIAS: tl.constexpr = pair_bias(J, BITS, BF16)
+    base = offset - (8388608.0 - BIAS)  # [BLOCK_N] fp32: the zero plus the bias
     if INTERPRET:  # the same exact values in fp32
-        codes = (pairs >> (8 * BYTE + LOW)) & CODE_MASK
+        codes = (pairs >> (J * BITS)) & ((1 << BITS) - 1)
         return codes.to(tl.float32) + BIAS - base[:, None]
-    # the byte selector, the mask and the scale as operands (a JIT function cannot format them
-    # into the assembly; ptxas folds them back into the instructions)
-    sel = tl.full(pairs.shape, BYTE | BYTE << 4 | (4 + BYTE) << 8 | (4 + BYTE) << 12, tl.int32)
-    mask = tl.full(pairs.shape, (CODE_MASK << LOW) * 0x10001, tl.int32)
     dtype = tl.bfloat16 if BF16 else tl.float16
-    scale = tl.full(pairs.shape, 1.0 / (1 << LOW), dtype)
     return tl.inline_asm_elementwise(
-        # $1 $2 the elements' words, $3 the scales, $4 the negated bases, $5 $6 the selector,
-        # $7 $8 the mask
-        "{ .reg .b32 t; prmt.b32 t, $1, $2, $5; "
-        + ("lop3.b32 t, t, $7, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, $3, $4; }" if BF16 else
-           "lop3.b32 t, t, $7, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, $3, $4; }"),
-        "=r,r,r,r,r,r,r,r,r", [pairs, scale, (-base).to(dtype)[:, None], sel, mask],
+        pair_decode_asm(J, BITS, BF16), "=r,r,r,r", [pairs, (-base).to(dtype)[:, None]],
         dtype=dtype, is_pure=True, pack=2,
     )  # fmt: skip
 

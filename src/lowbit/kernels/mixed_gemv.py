@@ -187,6 +187,21 @@ def _load_pair(ptr, rows, stride, first, count, WIDTH: tl.constexpr):
     return tl.load(ptrs, mask=valid[None, :], other=0)
 
 
+@triton.constexpr_function
+def load_x8_asm(bf16: bool) -> str:
+    """The PTX of :func:`_load_x8`: one 16-byte load from ``$8``, then ``$0..$7`` the eight
+    activations in order, fp16 as the 16-bit halves of the four words (``=h``), bf16 widened to
+    fp32 bits (``=r``): the low half shifted up, the high half masked in place."""
+    if bf16:
+        halves = [f"shl.b32 ${2 * i}, {r}, 16; and.b32 ${2 * i + 1}, {r}, 0xFFFF0000;"
+                  for i, r in enumerate("abcd")]  # fmt: skip
+    else:
+        halves = [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, {r};" for i, r in enumerate("abcd")]
+    return (
+        "{ .reg .b32 a, b, c, d; ld.global.nc.v4.b32 {a, b, c, d}, [$8]; " + " ".join(halves) + " }"
+    )
+
+
 @triton.jit
 def _load_x8(ptr):
     """Eight 16-bit activations at ``ptr`` (16-byte aligned) as eight scalars: one vector load
@@ -196,32 +211,13 @@ def _load_x8(ptr):
     half) or one mask (the high half) each, where a conversion of a named half takes two."""
     if ptr.dtype.element_ty == tl.bfloat16:
         xs = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, c, d;
-            ld.global.nc.v4.b32 {a, b, c, d}, [$8];
-            shl.b32 $0, a, 16;
-            and.b32 $1, a, 0xFFFF0000;
-            shl.b32 $2, b, 16;
-            and.b32 $3, b, 0xFFFF0000;
-            shl.b32 $4, c, 16;
-            and.b32 $5, c, 0xFFFF0000;
-            shl.b32 $6, d, 16;
-            and.b32 $7, d, 0xFFFF0000;
-            }""",
-            "=r,=r,=r,=r,=r,=r,=r,=r,l", [ptr], dtype=(tl.float32,) * 8, is_pure=True, pack=1,
+            load_x8_asm(True), "=r,=r,=r,=r,=r,=r,=r,=r,l", [ptr], dtype=(tl.float32,) * 8,
+            is_pure=True, pack=1,
         )  # fmt: skip
     else:
         xs = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, c, d;
-            ld.global.nc.v4.b32 {a, b, c, d}, [$8];
-            mov.b32 {$0, $1}, a;
-            mov.b32 {$2, $3}, b;
-            mov.b32 {$4, $5}, c;
-            mov.b32 {$6, $7}, d;
-            }""",
-            "=h,=h,=h,=h,=h,=h,=h,=h,l", [ptr], dtype=(ptr.dtype.element_ty,) * 8, is_pure=True,
-            pack=1,
+            load_x8_asm(False), "=h,=h,=h,=h,=h,=h,=h,=h,l", [ptr],
+            dtype=(ptr.dtype.element_ty,) * 8, is_pure=True, pack=1,
         )  # fmt: skip
     return xs
 
