@@ -321,6 +321,13 @@ def word_load_positions(ops: list[str]) -> list[int]:
     return positions
 
 
+def add_latency_option(parser: argparse.ArgumentParser) -> None:
+    """``--latency``: the cycles a global load takes in :func:`replay` (this tool's and
+    ``kernel_sass_mixed.py``'s tables)."""
+    parser.add_argument("--latency", type=int, default=800,
+                        help="cycles a global load takes in the round-trip model (default 800)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
@@ -328,12 +335,7 @@ def main() -> None:
     parser.add_argument("--spqr", action="store_true", help="the SpQR kernel's table instead")
     parser.add_argument("--split-sums", action="store_true",
                         help="how each GEMV's last program loads the split-K partials instead")  # fmt: skip
-    parser.add_argument(
-        "--latency",
-        type=int,
-        default=800,
-        help="cycles a global load takes in the round-trip model (default 800)",
-    )
+    add_latency_option(parser)
     parser.add_argument("--even-k", action="store_true",
                         help="decode kernels compiled for K a multiple of the tile's codes "
                              "(unmasked activation loads, as the launcher picks for such K)")  # fmt: skip

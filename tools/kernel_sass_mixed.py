@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sass import (  # noqa: E402
+    add_latency_option,
     compile_for,
     compiler_line,
     loop_instructions,
@@ -74,12 +75,7 @@ def compile_mixed_dequant(arch):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument(
-        "--latency",
-        type=int,
-        default=800,
-        help="cycles a global load takes in the round-trip model (default 800)",
-    )
+    add_latency_option(parser)
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     print(compiler_line(args.arch))
