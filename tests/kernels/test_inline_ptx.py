@@ -10,13 +10,13 @@ nearest even.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import struct
 from fractions import Fraction
 from functools import cache
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,14 +26,15 @@ from lowbit.kernels.mixed_gemv import load_x8_asm
 MASK32 = 0xFFFFFFFF
 
 
+#: the 16-bit float formats of packed halves, by their PTX names
+HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
 @cache
 def _half_value(bits: int, fmt: str) -> Fraction:
     """The exact value of a 16-bit float's ``bits`` (``fmt`` "f16" or "bf16"), finite only."""
-    if fmt == "f16":
-        value = float(np.array([bits], np.uint16).view(np.float16)[0])
-    else:
-        value = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
-    assert np.isfinite(value), "the emulator takes finite halves only"
+    value = torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(HALVES[fmt]).item()
+    assert math.isfinite(value), "the emulator takes finite halves only"
     return Fraction(value)
 
 
@@ -42,8 +43,7 @@ def _half_bits(value: Fraction, fmt: str) -> int:
     """``value`` rounded to nearest even in ``fmt``, as bits (exact in float64 first, checked)."""
     wide = float(value)
     assert Fraction(wide) == value, "a sum that float64 cannot hold exactly: extend the emulator"
-    dtype = torch.float16 if fmt == "f16" else torch.bfloat16
-    half = torch.tensor(wide, dtype=torch.float64).to(dtype)
+    half = torch.tensor(wide, dtype=torch.float64).to(HALVES[fmt])
     return int(half.view(torch.int16).item()) & 0xFFFF
 
 
