@@ -67,6 +67,24 @@ def quantize(
 
     The recipe is recorded on the model as ``model.lowbit_recipe``.
     """
+    recipe, context = _prepare(
+        model, recipe, calibration, filter_fn, overrides, progress, resume_dir, device,
+        on_transformed,
+    )  # fmt: skip
+    with torch.no_grad():
+        recipe.apply(model, context)
+    if packed:
+        from lowbit.nn.packed_linear import pack_model
+
+        pack_model(model)
+    model.lowbit_recipe = recipe
+    return model
+
+
+def _prepare(
+    model, recipe, calibration, filter_fn, overrides, progress, resume_dir, device, on_transformed
+) -> tuple[Recipe, QuantizeContext]:
+    """The checks every quantization makes before any work, and the recipe's context."""
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     recipe.validate()
@@ -104,14 +122,7 @@ def quantize(
         recipe.for_layer(**values)  # reject unknown settings before any work is done
         if not any(_matches(name, pattern) for name in adapter.linear_names()):
             raise LowbitError(f"override pattern {pattern!r} matches no layer of this model")
-    with torch.no_grad():
-        recipe.apply(model, context)
-    if packed:
-        from lowbit.nn.packed_linear import pack_model
-
-        pack_model(model)
-    model.lowbit_recipe = recipe
-    return model
+    return recipe, context
 
 
 def _compute_device(device: torch.device | str | None) -> torch.device | None:

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from lowbit.algorithms.gptq import GPTQSettings
-from lowbit.calibrate.capture import block_linears, calibrate_layer_by_layer
+from lowbit.calibrate.capture import BlockHooks, block_linears, calibrate_layer_by_layer
 from lowbit.calibrate.hessian import HessianCollector
 from lowbit.calibrate.resume import BlockCheckpoints, run_fingerprint
 from lowbit.errors import LowbitError
@@ -174,8 +174,9 @@ def quantize_linears(
     offload_device: torch.device | str = "cpu",
     resume_dir: str | Path | None = None,
     recipe: dict[str, Any] | None = None,
+    hooks: BlockHooks | None = None,
 ) -> WeightQuantReport:
-    """Quantize the weights of the selected block linears in place.
+    """Quantize the weights of the selected block linears in place, block by block.
 
     Args:
         model, adapter: the model and its adapter.
@@ -197,6 +198,9 @@ def quantize_linears(
             written as they finish. A directory from a different run is a LowbitError.
         recipe: the calling recipe's ``to_dict()`` (and overrides), part of the resume
             directory's fingerprint.
+        hooks: where the blocks' weights come from and go (:class:`~lowbit.calibrate.capture.
+            BlockHooks`; None: the model is in memory). ``finish(i)`` sees block ``i`` in its
+            final form: every selected linear replaced, activation quantizers attached.
 
     Returns:
         :class:`WeightQuantReport`.
@@ -210,18 +214,56 @@ def quantize_linears(
         if spec is not None:
             spec.check(model.get_submodule(name).weight, name)
     report = WeightQuantReport(algo)
+    hooks = _DriverHooks(model, adapter, set(names), report, act_quantizer_for, hooks)
     if algo == "rtn":
-        for name in tqdm(names, desc="rtn", disable=not progress, leave=False):
-            report.layers.append(_quantize_rtn(model, name, specs[name]))
+        for index in tqdm(range(adapter.num_layers), desc="rtn", disable=not progress):
+            hooks.load(index)
+            for name in block_linears(model, adapter, index):
+                if name in hooks.selected:
+                    report.layers.append(_quantize_rtn(model, name, specs[name]))
+            hooks.finish(index)
     else:
         _quantize_gptq(
             model, adapter, names, specs, calibration, gptq or GPTQSettings(), report, progress,
-            device, offload_device, resume_dir, recipe,
+            device, offload_device, resume_dir, recipe, hooks,
         )  # fmt: skip
-    for name in names:
-        model.get_submodule(name).act_quantizer = act_quantizer_for(name)
     report.seconds = time.perf_counter() - start
     return report
+
+
+class _DriverHooks(BlockHooks):
+    """The caller's hooks with the driver's own steps around them: on ``load`` it notes where
+    the block lives (packed containers go there); before ``finish`` it keeps in float the
+    selected linears no spec quantized and attaches every selected linear's activation
+    quantizer (calibration ran with float activations: nothing runs this block again)."""
+
+    def __init__(self, model, adapter, selected, report, act_quantizer_for, inner):
+        self.model, self.adapter, self.selected, self.report = model, adapter, selected, report
+        self.act_quantizer_for = act_quantizer_for
+        self.inner = inner or BlockHooks()
+        self.homes: dict[int, torch.device] = {}
+
+    def capture_begin(self, device: torch.device) -> None:
+        self.inner.capture_begin(device)
+
+    def capture_end(self) -> None:
+        self.inner.capture_end()
+
+    def load(self, index: int) -> None:
+        self.inner.load(index)
+        self.homes[index] = next(self.adapter.blocks_module[index].parameters()).device
+
+    def finish(self, index: int) -> None:
+        done = {layer.name for layer in self.report.layers}
+        for name, module in block_linears(self.model, self.adapter, index).items():
+            if name not in self.selected:
+                continue
+            if name not in done:  # a block whose selected linears all stay float is not walked
+                module = _replacement(module, module.weight, None, "float")
+                replace_module(self.model, name, module)
+                self.report.layers.append(LayerChoice(name, "float"))
+            module.act_quantizer = self.act_quantizer_for(name)
+        self.inner.finish(index)
 
 
 def selected_linears(
@@ -249,7 +291,7 @@ def _quantize_rtn(model: nn.Module, name: str, spec: WeightSpec | None) -> Layer
 
 def _quantize_gptq(
     model, adapter, names, specs, calibration, settings: GPTQSettings, report, progress, device,
-    offload_device, resume_dir, recipe,
+    offload_device, resume_dir, recipe, hooks: _DriverHooks,
 ) -> None:  # fmt: skip
     if calibration is None:
         raise LowbitError("GPTQ needs calibration data (calibration=[n_samples, seqlen] ids)")
@@ -275,7 +317,7 @@ def _quantize_gptq(
 
     # the walk moves each block to the compute device and back; the packed containers it makes
     # are not module tensors, so they are put where their block lives (homes[index])
-    homes = [next(block.parameters()).device for block in adapter.blocks_module]
+    homes = hooks.homes
 
     def calibrated_linears(index: int) -> dict[str, nn.Module]:
         return {
@@ -336,13 +378,8 @@ def _quantize_gptq(
         device=device,
         progress=progress,
         skip=None if store is None else store.done,
+        hooks=hooks,
     )
-    missing = [n for n in names if not any(layer.name == n for layer in report.layers)]
-    if missing:  # blocks whose selected linears are all float are never handed to the callback
-        for name in missing:
-            module = model.get_submodule(name)
-            replace_module(model, name, _replacement(module, module.weight, None, "float"))
-            report.layers.append(LayerChoice(name, "float"))
 
 
 def _resume_options(settings: GPTQSettings) -> dict[str, Any]:

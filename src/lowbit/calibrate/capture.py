@@ -13,6 +13,11 @@ knows layer names; the adapter says where the blocks and their linears are.
 All samples have the same length and no padding, so the keyword arguments the blocks take
 (position embeddings, causal mask, position ids) are the same for every sample and are kept
 once, from the first sample.
+
+Where the blocks' weights come from is a :class:`BlockHooks`' business: the default does nothing
+(the model is in memory); the streamed quantizer's (:mod:`lowbit.io.stream`) reads each block
+when its turn comes and writes and releases it when it is done, so the in-memory and the
+streamed paths take the same walk.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from lowbit.calibrate.hessian import AllInputsSeen, HessianCollector
 from lowbit.errors import LowbitError
 
 __all__ = [
+    "BlockHooks",
     "BlockInputs",
     "capture_first_block_inputs",
     "run_block",
@@ -49,6 +55,26 @@ class BlockInputs:
 
     hidden: Tensor
     kwargs: dict[str, Any]
+
+
+class BlockHooks:
+    """What the walk calls around the model's parts; every hook does nothing by default (the
+    model is in memory). Blocks are visited in order, each exactly once: ``load(i)`` before
+    block ``i`` is used, ``finish(i)`` once it is processed and has run forward for the last
+    time (then nothing touches it again)."""
+
+    def capture_begin(self, device: torch.device) -> None:
+        """Before the first block's inputs are captured: what runs before block 0 (embeddings,
+        rotary) must be usable on ``device``."""
+
+    def capture_end(self) -> None:
+        """After the capture: those parts are needed no more."""
+
+    def load(self, index: int) -> None:
+        """Make block ``index``'s weights available."""
+
+    def finish(self, index: int) -> None:
+        """Block ``index`` is done."""
 
 
 class _Captured(Exception):
@@ -102,9 +128,9 @@ def capture_first_block_inputs(
     if tokens.ndim != 2 or tokens.dtype != torch.long or tokens.shape[0] == 0:
         raise LowbitError("calibration tokens must be a non-empty [n_samples, seqlen] long tensor")
     blocks = adapter.blocks_module
-    device = torch.device(device) if device is not None else _model_device(blocks)
+    home = adapter.embed_tokens.weight.device  # where what runs before block 0 lives
+    device = torch.device(device) if device is not None else home
     offload_device = torch.device(offload_device)
-    home = _model_device(blocks)
     dtype = next(blocks[0].parameters()).dtype
     hidden = torch.empty(
         tokens.shape[0], tokens.shape[1], adapter.hidden_size, device=offload_device, dtype=dtype
@@ -206,6 +232,7 @@ def calibrate_layer_by_layer(
     propagate_last: bool = False,
     progress: bool = True,
     skip: Callable[[int], bool] | None = None,
+    hooks: BlockHooks | None = None,
 ) -> BlockInputs | None:
     """Walk the blocks: collect Hessians, call ``process_block``, propagate.
 
@@ -233,6 +260,8 @@ def calibrate_layer_by_layer(
             (sequential: its processed outputs; else its float outputs, computed before
             ``process_block``). Skipped blocks after the last calibrated one are processed
             without running any block.
+        hooks: where block weights come from and go (:class:`BlockHooks`; default: in memory).
+            Every block gets ``load`` and ``finish``, also those the walk does not run.
 
     Returns:
         the last block's outputs as :class:`BlockInputs` if ``propagate_last``, else None.
@@ -244,11 +273,14 @@ def calibrate_layer_by_layer(
             f"(there are {n_samples})"
         )
     blocks = adapter.blocks_module
-    device = torch.device(device) if device is not None else _model_device(blocks)
+    hooks = hooks or BlockHooks()
     linears_of = linears_of or (lambda i: block_linears(model, adapter, i))
+    device = torch.device(device) if device is not None else _model_device(blocks)
+    hooks.capture_begin(device)
     inputs = capture_first_block_inputs(
         model, adapter, tokens, offload_device=offload_device, device=device
     )
+    hooks.capture_end()
     spare = torch.empty_like(inputs.hidden)
     first_heldout = n_samples - heldout
     wanted = {index: linears_of(index) for index in range(adapter.num_layers)}
@@ -256,9 +288,11 @@ def calibrate_layer_by_layer(
     calibrated = [index for index, linears in wanted.items() if linears and index not in skipped]
     stop = adapter.num_layers if propagate_last else (calibrated[-1] if calibrated else -1)
     for index in tqdm(range(adapter.num_layers), desc="calibrate", disable=not progress):
+        hooks.load(index)
         if index > stop:  # nothing after this block needs its inputs
             if index in skipped:
                 process_block(index, None)
+            hooks.finish(index)
             continue
         block = blocks[index]
         home = next(block.parameters()).device
@@ -286,4 +320,5 @@ def calibrate_layer_by_layer(
                 inputs.hidden, spare = spare, inputs.hidden
         finally:
             blocks[index].to(home)
+        hooks.finish(index)
     return inputs if propagate_last else None

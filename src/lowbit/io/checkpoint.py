@@ -48,7 +48,16 @@ from lowbit.nn.quant_linear import FakeQuantLinear
 from lowbit.nn.run_linear import check_not_run_form
 from lowbit.version import __version__
 
-__all__ = ["save", "check_save_target", "load", "describe", "checkpoint_tensors", "run_dtype"]
+__all__ = [
+    "save",
+    "check_save_target",
+    "load",
+    "describe",
+    "module_specs",
+    "quantization_config",
+    "checkpoint_tensors",
+    "run_dtype",
+]
 
 #: the dtypes a saved model can be told to run in
 RUN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,27 +71,45 @@ def describe(model: nn.Module) -> dict[str, Any]:
             "this model was not quantized by lowbit (lowbit.quantize); nothing to save"
         )
     check_not_run_form(model, "save")
-    modules = {}
-    for fqn, module in model.named_modules():
-        spec = module_spec(module)
+    return quantization_config(
+        recipe, module_specs(model), kv=kv_layout_spec(model), rope=rope_orders(model)
+    )
+
+
+def module_specs(module: nn.Module, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """``{fqn: spec}`` of the lowbit modules in ``module`` (names under ``prefix``, e.g.
+    ``"model.layers.3"`` for a block)."""
+    specs = {}
+    for fqn, child in module.named_modules(prefix=prefix):
+        spec = module_spec(child)
         if spec is not None:
-            modules[fqn] = spec
+            specs[fqn] = spec
+    return specs
+
+
+def quantization_config(
+    recipe, modules: dict[str, dict[str, Any]], *, kv=None, rope=None
+) -> dict[str, Any]:
+    """lowbit's ``quantization_config`` from its parts (the checksums are added on writing)."""
     return {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
         "lowbit_version": __version__,
         "recipe": recipe.to_dict(),
         "modules": modules,
-        "kv": kv_layout_spec(model),
-        "rope_orders": rope_orders(model),
+        "kv": kv,
+        "rope_orders": rope or {},
     }
 
 
-def checkpoint_tensors(model: nn.Module) -> dict[str, Tensor]:
+def checkpoint_tensors(model: nn.Module, prefix: str = "") -> dict[str, Tensor]:
     """Every tensor to store, by state-dict key: simulated quantized linears as their packed
-    buffers (the float weight is not stored), shared tensors (tied embeddings) once, on CPU."""
-    state = model.state_dict()
-    for fqn, module in model.named_modules():
+    buffers (the float weight is not stored), shared tensors (tied embeddings) once, on CPU.
+    ``prefix``: the name of ``model`` inside the whole model, for one block
+    (``"model.layers.3"``)."""
+    dot = f"{prefix}." if prefix else ""
+    state = model.state_dict(prefix=dot)
+    for fqn, module in model.named_modules(prefix=prefix):
         if isinstance(module, FakeQuantLinear) and module.quantized_weight is not None:
             del state[f"{fqn}.weight"]
             packed = packed_format_for(module.quantized_weight).from_quantized(

@@ -109,6 +109,10 @@ class Recipe:
     roles: ClassVar[frozenset[str]] = frozenset()
     #: the paper the method comes from, "Name (Author et al., year)"; empty for none
     paper: ClassVar[str] = ""
+    #: whether ``apply`` works block by block through ``QuantizeContext.blocks`` (the streamed
+    #: quantizer, :mod:`lowbit.io.stream`): a method that needs the whole model at once (a
+    #: residual rotation, training through every block, a KV cache calibrated end to end) does not
+    streams: ClassVar[bool] = False
 
     # -- validation and (de)serialisation -----------------------------------------------------
     def validate(self) -> None:
@@ -231,6 +235,9 @@ class QuantizeContext:
         on_transformed: called with the model by a recipe that changes the model's bases
             (a rotation) once that function-preserving transform is done and before anything
             is quantized: the float reference in those bases (:mod:`lowbit.eval.layer_error`).
+        blocks: the :class:`~lowbit.calibrate.capture.BlockHooks` of a streamed model (its
+            blocks are read when their turn comes and written when done), handed to the weight
+            driver by recipes that :attr:`~Recipe.streams`; None: the model is in memory.
     """
 
     adapter: Any
@@ -241,6 +248,7 @@ class QuantizeContext:
     resume_dir: str | Path | None = None
     device: torch.device | None = None
     on_transformed: Any = None
+    blocks: Any = None
 
     def transformed(self, model: torch.nn.Module) -> None:
         """Say that ``model``'s function-preserving transforms are done (see

@@ -54,6 +54,10 @@ class ComposedRecipe(Recipe):
         return any(getattr(part, "gptq_weights", False) for part in self.parts)
 
     @property
+    def streams(self) -> bool:  # type: ignore[override]
+        return all(part.streams for part in self.parts)
+
+    @property
     def roles(self) -> frozenset[str]:  # type: ignore[override]
         return frozenset().union(*(part.roles for part in self.parts))
 

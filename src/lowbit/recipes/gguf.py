@@ -40,6 +40,7 @@ class GGUFRecipe(GPTQRecipeSettings, Recipe):
 
     method = "gguf"
     roles = frozenset({"weights"})
+    streams = True
     paper = "llama.cpp's block formats, calibrated by GPTQ (Frantar et al., 2023)"
 
     gguf_type: str = "Q4_0"
@@ -81,6 +82,7 @@ class GGUFRecipe(GPTQRecipeSettings, Recipe):
             filter_fn=context.selected,
             gptq=self.gptq_settings(),
             progress=context.progress,
+            hooks=context.blocks,
             resume_dir=context.resume_dir if self.w_algo == "gptq" else None,
             recipe=context.resume_fingerprint(self),
             device=context.device,

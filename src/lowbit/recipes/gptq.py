@@ -39,6 +39,7 @@ class GPTQRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     method = "gptq"
     needs_calibration = True
     roles = frozenset({"weights", "activations"})
+    streams = True
     paper = "GPTQ (Frantar et al., 2023)"
 
     gptq_weights = True
@@ -68,6 +69,7 @@ class GPTQRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
             filter_fn=context.selected,
             gptq=self.gptq_settings(),
             progress=context.progress,
+            hooks=context.blocks,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),
             device=context.device,

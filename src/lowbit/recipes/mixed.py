@@ -90,6 +90,10 @@ class MixedRecipe(GPTQRecipeSettings, Recipe):
     def gptq_weights(self) -> bool:
         return self.w_algo == "gptq"
 
+    @property
+    def streams(self) -> bool:  # type: ignore[override]
+        return self.qat_steps == 0  # QAT trains through the whole model
+
     def validate(self) -> None:
         if not 0.0 <= self.frac_4bit <= 1.0:
             raise LowbitError(f"frac_4bit must be in [0, 1], not {self.frac_4bit}")
@@ -144,6 +148,7 @@ class MixedRecipe(GPTQRecipeSettings, Recipe):
             filter_fn=context.selected,
             gptq=self.gptq_settings(),
             progress=context.progress,
+            hooks=context.blocks,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),
             device=context.device,

@@ -24,6 +24,7 @@ class RTNRecipe(LinearQuantSettings, Recipe):
 
     method = "rtn"
     roles = frozenset({"weights", "activations"})
+    streams = True
 
     def validate(self) -> None:
         self.validate_linear_settings()
@@ -46,4 +47,5 @@ class RTNRecipe(LinearQuantSettings, Recipe):
             act_quantizer_for=lambda fqn: context.recipe_for(self, fqn).act_quantizer(),
             filter_fn=context.selected,
             progress=context.progress,
+            hooks=context.blocks,
         )

@@ -55,6 +55,7 @@ class SpQRRecipe(GPTQRecipeSettings, Recipe):
 
     method = "spqr"
     roles = frozenset({"weights"})
+    streams = True
     paper = "SpQR (Dettmers et al., 2024)"
     needs_calibration = True
 
@@ -99,6 +100,7 @@ class SpQRRecipe(GPTQRecipeSettings, Recipe):
             filter_fn=context.selected,
             gptq=self.gptq_settings(),
             progress=context.progress,
+            hooks=context.blocks,
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),
             device=context.device,
