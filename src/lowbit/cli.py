@@ -336,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_device_arg(quantize_parser, help=CALIBRATION_DEVICE_HELP)
     _add_dtype_arg(quantize_parser, help=SAVE_DTYPE_HELP)
+    quantize_parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="the most bytes one weights file holds, e.g. 500MB, 2GB (default: 5GB, as "
+        "transformers); a larger model is written as Hugging Face's shards and index",
+    )
     quantize_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     export_parser = commands.add_parser(
@@ -744,8 +751,10 @@ def run_quantize(args) -> None:
     from lowbit.data import load_corpus
     from lowbit.eval.memory import memory_report
     from lowbit.io.checkpoint import run_dtype, save
+    from lowbit.io.shards import parse_size
     from lowbit.models.adapter import adapter_for
 
+    max_shard_bytes = parse_size(args.max_shard_size)  # before the long work
     ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
     if recipe.method == "fp":
         raise LowbitError("recipe fp quantizes nothing: there is no quantized model to save")
@@ -767,7 +776,7 @@ def run_quantize(args) -> None:
     )  # fmt: skip
     seconds = time.perf_counter() - start
     dtype = run_dtype(model, resolve_dtype(args.dtype) or "auto")
-    save(model, out, tokenizer=loaded.tokenizer, dtype=dtype)
+    save(model, out, tokenizer=loaded.tokenizer, dtype=dtype, max_shard_size=max_shard_bytes)
     memory = memory_report(model, adapter_for(model))
     print(
         f"wrote {out}: {label}, {memory.bits_per_weight:.3f} bits per weight, "

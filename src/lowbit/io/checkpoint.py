@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,8 @@ from lowbit.errors import LowbitError
 from lowbit.io.format import (
     FORMAT_VERSION,
     QUANT_METHOD,
-    WEIGHTS_NAME,
     check_format,
     config_checksum,
-    file_sha256,
     read_config,
     verify_checkpoint,
 )
@@ -42,6 +41,7 @@ from lowbit.io.rebuild import (
     rope_orders,
     skeleton,
 )
+from lowbit.io.shards import DEFAULT_SHARD_BYTES, ShardWriter, parse_size
 from lowbit.models.loader import quiet_transformers
 from lowbit.nn.packed_linear import packed_format_for, unpack_model
 from lowbit.nn.quant_linear import FakeQuantLinear
@@ -51,11 +51,15 @@ from lowbit.version import __version__
 __all__ = [
     "save",
     "check_save_target",
+    "finish_checkpoint",
+    "check_rebuilds",
     "load",
     "describe",
     "module_specs",
     "quantization_config",
     "checkpoint_tensors",
+    "checkpoint_tensor_groups",
+    "saved_config",
     "run_dtype",
 ]
 
@@ -102,30 +106,45 @@ def quantization_config(
     }
 
 
-def checkpoint_tensors(model: nn.Module, prefix: str = "") -> dict[str, Tensor]:
-    """Every tensor to store, by state-dict key: simulated quantized linears as their packed
-    buffers (the float weight is not stored), shared tensors (tied embeddings) once, on CPU.
-    ``prefix``: the name of ``model`` inside the whole model, for one block
-    (``"model.layers.3"``)."""
-    dot = f"{prefix}." if prefix else ""
-    state = model.state_dict(prefix=dot)
-    for fqn, module in model.named_modules(prefix=prefix):
-        if isinstance(module, FakeQuantLinear) and module.quantized_weight is not None:
-            del state[f"{fqn}.weight"]
+def checkpoint_tensor_groups(model: nn.Module, prefix: str = "") -> Iterator[dict[str, Tensor]]:
+    """Every tensor to store, by state-dict key, a module's worth at a time: simulated quantized
+    linears as their packed buffers, packed one at a time as their turn comes (the float weight is
+    not stored), shared tensors (tied embeddings) once. Tensors may be on any device; the
+    writer (:class:`lowbit.io.shards.ShardWriter`) stores them on CPU. ``prefix``: the name of
+    ``model`` inside the whole model, for one block (``"model.layers.3"``)."""
+    state = model.state_dict(prefix=f"{prefix}." if prefix else "")
+    simulated = {
+        f"{fqn}.weight": module
+        for fqn, module in model.named_modules(prefix=prefix)
+        if isinstance(module, FakeQuantLinear) and module.quantized_weight is not None
+    }
+    seen: set[tuple[int, int]] = set()
+    for key, tensor in state.items():
+        module = simulated.get(key)
+        if module is not None:
             packed = packed_format_for(module.quantized_weight).from_quantized(
                 module.quantized_weight
             )
-            for name, buffer in packed.named_buffers(recurse=False):
-                if buffer is not None:
-                    state[f"{fqn}.{name}"] = buffer
-    tensors: dict[str, Tensor] = {}
-    seen: set[tuple[int, int]] = set()
-    for key, tensor in state.items():
+            fqn = key.removesuffix(".weight")
+            yield {
+                f"{fqn}.{name}": buffer.detach()
+                for name, buffer in packed.named_buffers(recurse=False)
+                if buffer is not None
+            }
+            continue
         storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         if storage in seen and tensor.numel():
             continue  # a tied copy: transformers ties it again from the config on load
         seen.add(storage)
-        tensors[key] = tensor.detach().to("cpu").contiguous()
+        yield {key: tensor.detach()}
+
+
+def checkpoint_tensors(model: nn.Module, prefix: str = "") -> dict[str, Tensor]:
+    """Every tensor to store, by state-dict key, on CPU (:func:`checkpoint_tensor_groups` in one
+    dict)."""
+    tensors: dict[str, Tensor] = {}
+    for group in checkpoint_tensor_groups(model, prefix):
+        tensors.update({key: t.to("cpu").contiguous() for key, t in group.items()})
     return tensors
 
 
@@ -164,6 +183,7 @@ def save(
     *,
     tokenizer=None,
     dtype: torch.dtype | str = "auto",
+    max_shard_size: int | str = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write ``model`` (quantized by lowbit, either face) as a checkpoint directory.
 
@@ -174,39 +194,75 @@ def save(
         dtype: the dtype the model runs in when loaded (:func:`run_dtype`; ``"auto"``: bf16
             for a float32 model). The float tensors are stored as they are, so ``load(...,
             dtype=torch.float32)`` still gives the exact float32 model.
+        max_shard_size: the most tensor bytes one weights file holds, as a number or a string
+            such as ``"2GB"`` (:func:`lowbit.io.shards.parse_size`); a larger model is written
+            as Hugging Face's shards and index. The default, 5 GB, is transformers' own.
 
     Returns:
         The directory's path.
     """
-    from safetensors.torch import save_file
-
     target = Path(directory).expanduser()
     check_save_target(target)
+    max_shard_bytes = parse_size(max_shard_size)
     dtype = run_dtype(model, dtype)
     qconfig = describe(model)
-    tensors = checkpoint_tensors(model)
-    _check_rebuilds(model.config, qconfig, tensors)
+    expected = expected_tensors(skeleton(model.config, qconfig))
     with atomic_directory(target, verb="save to") as tmp:  # whole or not at all
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        config = saved_config(model, dtype)
-        config["quantization_config"] = qconfig
-        qconfig["checksums"] = {
-            WEIGHTS_NAME: file_sha256(tmp / WEIGHTS_NAME),
-            "config.json": config_checksum(config),
-        }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        generation = getattr(model, "generation_config", None)
-        if generation is not None:
-            generation.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
+        for tensors in checkpoint_tensor_groups(model):
+            check_rebuilds(expected, tensors)  # a refusal here removes the temporary directory
+            writer.add(tensors)
+        finish_checkpoint(
+            tmp,
+            saved_config(model, dtype),
+            qconfig,
+            writer.close(),
+            generation_config=getattr(model, "generation_config", None),
+            tokenizer=tokenizer,
+        )
     return target
 
 
-def _check_rebuilds(config, qconfig: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-    """Before writing: the model rebuilt from ``qconfig`` must take exactly ``tensors`` (a key,
-    shape or dtype lowbit could not restore would otherwise load as garbage)."""
-    expected = expected_tensors(skeleton(config, qconfig))
+def finish_checkpoint(
+    directory: Path,
+    config: dict[str, Any],
+    qconfig: dict[str, Any],
+    weight_checksums: dict[str, str],
+    *,
+    generation_config=None,
+    tokenizer=None,
+) -> None:
+    """Write config.json (``config`` with ``quantization_config = qconfig`` and its checksums:
+    every weights file's sha256 and the config's own), generation_config and tokenizer into
+    ``directory`` (the atomic temporary directory).
+
+    Args:
+        directory: the directory the weights were written into (:class:`ShardWriter`).
+        config: the model's config as a JSON dict (:func:`saved_config`).
+        qconfig: lowbit's part (:func:`describe`), without checksums; not changed.
+        weight_checksums: ``{file name: sha256}`` of the weights files
+            (:meth:`ShardWriter.close`).
+        generation_config: a transformers ``GenerationConfig``, saved when given.
+        tokenizer: saved when given.
+    """
+    config = dict(config)
+    config["quantization_config"] = qconfig = dict(qconfig)
+    qconfig["checksums"] = {**weight_checksums, "config.json": config_checksum(config)}
+    (Path(directory) / "config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n"
+    )
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def check_rebuilds(
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]], tensors: dict[str, Tensor]
+) -> None:
+    """Before writing: the model rebuilt from the checkpoint's JSON (``expected``:
+    :func:`lowbit.io.rebuild.expected_tensors` of its :func:`~lowbit.io.rebuild.skeleton`) must
+    take ``tensors`` (a key or shape lowbit could not restore would otherwise load as garbage)."""
     for key, tensor in tensors.items():
         if key not in expected:
             raise LowbitError(f"lowbit cannot rebuild the module holding {key!r}; not saved")

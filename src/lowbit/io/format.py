@@ -10,8 +10,21 @@ A checkpoint is a Hugging Face–style directory::
                          calibrated KV state (codebooks, ranges, channel orders)
     tokenizer files, generation_config.json
 
+or, for a model larger than one shard (``lowbit.save(..., max_shard_size=...)``, 5 GB by
+default), Hugging Face's shards and index in place of ``model.safetensors``
+(:mod:`lowbit.io.shards`), each of them in the checksums::
+
+    model-00001-of-00002.safetensors, model-00002-of-00002.safetensors
+    model.safetensors.index.json      {"metadata": {"total_size": bytes},
+                                       "weight_map": {tensor key: shard file name}}
+
+A single-file checkpoint is the same bytes as before shards existed (format_version 1 covers
+both: a lowbit that predates shards refuses a sharded checkpoint with "has no
+model.safetensors", never loads it wrongly).
+
 :func:`verify_checkpoint` checks a directory without loading its tensors: the checksums recorded
-at save time, then every tensor the described model needs (key, shape, dtype), none extra. Every
+at save time (each shard's and the index's, for a sharded one), the index's weight_map against
+the shards' own tables, then every tensor the described model needs (key, shape, dtype), none extra. Every
 path that loads lowbit weights goes through it (:func:`lowbit.io.checkpoint.load` and
 transformers' ``from_pretrained``, :mod:`lowbit.io.hf`), so a damaged or edited checkpoint is
 one sentence, never a silently different model.
@@ -29,22 +42,25 @@ import torch
 
 from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
+from lowbit.io.shards import INDEX_NAME, WEIGHTS_NAME, read_weight_map
 
 __all__ = [
     "FORMAT_VERSION",
     "QUANT_METHOD",
     "WEIGHTS_NAME",
+    "INDEX_NAME",
     "read_config",
     "config_checksum",
     "file_sha256",
     "check_format",
     "is_lowbit_checkpoint",
     "verify_checkpoint",
+    "weight_files",
+    "stored_tensors",
 ]
 
 FORMAT_VERSION = 1
 QUANT_METHOD = "lowbit"
-WEIGHTS_NAME = "model.safetensors"
 
 
 def config_checksum(config: dict[str, Any]) -> str:
@@ -102,15 +118,100 @@ def check_format(qconfig: Any, where: str) -> None:
         raise LowbitError(f"{where}: quantization_config.kv is malformed")
 
 
+def weight_files(directory: Path, checksums: dict[str, Any]) -> tuple[list[Path], dict | None]:
+    """The weights files of a checkpoint whose config records ``checksums``, each checked against
+    its sum, and the index's weight_map (None for a single ``model.safetensors``).
+
+    A checkpoint is sharded when its checksums name the index (``model.safetensors.index.json``,
+    :mod:`lowbit.io.shards`): then the index and every shard it names must match their sums, no
+    file it does not name may be recorded, and no ``model.safetensors`` may lie beside them
+    (transformers would load that file alone).
+    """
+    if INDEX_NAME not in checksums:  # one file (every checkpoint before shards)
+        weights = directory / WEIGHTS_NAME
+        if not weights.is_file():
+            raise LowbitError(f"{directory} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
+        _check_sum(weights, checksums.get(WEIGHTS_NAME))
+        return [weights], None
+    index = directory / INDEX_NAME
+    if not index.is_file():
+        raise LowbitError(f"{directory} has no {INDEX_NAME}: the checkpoint is incomplete")
+    _check_sum(index, checksums[INDEX_NAME])
+    weight_map = read_weight_map(directory)
+    names = sorted(set(weight_map.values()))
+    recorded = sorted(set(checksums) - {INDEX_NAME, "config.json"})
+    if names != recorded:
+        extra = sorted(set(names) ^ set(recorded))[0]
+        raise LowbitError(
+            f"{index} and the checksums in config.json do not list the same shards (the first "
+            f"that differs: {extra}): the checkpoint was changed"
+        )
+    if (directory / WEIGHTS_NAME).exists():
+        raise LowbitError(
+            f"{directory} holds both shards and a {WEIGHTS_NAME} that is not part of the "
+            "checkpoint (transformers would load that file alone): remove it"
+        )
+    files = []
+    for name in names:
+        path = directory / name
+        if not path.is_file():
+            raise LowbitError(f"{directory} has no {name}: the checkpoint is incomplete")
+        _check_sum(path, checksums[name])
+        files.append(path)
+    return files, weight_map
+
+
+def _check_sum(path: Path, recorded: Any) -> None:
+    if recorded != file_sha256(path):
+        raise LowbitError(
+            f"{path} does not match the checksum recorded when it was saved: the file is "
+            "damaged or was changed"
+        )
+
+
+def stored_tensors(
+    files: list[Path], weight_map: dict[str, str] | None
+) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+    """``{key: (shape, safetensors dtype, file)}`` of every tensor in ``files``, read from their
+    headers; a key in two files, or (sharded) one the index places elsewhere or one the index
+    names that no file holds, is refused with one sentence."""
+    from safetensors import safe_open
+
+    stored: dict[str, tuple[tuple[int, ...], str, Path]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                table = {k: f.get_slice(k) for k in f.keys()}
+                table = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in table.items()}
+        except Exception as err:  # safetensors raises its own error types for a bad header
+            raise LowbitError(f"{path} is not a readable safetensors file ({err})") from err
+        for key, (shape, dtype) in table.items():
+            if key in stored:
+                raise LowbitError(f"{path} and {stored[key][2]} both hold the tensor {key!r}")
+            if weight_map is not None and weight_map.get(key) != path.name:
+                raise LowbitError(
+                    f"{path} holds the tensor {key!r}, which {INDEX_NAME} places "
+                    f"{'nowhere' if key not in weight_map else 'in ' + weight_map[key]}"
+                )
+            stored[key] = (shape, dtype, path)
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in stored:
+                raise LowbitError(
+                    f"{INDEX_NAME} places the tensor {key!r} in {name}, which lacks it"
+                )
+    return stored
+
+
 def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     """Check a checkpoint directory without loading its tensors; returns its config dict.
 
-    The config and the weights file must match the SHA-256 sums recorded at save time (so a
-    damaged or edited checkpoint is refused rather than loaded as a silently different model),
-    and every tensor the described model needs must be in the weights file with its shape and
-    dtype, none extra.
+    The config and the weights files (one ``model.safetensors``, or the shards and their index)
+    must match the SHA-256 sums recorded at save time (so a damaged or edited checkpoint is
+    refused rather than loaded as a silently different model), the index must place every
+    tensor in the shard that holds it, and every tensor the described model needs must be in
+    the weights with its shape and dtype, none extra.
     """
-    from safetensors import safe_open
     from transformers import AutoConfig
 
     from lowbit.io.rebuild import expected_tensors, skeleton
@@ -120,19 +221,15 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     where = str(directory / "config.json")
     qconfig = raw.get("quantization_config")
     check_format(qconfig, where)
-    weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
-        raise LowbitError(f"{directory} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
     checksums = qconfig.get("checksums")
+    if INDEX_NAME not in (checksums if isinstance(checksums, dict) else {}):
+        if not (directory / WEIGHTS_NAME).is_file():
+            raise LowbitError(f"{directory} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
     if not isinstance(checksums, dict):
         raise LowbitError(f"{where} has no checksums: it was not written by lowbit.save")
     if checksums.get("config.json") != config_checksum(raw):
         raise LowbitError(f"{where} was changed after it was saved (its checksum differs)")
-    if checksums.get(WEIGHTS_NAME) != file_sha256(weights):
-        raise LowbitError(
-            f"{weights} does not match the checksum recorded when it was saved: the file is "
-            "damaged or was changed"
-        )
+    files, weight_map = weight_files(directory, checksums)
     try:
         config = AutoConfig.from_pretrained(directory)
         expected = expected_tensors(skeleton(config, qconfig))
@@ -140,31 +237,29 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
         raise
     except Exception as err:  # a config transformers or lowbit cannot build a model from
         raise LowbitError(f"{where} does not describe a model lowbit can build ({err})") from err
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            stored = {
-                k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
-            }
-    except Exception as err:  # safetensors raises its own error types for a bad header
-        raise LowbitError(f"{weights} is not a readable safetensors file ({err})") from err
+    stored = stored_tensors(files, weight_map)
+    weights = files[0] if weight_map is None else directory
     tied = {k for k in expected if k not in stored and _is_tied(config, k)}
     for key, (shape, dtype) in expected.items():
         if key in tied:
             continue
         if key not in stored:
             raise LowbitError(f"{weights} has no tensor {key!r}")
+        holder = stored[key][2]
         if stored[key][0] != shape:
             raise LowbitError(
-                f"{weights}: tensor {key!r} has shape {list(stored[key][0])}, expected {list(shape)}"
+                f"{holder}: tensor {key!r} has shape {list(stored[key][0])}, expected {list(shape)}"
             )
         kind = stored[key][1]
         if kind not in (_FLOAT_DTYPES if dtype.is_floating_point else {_INT_DTYPES.get(dtype)}):
             raise LowbitError(
-                f"{weights}: tensor {key!r} has dtype {kind}, expected {str(dtype)[6:]}"
+                f"{holder}: tensor {key!r} has dtype {kind}, expected {str(dtype)[6:]}"
             )
     extra = sorted(set(stored) - set(expected))
     if extra:
-        raise LowbitError(f"{weights} has a tensor this model does not use: {extra[0]!r}")
+        raise LowbitError(
+            f"{stored[extra[0]][2]} has a tensor this model does not use: {extra[0]!r}"
+        )
     return raw
 
 
