@@ -15,6 +15,7 @@ _LAZY = {
     "LowbitError": "lowbit.errors",
     "load_model": "lowbit.api",
     "quantize": "lowbit.api",
+    "quantize_to_directory": "lowbit.api",
     "get_recipe": "lowbit.recipes.registry",
     "list_recipes": "lowbit.recipes.registry",
     "evaluate": "lowbit.eval.evaluate",

@@ -9,7 +9,9 @@ the module.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from lowbit.io.checkpoint import load
 from lowbit.io.format import is_lowbit_checkpoint
 from lowbit.models import loader
 from lowbit.models.adapter import adapter_for
+from lowbit.models.float_weights import INDEX_FILE
 from lowbit.recipes.base import QuantizeContext, Recipe
 from lowbit.recipes.registry import get_recipe
 
@@ -170,3 +173,212 @@ def load_model(
     except (OSError, ValueError) as err:
         raise LowbitError(f"{path} holds a lowbit model but no usable tokenizer ({err})") from err
     return loader.LoadedModel(model, tokenizer, str(path), "lowbit")
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantize_to_directory` did.
+
+    Attributes:
+        directory: the checkpoint written.
+        recipe: the recipe applied.
+        streamed: whether the model was quantized block by block (else whole, in memory).
+        seconds: time from the first read to the directory renamed into place.
+        dtype: the dtype the checkpoint runs in.
+        model: the quantized model (in memory only; None when streamed).
+        bits_per_weight: over the block linears (streamed only; in memory,
+            :func:`lowbit.eval.memory.memory_report` of ``model`` says it).
+        bytes_written: tensor bytes in the checkpoint (streamed only).
+        stages: seconds per stage of a streamed run (``load``, ``blocks``: capture, forward
+            passes, Hessians and solves; ``pack``, ``write``).
+        memory: the estimate the choice of path was made on (None for a model spec that is not
+            a safetensors directory).
+    """
+
+    directory: Path
+    recipe: Recipe
+    streamed: bool
+    seconds: float
+    dtype: torch.dtype
+    model: torch.nn.Module | None = None
+    bits_per_weight: float | None = None
+    bytes_written: int | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+    memory: Any = None
+
+
+def quantize_to_directory(
+    spec: str | os.PathLike | None,
+    recipe: Recipe | str,
+    out: str | os.PathLike,
+    *,
+    calibration: torch.Tensor | Callable[[Any], torch.Tensor] | None = None,
+    calibration_shape: tuple[int, int] = (0, 0),
+    stream: bool | None = None,
+    calib_dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
+    resume_dir: str | Path | None = None,
+    max_shard_size: int | str | None = None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> QuantizeResult:
+    """Quantize the model ``spec`` names with ``recipe`` and write it to ``out`` (what ``lowbit
+    quantize`` and the benchmarks run), whole in memory or streamed block by block.
+
+    Args:
+        spec: any model spec :func:`load_model` takes; a directory of safetensors can stream.
+        recipe: a Recipe or a method/preset name.
+        out: the checkpoint directory to write (new or empty).
+        calibration: [n_samples, seqlen] token ids, or ``calibration(tokenizer)`` returning
+            them (the model's tokenizer is loaded first).
+        calibration_shape: ``(samples, seqlen)`` of the calibration, for the memory estimate
+            made before anything is read.
+        stream: True streams (:mod:`lowbit.io.stream`), False loads the whole model, None
+            streams when the in-memory path would not fit this machine's available memory.
+        calib_dtype: the dtype blocks are read and calibrated in (float32: the reference;
+            bfloat16 halves the memory).
+        dtype: the dtype the checkpoint runs in (:func:`lowbit.io.checkpoint.run_dtype`).
+        device: calibration device (None: the CPU when streamed, else where the model is).
+        overrides, filter_fn, progress: as :func:`quantize`.
+        resume_dir: as :func:`quantize` (in memory only, for now).
+        max_shard_size: the most bytes per weights file (None: 1 GB streamed, so the writer
+            holds little; 5 GB in memory, transformers' default).
+        trust_remote_code: passed to transformers.
+
+    A run that cannot fit (the in-memory path of a recipe that cannot stream, or the streamed
+    path itself) is refused before any work, with the bytes needed and available.
+    """
+    from lowbit.atomic import atomic_directory, check_target
+    from lowbit.io.checkpoint import (
+        check_rebuilds,
+        finish_checkpoint,
+        quantization_config,
+        run_dtype,
+        save,
+        saved_config,
+    )
+    from lowbit.io.rebuild import expected_tensors, skeleton
+    from lowbit.io.shards import ShardWriter, parse_size
+    from lowbit.io.stream import available_memory, memory_estimate, open_streamed, quantize_blocks
+
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    target = Path(out).expanduser()
+    check_target(target, "save to")  # before the long work
+    path = None if spec is None else Path(spec).expanduser()
+    streamable = (
+        path is not None
+        and path.is_dir()
+        and not is_lowbit_checkpoint(path)
+        and any((path / name).is_file() for name in ("model.safetensors", INDEX_FILE))
+    )
+    if stream and not streamable:
+        raise LowbitError(
+            f"streamed quantization reads a directory of safetensors weights; {spec} is not one"
+        )
+    start = time.perf_counter()
+    streamed = estimate = None
+    if streamable:
+        streamed = open_streamed(path, calib_dtype)  # headers only
+        estimate = memory_estimate(
+            streamed.weights, streamed.adapter, dtype=calib_dtype, tokens=calibration_shape
+        )
+        available = available_memory()
+        if stream is None:
+            stream = estimate.in_memory > available
+        _check_fits(recipe, estimate, available, stream)
+    if not stream:
+        loaded = load_model(spec, dtype=calib_dtype, trust_remote_code=trust_remote_code)
+        if callable(calibration):
+            calibration = calibration(loaded.tokenizer)
+        model = quantize(
+            loaded.model, recipe, calibration=calibration, filter_fn=filter_fn,
+            overrides=overrides, progress=progress, packed=True, resume_dir=resume_dir,
+            device=device,
+        )  # fmt: skip
+        dtype = run_dtype(model, dtype)
+        save(model, target, tokenizer=loaded.tokenizer, dtype=dtype,
+             max_shard_size=max_shard_size or "5GB")  # fmt: skip
+        seconds = time.perf_counter() - start
+        return QuantizeResult(target, recipe, False, seconds, dtype, model=model, memory=estimate)
+
+    if resume_dir is not None:
+        raise LowbitError("--resume-dir does not work with streamed quantization yet")
+    tokenizer = _tokenizer(path)
+    if callable(calibration):
+        if tokenizer is None:
+            raise LowbitError(f"{path} has no tokenizer to tokenize the calibration text with")
+        calibration = calibration(tokenizer)
+    model = streamed.model
+    recipe, context = _prepare(
+        model, recipe, calibration, filter_fn, overrides, progress, None, device, None
+    )
+    dtype = run_dtype(model, dtype)
+    max_shard_bytes = parse_size(max_shard_size or "1GB")
+    with atomic_directory(target, verb="save to") as tmp:  # whole or not at all
+        writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
+        quantize_blocks(streamed, recipe, context, writer.add)
+        qconfig = quantization_config(recipe, streamed.specs)
+        expected = expected_tensors(skeleton(model.config, qconfig))
+        check_rebuilds(
+            expected, {k: torch.empty(s, device="meta") for k, s in streamed.shapes.items()}
+        )
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        missing = sorted(set(expected) - set(streamed.shapes) - tied)
+        if missing:
+            raise LowbitError(f"the streamed model has no tensor {missing[0]!r}; not saved")
+        checksums = writer.close()
+        finish_checkpoint(
+            tmp, saved_config(model, dtype), qconfig, checksums,
+            generation_config=_generation_config(path, model), tokenizer=tokenizer,
+        )  # fmt: skip
+    return QuantizeResult(
+        target, recipe, True, time.perf_counter() - start, dtype,
+        bits_per_weight=streamed.weight_bits / max(streamed.weight_numel, 1),
+        bytes_written=writer.total_bytes, stages=dict(streamed.seconds), memory=estimate,
+    )  # fmt: skip
+
+
+GB = 1e9
+
+
+def _check_fits(recipe: Recipe, estimate, available: int, stream: bool) -> None:
+    """Refuse, before any work, a run this machine's memory cannot hold."""
+    if stream and not recipe.streams:
+        raise LowbitError(
+            f"recipe {recipe.method!r} cannot quantize block by block (it needs the whole "
+            f"model at once); in memory it needs about {estimate.in_memory / GB:.1f} GB and "
+            f"this machine has {available / GB:.1f} GB available"
+        )
+    needed = estimate.streamed if stream else estimate.in_memory
+    if needed > available:
+        how = "streamed block by block" if stream else "in memory"
+        hint = "" if stream or not recipe.streams else "; stream it (--stream)"
+        raise LowbitError(
+            f"quantizing this model {how} needs about {needed / GB:.1f} GB of memory and this "
+            f"machine has {available / GB:.1f} GB available{hint}"
+        )
+
+
+def _tokenizer(path: Path):
+    """The directory's tokenizer, or None when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _generation_config(path: Path, model: torch.nn.Module):
+    """The directory's generation config, else the one transformers makes from the config (as
+    ``from_pretrained`` does)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return getattr(model, "generation_config", None)

@@ -16,7 +16,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from lowbit.errors import LowbitError
@@ -338,10 +337,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_arg(quantize_parser, help=SAVE_DTYPE_HELP)
     quantize_parser.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         metavar="SIZE",
         help="the most bytes one weights file holds, e.g. 500MB, 2GB (default: 5GB, as "
-        "transformers); a larger model is written as Hugging Face's shards and index",
+        "transformers; 1GB when streamed); a larger model is written as Hugging Face's shards "
+        "and index",
+    )
+    quantize_parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="quantize block by block, reading each block's weights from the model directory's "
+        "safetensors when its turn comes (memory bounded by one block); default: stream when "
+        "the whole model would not fit this machine's available memory",
+    )
+    quantize_parser.add_argument(
+        "--calib-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype the weights are read and calibrated in (default: float32; bfloat16 halves "
+        "the memory and changes the results)",
     )
     quantize_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -746,15 +761,15 @@ def run_eval_llama_cpp(args) -> dict:
 
 
 def run_quantize(args) -> None:
-    from lowbit.api import load_model, quantize
+    from lowbit.api import quantize_to_directory
     from lowbit.atomic import check_target
     from lowbit.data import load_corpus
     from lowbit.eval.memory import memory_report
-    from lowbit.io.checkpoint import run_dtype, save
     from lowbit.io.shards import parse_size
     from lowbit.models.adapter import adapter_for
 
-    max_shard_bytes = parse_size(args.max_shard_size)  # before the long work
+    if args.max_shard_size is not None:
+        parse_size(args.max_shard_size)  # before the long work
     ((label, recipe),) = build_recipes([args.recipe], parse_settings(args.set))
     if recipe.method == "fp":
         raise LowbitError("recipe fp quantizes nothing: there is no quantized model to save")
@@ -765,23 +780,29 @@ def run_quantize(args) -> None:
         raise LowbitError("--resume-dir must be another directory than --out")
     device = resolve_device(args.device)
     calib_corpus = load_corpus(args.calib, part="calibration") if recipe.needs_calibration else None
-    loaded = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    calibration = None
-    if calib_corpus is not None:
-        calibration = build_calibration(args, calib_corpus, loaded.tokenizer)
-    start = time.perf_counter()
-    model = quantize(
-        loaded.model, recipe, calibration=calibration, progress=not args.no_progress,
-        packed=True, resume_dir=args.resume_dir, device=device,
+    seqlen = args.seqlen if args.calib_seqlen is None else args.calib_seqlen
+
+    def calibration(tokenizer):
+        return build_calibration(args, calib_corpus, tokenizer)
+
+    result = quantize_to_directory(
+        args.model, recipe, out,
+        calibration=None if calib_corpus is None else calibration,
+        calibration_shape=(args.calib_samples, seqlen) if calib_corpus is not None else (0, 0),
+        stream=args.stream, calib_dtype=resolve_dtype(args.calib_dtype), device=device,
+        dtype=resolve_dtype(args.dtype) or "auto", resume_dir=args.resume_dir,
+        max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress,
     )  # fmt: skip
-    seconds = time.perf_counter() - start
-    dtype = run_dtype(model, resolve_dtype(args.dtype) or "auto")
-    save(model, out, tokenizer=loaded.tokenizer, dtype=dtype, max_shard_size=max_shard_bytes)
-    memory = memory_report(model, adapter_for(model))
+    if result.model is not None:
+        memory = memory_report(result.model, adapter_for(result.model))
+        bits, size = memory.bits_per_weight, memory.model_bytes
+    else:
+        bits, size = result.bits_per_weight, result.bytes_written
+    how = "streamed block by block" if result.streamed else "in memory"
     print(
-        f"wrote {out}: {label}, {memory.bits_per_weight:.3f} bits per weight, "
-        f"{memory.model_bytes / 1e6:.1f} MB, quantized in {seconds:.1f} s; runs in "
-        f"{str(dtype).removeprefix('torch.')}"
+        f"wrote {out}: {label}, {bits:.3f} bits per weight, {size / 1e6:.1f} MB, quantized "
+        f"{how} in {result.seconds:.1f} s; runs in {str(result.dtype).removeprefix('torch.')}"
     )
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lowbit.calibrate.capture import BlockHooks
+from lowbit.calibrate.capture import BlockHooks, block_linears
 from lowbit.errors import LowbitError
 from lowbit.io.checkpoint import checkpoint_tensors, module_specs
 from lowbit.models.adapter import adapter_for
@@ -230,10 +230,13 @@ class StreamedModel(BlockHooks):
         block = self.blocks[index]
         prefix = self.adapter.block_prefix(index)
         pack_model(block)
-        for module in block.modules():
-            if isinstance(module, PackedLinearBase):
+        for module in block_linears(self.model, self.adapter, index).values():
+            if isinstance(module, PackedLinearBase):  # bits per weight as lowbit.eval.memory
                 self.weight_bits += module.storage_bits() - _bias_bits(module)
                 self.weight_numel += module.weight_numel
+            else:  # kept in float
+                self.weight_bits += module.weight.numel() * module.weight.element_size() * 8
+                self.weight_numel += module.weight.numel()
         self.specs.update(module_specs(block, prefix))
         tensors = checkpoint_tensors(block, prefix)
         self._tick("pack")
