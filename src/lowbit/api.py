@@ -189,8 +189,8 @@ class QuantizeResult:
         bits_per_weight: over the block linears (streamed only; in memory,
             :func:`lowbit.eval.memory.memory_report` of ``model`` says it).
         bytes_written: tensor bytes in the checkpoint (streamed only).
-        stages: seconds per stage of a streamed run (``load``, ``blocks``: capture, forward
-            passes, Hessians and solves; ``pack``, ``write``).
+        stages: seconds per stage of a streamed run (:class:`lowbit.io.stream.StreamedModel`'s
+            ``seconds``: load, forward, solve, pack, write).
         memory: the estimate the choice of path was made on (None for a model spec that is not
             a safetensors directory).
     """
@@ -243,7 +243,8 @@ def quantize_to_directory(
         dtype: the dtype the checkpoint runs in (:func:`lowbit.io.checkpoint.run_dtype`).
         device: calibration device (None: the CPU when streamed, else where the model is).
         overrides, filter_fn, progress: as :func:`quantize`.
-        resume_dir: as :func:`quantize` (in memory only, for now).
+        resume_dir: as :func:`quantize`; streamed, the fingerprint's weights digest is of the
+            weight files, so a directory written in memory does not resume a streamed run.
         max_shard_size: the most bytes per weights file (None: 1 GB streamed, so the writer
             holds little; 5 GB in memory, transformers' default).
         trust_remote_code: passed to transformers.
@@ -305,8 +306,6 @@ def quantize_to_directory(
         seconds = time.perf_counter() - start
         return QuantizeResult(target, recipe, False, seconds, dtype, model=model, memory=estimate)
 
-    if resume_dir is not None:
-        raise LowbitError("--resume-dir does not work with streamed quantization yet")
     tokenizer = _tokenizer(path)
     if callable(calibration):
         if tokenizer is None:
@@ -314,7 +313,7 @@ def quantize_to_directory(
         calibration = calibration(tokenizer)
     model = streamed.model
     recipe, context = _prepare(
-        model, recipe, calibration, filter_fn, overrides, progress, None, device, None
+        model, recipe, calibration, filter_fn, overrides, progress, resume_dir, device, None
     )
     dtype = run_dtype(model, dtype)
     max_shard_bytes = parse_size(max_shard_size or "1GB")

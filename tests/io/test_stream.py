@@ -172,3 +172,38 @@ def test_a_streamed_checkpoint_loads_in_another_process_as_the_in_memory_model(t
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     lowbit.quantize(model, get_recipe("rtn", w_group=32, a_bits=8), progress=False)
     assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+def test_an_interrupted_streamed_gptq_run_resumes_to_the_same_bytes(
+    model_dirs, tmp_path, monkeypatch, capsys
+):
+    directory = model_dirs["mistral"]
+    recipe = get_recipe("gptq", w_group=32)
+    whole = quantize_to_directory(
+        directory, copy.deepcopy(recipe), tmp_path / "whole", calibration=CALIB, stream=True,
+        progress=False,
+    )  # fmt: skip
+    original = io_stream.StreamedModel.load
+
+    def killed_at_block_1(self, index):
+        if index == 1:
+            raise KeyboardInterrupt  # as a SIGINT would, after block 0 was checkpointed
+        original(self, index)
+
+    monkeypatch.setattr(io_stream.StreamedModel, "load", killed_at_block_1)
+    resume = tmp_path / "resume"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_to_directory(
+            directory, copy.deepcopy(recipe), tmp_path / "out", calibration=CALIB, stream=True,
+            resume_dir=resume, progress=False,
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in resume.glob("block-*.json")) == ["block-0000.json"]
+    monkeypatch.setattr(io_stream.StreamedModel, "load", original)
+    quantize_to_directory(
+        directory, copy.deepcopy(recipe), tmp_path / "out", calibration=CALIB, stream=True,
+        resume_dir=resume, progress=False,
+    )  # fmt: skip
+    assert "1 of 2 blocks were calibrated by an earlier run" in capsys.readouterr().err
+    name = "model.safetensors"
+    assert (tmp_path / "out" / name).read_bytes() == (whole.directory / name).read_bytes()

@@ -122,6 +122,7 @@ class WeightQuantReport:
     algo: str
     layers: list[LayerChoice] = field(default_factory=list)
     seconds: float = 0.0
+    solve_seconds: float = 0.0  # of ``seconds``, in the weight algorithm itself (RTN, GPTQ)
     calibration_samples: int = 0
     heldout_samples: int = 0
 
@@ -220,7 +221,9 @@ def quantize_linears(
             hooks.load(index)
             for name in block_linears(model, adapter, index):
                 if name in hooks.selected:
+                    solve = time.perf_counter()
                     report.layers.append(_quantize_rtn(model, name, specs[name]))
+                    report.solve_seconds += time.perf_counter() - solve
             hooks.finish(index)
     else:
         _quantize_gptq(
@@ -308,7 +311,7 @@ def _quantize_gptq(
     if resume_dir is not None:  # fingerprint the model before anything in it changes
         store = _open_checkpoints(
             resume_dir, model, adapter, calibration, specs, recipe, device,
-            _resume_options(settings),
+            _resume_options(settings), hooks.inner.weights_digest(),
         )  # fmt: skip
     for name in names:  # calibrate with float activations
         module = model.get_submodule(name)
@@ -342,6 +345,7 @@ def _quantize_gptq(
                 report.layers.append(LayerChoice(name, "float"))
                 finished.append((report.layers[-1], None))
                 continue
+            solve = time.perf_counter()
             accumulator = collector.accumulators[name]
             weight = module.weight.detach().float()
             packed, dequantized, damp = spec.gptq(weight, accumulator.hessian("train"), settings)
@@ -354,6 +358,7 @@ def _quantize_gptq(
                 choice.rtn_error = _heldout_error(weight - rtn_weight, heldout_hessian)
                 if choice.rtn_error <= choice.gptq_error:
                     choice.algo, packed, dequantized = "rtn", rtn, rtn_weight
+            report.solve_seconds += time.perf_counter() - solve
             fmt = f"{spec.describe()}, {choice.algo}"
             packed = packed.to(homes[index])
             replace_module(model, name, _replacement(module, dequantized, packed, fmt))
@@ -400,7 +405,7 @@ def _resume_options(settings: GPTQSettings) -> dict[str, Any]:
 
 
 def _open_checkpoints(
-    resume_dir, model, adapter, calibration, specs, recipe, device, options
+    resume_dir, model, adapter, calibration, specs, recipe, device, options, digest
 ) -> BlockCheckpoints:
     device = device if device is not None else next(adapter.blocks_module.parameters()).device
     fingerprint = run_fingerprint(
@@ -410,6 +415,7 @@ def _open_checkpoints(
         options=options,
         recipe=recipe,
         device=device,
+        weights_digest=digest,
     )
     store = BlockCheckpoints(resume_dir, fingerprint)
     restored = sum(store.done(index) for index in range(adapter.num_layers))

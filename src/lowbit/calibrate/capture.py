@@ -76,6 +76,11 @@ class BlockHooks:
     def finish(self, index: int) -> None:
         """Block ``index`` is done."""
 
+    def weights_digest(self) -> str | None:
+        """A digest of the float weights for a resume directory's fingerprint, when the model is
+        not in memory to be hashed (None: it is)."""
+        return None
+
 
 class _Captured(Exception):
     """Raised by the capture hook to stop the forward pass at the first block."""

@@ -87,6 +87,7 @@ def run_fingerprint(
     options: dict[str, Any],
     recipe: dict[str, Any] | None,
     device: torch.device | str,
+    weights_digest: str | None = None,
 ) -> dict[str, Any]:
     """What a run's quantized weights depend on (see the module docstring).
 
@@ -97,11 +98,16 @@ def run_fingerprint(
         options: the algorithm's settings (GPTQ options, guard, sequential, ...).
         recipe: the recipe's ``to_dict()`` and overrides, or None.
         device: the compute device.
+        weights_digest: the float weights' digest when the model is not in memory (a streamed
+            model: :meth:`lowbit.calibrate.capture.BlockHooks.weights_digest`); None hashes
+            the model's parameters and buffers.
     """
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if config is not None else {}
     config_dict.pop("_name_or_path", None)  # where it was loaded from, not what it is
-    state = list(model.named_parameters()) + list(model.named_buffers())
+    if weights_digest is None:
+        state = list(model.named_parameters()) + list(model.named_buffers())
+        weights_digest = tensor_sha256(state)
     return _jsonable(
         {
             "format_version": RESUME_FORMAT_VERSION,
@@ -109,7 +115,7 @@ def run_fingerprint(
             "layers": layers,
             "options": options,
             "model_config": config_dict,
-            "model_weights": tensor_sha256(state),
+            "model_weights": weights_digest,
             "calibration": tensor_sha256([("calibration", calibration)]),
             "device": torch.device(device).type,
             "torch": torch.__version__,

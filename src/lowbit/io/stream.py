@@ -144,7 +144,9 @@ class StreamedModel(BlockHooks):
         shapes: ``{key: shape}`` of the tensors written so far.
         weight_bits, weight_numel: storage bits and elements of the quantized block linears
             written (``bits_per_weight`` = their ratio).
-        seconds: time per stage (``load``, ``blocks``, ``pack``, ``write``).
+        seconds: time per stage: ``load`` (reading), ``forward`` (capture, forward passes,
+            Hessians), ``solve`` (RTN or GPTQ; set by :func:`quantize_blocks`), ``pack``,
+            ``write`` (handing tensors to the writer, which writes a shard when one is full).
     """
 
     model: nn.Module
@@ -198,7 +200,7 @@ class StreamedModel(BlockHooks):
 
     # -- the walk's hooks -------------------------------------------------------------------------
     def capture_begin(self, device: torch.device) -> None:
-        self._tick("blocks")
+        self._tick("forward")
         embed = self.adapter.embed_tokens
         key = _key_of(self.model, embed.weight)
         embed.weight = nn.Parameter(self.weights.get(key, dtype=self.dtype, device=device), False)
@@ -212,8 +214,19 @@ class StreamedModel(BlockHooks):
         self.adapter.embed_tokens.to("meta")
         self.adapter.decoder.rotary_emb = self._rotary_meta
 
+    def weights_digest(self) -> str:
+        """SHA-256 over the weight files' names and SHA-256 sums (read once, in order)."""
+        import hashlib
+
+        from lowbit.checksum import file_sha256
+
+        digest = hashlib.sha256()
+        for path in self.weights.files():
+            digest.update(f"{path.name}:{file_sha256(path)};".encode())
+        return digest.hexdigest()
+
     def load(self, index: int) -> None:
-        self._tick("blocks")
+        self._tick("forward")
         block = self.blocks[index]
         prefix = self.adapter.block_prefix(index) + "."
         state = {
@@ -226,7 +239,7 @@ class StreamedModel(BlockHooks):
         self._tick("load")
 
     def finish(self, index: int) -> None:
-        self._tick("blocks")
+        self._tick("forward")
         block = self.blocks[index]
         prefix = self.adapter.block_prefix(index)
         pack_model(block)
@@ -253,7 +266,7 @@ class StreamedModel(BlockHooks):
 
     def write_outside(self) -> None:
         """Write the tensors outside the blocks, one at a time, in the calibration dtype."""
-        self._tick("blocks")
+        self._tick("forward")
         for key in self.outside:
             tensor = self.weights.get(key, dtype=self.dtype)
             self._tick("load")
@@ -297,8 +310,12 @@ def quantize_blocks(streamed: StreamedModel, recipe, context, add) -> None:
     streamed.add = add
     device = context.device if context.device is not None else torch.device("cpu")
     context = dataclasses.replace(context, blocks=streamed, device=device)
-    streamed._tick("blocks")
+    streamed._tick("forward")
     with torch.no_grad():
         recipe.apply(streamed.model, context)
     streamed.write_outside()
+    report = getattr(streamed.model, "lowbit_weight_report", None)
+    if report is not None:  # the weight algorithm's share of the blocks' time
+        streamed.seconds["solve"] = report.solve_seconds
+        streamed.seconds["forward"] -= report.solve_seconds
     streamed.model.lowbit_recipe = recipe

@@ -113,6 +113,10 @@ class FloatWeights:
                 total += _count(entry[3])
         return total
 
+    def files(self) -> list[Path]:
+        """The weight files, in name order."""
+        return [self.directory / name for name in self._names]
+
     def file_bytes(self) -> int:
         """Bytes of the weight files on disk."""
         return sum((self.directory / name).stat().st_size for name in self._names)
