@@ -207,3 +207,25 @@ def test_an_interrupted_streamed_gptq_run_resumes_to_the_same_bytes(
     assert "1 of 2 blocks were calibrated by an earlier run" in capsys.readouterr().err
     name = "model.safetensors"
     assert (tmp_path / "out" / name).read_bytes() == (whole.directory / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_the_embedded_model_streams_to_the_in_memory_checkpoint_byte_for_byte(tmp_path):
+    """SmolLM2-135M (its safetensors conversion in lowbit's cache), GPTQ W4 g64: the streamed
+    checkpoint's weights file is the in-memory one's, byte for byte."""
+    from lowbit.models.loader import _gguf_cache_dir, embedded_gguf_path, load_model
+
+    load_model(None)  # converts the GGUF once into the cache
+    directory = _gguf_cache_dir(embedded_gguf_path())
+    calibration = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(7))
+    recipe = get_recipe("w4a16-g64-gptq")
+    files = {}
+    for stream in (False, True):
+        out = tmp_path / f"stream-{stream}"
+        result = quantize_to_directory(
+            directory, copy.deepcopy(recipe), out, calibration=calibration, stream=stream,
+            progress=False,
+        )  # fmt: skip
+        assert result.streamed is stream
+        files[stream] = (out / "model.safetensors").read_bytes()
+    assert files[True] == files[False]
