@@ -22,7 +22,6 @@ from lowbit.models.tiny import tiny_model
 from lowbit.recipes.registry import get_recipe
 
 IDS = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(7))
-CALIB = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(4))
 
 
 # -- ShardWriter -----------------------------------------------------------------------------------
@@ -104,13 +103,10 @@ def test_a_bad_size_is_a_sentence(text):
 # -- sharded checkpoints ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """One quantized tiny model (packed weights, online Hadamards, a quantized KV cache) saved
-    as one file and as shards of at most 40 kB."""
+    """One quantized tiny model (packed 4-bit weights) saved as one file and as shards of at
+    most 40 kB."""
     model = quantize(
-        tiny_model("llama", head_dim=32),
-        get_recipe("quarot-rtn"),
-        calibration=CALIB,
-        progress=False,
+        tiny_model("llama", head_dim=32), get_recipe("rtn", w_bits=4, w_group=32), progress=False
     )
     root = tmp_path_factory.mktemp("shards")
     save(model, root / "one")

@@ -157,6 +157,19 @@ def _convert_gguf_to_cache(gguf_path: Path, target: Path) -> None:
         )
 
 
+def embedded_tokenizer():
+    """The embedded model's tokenizer alone, without loading its weights: from lowbit's cache of
+    the converted GGUF file when it is there, else read from the GGUF file itself."""
+    from transformers import AutoTokenizer
+
+    gguf_path = embedded_gguf_path()
+    cached = _gguf_cache_dir(gguf_path)
+    with quiet_transformers():
+        if (cached / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(cached)
+        return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
 def _check_readable(path: Path) -> None:
     """Refuse, with one sentence, a file this process cannot open for reading (transformers
     reports an unreadable weight file as a missing one)."""
