@@ -278,7 +278,8 @@ def quantize_to_directory(
     )
     if stream and not streamable:
         raise LowbitError(
-            f"streamed quantization reads a directory of safetensors weights; {spec} is not one"
+            "streamed quantization reads a directory of safetensors weights; "
+            f"{'the embedded model' if spec is None else spec} is not one"
         )
     start = time.perf_counter()
     streamed = estimate = None

@@ -315,7 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantize the model with --recipe (calibrating where the method does) and "
         "write it to --out: config.json with the recipe, packed weights in safetensors, the "
         "tokenizer, and everything the recipe calibrated. `--model DIR` then loads it in every "
-        "command, and transformers' from_pretrained loads it after `import lowbit`.",
+        "command, and transformers' from_pretrained loads it after `import lowbit`. A model "
+        "directory of safetensors is quantized block by block, one block in memory at a time, "
+        "with --stream or when the whole model would not fit in the available memory (the "
+        "same bits as in memory).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -133,6 +133,8 @@ def test_recipes_that_cannot_stream_are_refused_before_any_work(model_dirs, tmp_
     message = str(caught.value)
     assert "cannot quantize block by block" in message and message.count(" GB") == 2
     assert not out.exists()
+    with pytest.raises(LowbitError, match="safetensors weights; the embedded model is not one"):
+        quantize_to_directory(None, "rtn", out, stream=True)
 
 
 def test_a_run_that_would_not_fit_is_refused_with_both_numbers(model_dirs, tmp_path, monkeypatch):
