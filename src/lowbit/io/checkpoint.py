@@ -103,10 +103,10 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, Tensor]:
 
 
 # -- saving ----------------------------------------------------------------------------------------
-def check_save_target(target: Path) -> None:
-    """Refuse, with one sentence, a save target that is not a new or empty directory (a link
-    is followed: see :func:`lowbit.atomic.check_target`)."""
-    check_target(target, "save to")
+def check_save_target(target: Path, *, force: bool = False) -> None:
+    """Refuse, with one sentence, a save target that is not a new or empty directory (or with
+    ``force`` a regular file): see :func:`lowbit.atomic.check_target`."""
+    check_target(target, "save to", force=force)
 
 
 def run_dtype(model: nn.Module, dtype: torch.dtype | str = "auto") -> torch.dtype:
@@ -137,6 +137,7 @@ def save(
     *,
     tokenizer=None,
     dtype: torch.dtype | str = "auto",
+    force: bool = False,
 ) -> Path:
     """Write ``model`` (quantized by lowbit, either face) as a checkpoint directory.
 
@@ -147,6 +148,7 @@ def save(
         dtype: the dtype the model runs in when loaded (:func:`run_dtype`; ``"auto"``: bf16
             for a float32 model). The float tensors are stored as they are, so ``load(...,
             dtype=torch.float32)`` still gives the exact float32 model.
+        force: replace a regular file at ``directory`` (:func:`lowbit.atomic.check_target`).
 
     Returns:
         The directory's path.
@@ -154,12 +156,12 @@ def save(
     from safetensors.torch import save_file
 
     target = Path(directory).expanduser()
-    check_save_target(target)
+    check_save_target(target, force=force)
     dtype = run_dtype(model, dtype)
     qconfig = describe(model)
     tensors = checkpoint_tensors(model)
     _check_rebuilds(model.config, qconfig, tensors)
-    with atomic_directory(target, verb="save to") as tmp:  # whole or not at all
+    with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         config = saved_config(model, dtype)
         config["quantization_config"] = qconfig
