@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.files import is_dir
 from lowbit.io.checkpoint import load
 from lowbit.io.format import is_lowbit_checkpoint
 from lowbit.models import loader
@@ -141,13 +142,16 @@ def load_model(
     *,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    need_tokenizer: bool = True,
 ) -> loader.LoadedModel:
     """A model and its tokenizer from any spec :func:`lowbit.models.loader.load_model` takes,
     or from a directory saved by :func:`lowbit.save` (quantized, packed, verified; ``source``
     ``"lowbit"``). ``dtype``: the dtype the model runs in; None is float32 for a float model
-    and, for a saved one, the dtype it records (:func:`lowbit.io.checkpoint.run_dtype`)."""
+    and, for a saved one, the dtype it records (:func:`lowbit.io.checkpoint.run_dtype`).
+    ``need_tokenizer=False``: a saved model without a usable tokenizer loads with ``tokenizer``
+    None (for what needs only the model, such as ``lowbit info``)."""
     path = None if spec is None else Path(spec).expanduser()
-    if path is None or not (path.is_dir() and is_lowbit_checkpoint(path)):
+    if path is None or not (is_dir(path) and is_lowbit_checkpoint(path)):
         return loader.load_model(
             spec, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code
         )
@@ -157,5 +161,7 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
+        if not need_tokenizer:
+            return loader.LoadedModel(model, None, str(path), "lowbit")
         raise LowbitError(f"{path} holds a lowbit model but no usable tokenizer ({err})") from err
     return loader.LoadedModel(model, tokenizer, str(path), "lowbit")

@@ -10,8 +10,9 @@ A checkpoint is a Hugging Face–style directory::
                          calibrated KV state (codebooks, ranges, channel orders)
     tokenizer files, generation_config.json
 
-:func:`verify_checkpoint` checks a directory without loading its tensors: the checksums recorded
-at save time, then every tensor the described model needs (key, shape, dtype), none extra. Every
+:func:`verify_checkpoint` checks a directory before it loads: the checksums recorded
+at save time, then every tensor the described model needs (key, shape, dtype), none extra, and
+every float tensor finite. Every
 path that loads lowbit weights goes through it (:func:`lowbit.io.checkpoint.load` and
 transformers' ``from_pretrained``, :mod:`lowbit.io.hf`), so a damaged or edited checkpoint is
 one sentence, never a silently different model.
@@ -29,6 +30,7 @@ import torch
 
 from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
+from lowbit.files import is_file, read_bytes, read_text
 
 __all__ = [
     "FORMAT_VERSION",
@@ -40,6 +42,7 @@ __all__ = [
     "check_format",
     "is_lowbit_checkpoint",
     "verify_checkpoint",
+    "check_finite",
 ]
 
 FORMAT_VERSION = 1
@@ -58,11 +61,11 @@ def config_checksum(config: dict[str, Any]) -> str:
 
 def read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
-    if not path.is_file():
+    if not is_file(path):
         raise LowbitError(f"{directory} has no config.json: not a model directory")
     try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        config = json.loads(read_text(path))
+    except json.JSONDecodeError as err:
         raise LowbitError(f"{path} is not valid JSON ({err})") from err
     if not isinstance(config, dict):
         raise LowbitError(f"{path} does not hold a JSON object")
@@ -70,12 +73,14 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 
 def is_lowbit_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` has a config.json whose quantization method is lowbit's."""
+    """Whether ``directory`` has a config.json whose quantization method is lowbit's; a
+    directory or config.json this user cannot read is a LowbitError naming it."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
+    if not is_file(path):
         return False
+    raw = read_bytes(path)  # unreadable: a sentence, not "not a lowbit checkpoint"
     try:
-        qconfig = json.loads(path.read_text()).get("quantization_config")
+        qconfig = json.loads(raw.decode("utf-8")).get("quantization_config")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return False
     return isinstance(qconfig, dict) and qconfig.get("quant_method") == QUANT_METHOD
@@ -121,7 +126,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     qconfig = raw.get("quantization_config")
     check_format(qconfig, where)
     weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
+    if not is_file(weights):
         raise LowbitError(f"{directory} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
     checksums = qconfig.get("checksums")
     if not isinstance(checksums, dict):
@@ -165,7 +170,26 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     extra = sorted(set(stored) - set(expected))
     if extra:
         raise LowbitError(f"{weights} has a tensor this model does not use: {extra[0]!r}")
+    check_finite(weights, [k for k, (_, dtype) in stored.items() if dtype in _FLOAT_DTYPES])
     return raw
+
+
+def check_finite(weights: Path, keys: list[str]) -> None:
+    """Refuse a weights file whose float tensors (scales, zeros, codebooks, outliers, float
+    weights) hold a NaN or an infinity: a model that would compute NaN logits without a word.
+    Read one tensor at a time, after the checksum (a file edited with its checksums recomputed
+    gets here)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        for key in keys:
+            tensor = f.get_tensor(key)
+            if not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise LowbitError(
+                    f"{weights}: tensor {key!r} holds {bad} value(s) that are not finite (NaN "
+                    "or infinity); the model would compute NaN, so it is refused"
+                )
 
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
