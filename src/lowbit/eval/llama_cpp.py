@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.files import is_file, opened
 
 __all__ = [
     "LlamaCppModel",
@@ -35,8 +36,10 @@ def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
         raise LowbitError(
             "--engine llama.cpp needs llama-cpp-python: pip install 'lowbit[gguf]'"
         ) from None
-    if not Path(path).is_file():
+    if not is_file(path):
         raise LowbitError(f"{path} is not a file")
+    with opened(path):  # unreadable: a sentence naming it, not llama.cpp's "failed to load"
+        pass
     try:
         return Llama(
             str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True,

