@@ -43,8 +43,9 @@ def saved(tiny_model_dir, tmp_path_factory):
 
 # -- data lost: the one writing rule ---------------------------------------------------------------
 def _gguf_argv(tiny_model_dir, out, *extra):
-    return ["export", "--format", "gguf", "--recipe", "gguf", "--set", "gguf_type=Q8_0",
-            "--model", str(tiny_model_dir), "--out", str(out), "--no-progress", *extra]  # fmt: skip
+    return ["export", "--format", "gguf", "--recipe", "gguf", "--set", "gguf_type=Q8_0", "--set",
+            "w_algo=rtn", "--model", str(tiny_model_dir), "--out", str(out), "--no-progress",
+            *extra]  # fmt: skip
 
 
 def test_gguf_export_never_replaces_a_file_without_force_nor_through_a_link(
