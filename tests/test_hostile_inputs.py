@@ -139,6 +139,25 @@ def test_every_writer_refuses_an_existing_target_before_any_work(
     assert notes.read_text() == "keep me\n" and (full / "mine.txt").read_text() == "keep me too\n"
 
 
+def test_force_never_replaces_what_the_command_reads(capsys, tmp_path):
+    """Added case: --force with the output on one of the command's own inputs."""
+    rows = tmp_path / "rows.json"
+    rows.write_text("[]")
+    text = tmp_path / "text.txt"
+    text.write_text("some text\n")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    for argv in (
+        ["report", str(rows), "--out", str(rows)],
+        ["eval", "--model", "/no/such/model", "--dataset", str(text), "--json", str(text)],
+        ["export", "--format", "gguf", "--model", str(model), "--out", str(model)],
+    ):
+        code, _, err = run(capsys, *argv, "--force")
+        assert one_sentence(code, err) and "it is also what this command reads" in err, err
+    assert rows.read_text() == "[]" and text.read_text() == "some text\n"
+    assert model.read_bytes() == b"GGUF"
+
+
 def test_quantize_with_force_replaces_a_file_by_the_checkpoint(capsys, tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     out.write_text("old\n")

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from lowbit.errors import LowbitError
@@ -124,6 +124,7 @@ def check_target(
     *,
     kind: str = "directory",
     force: bool = False,
+    inputs: Sequence[str | os.PathLike | None] = (),
 ) -> Path:
     """The one rule for every path lowbit writes: refuse, with one sentence, a target that
     holds something of the user's; returns the path that will be written (links followed).
@@ -140,11 +141,20 @@ def check_target(
         verb: what the sentence says cannot be done, e.g. ``"save to"``, ``"export to"``.
         kind: ``"directory"`` or ``"file"``: what is written there.
         force: the user's ``--force``: replace an existing regular file.
+        inputs: the files the command reads (model, corpora, result files): a target that is
+            one of them is refused, ``force`` or not.
     """
     if kind not in ("directory", "file"):
         raise ValueError(f"kind must be 'directory' or 'file', not {kind!r}")
     given = Path(path).expanduser()
     target, shown = _resolve(given)
+    for source in inputs:
+        if source is not None and os.path.lexists(Path(source).expanduser()):
+            if os.path.realpath(Path(source).expanduser()) == os.path.realpath(target):
+                raise LowbitError(
+                    f"cannot {verb} {shown}: it is also what this command reads ({source}); "
+                    "give another path"
+                )
     try:
         _check_existing(given, target, shown, verb, kind, force)
     except OSError as err:  # a directory on the way this user cannot search or list

@@ -591,13 +591,20 @@ def build_recipes(names: list[str], settings: dict[str, str]) -> list[tuple[str,
     return built
 
 
+def command_inputs(args) -> list:
+    """The paths a command reads (``--model``, ``--dataset``, ``--calib``, ``--reference``,
+    report's result files): no output may be one of them, not even with ``--force``."""
+    names = ("model", "dataset", "calib", "reference", "resume_dir")
+    return [getattr(args, n, None) for n in names] + list(getattr(args, "results", None) or [])
+
+
 def check_json_target(args) -> None:
     """Refuse, before any work, a ``--json`` target the writing rule refuses
     (:func:`lowbit.atomic.check_target`)."""
     from lowbit.atomic import check_target
 
     if getattr(args, "json", None):
-        check_target(args.json, "write", kind="file", force=args.force)
+        check_target(args.json, "write", kind="file", force=args.force, inputs=command_inputs(args))
 
 
 def _fmt(value, spec: str) -> str:
@@ -710,7 +717,7 @@ def run_quantize(args) -> None:
     if recipe.method == "fp":
         raise LowbitError("recipe fp quantizes nothing: there is no quantized model to save")
     out = Path(args.out).expanduser()
-    check_target(out, "save to", force=args.force)  # before the long work
+    check_target(out, "save to", force=args.force, inputs=command_inputs(args))  # before the work
     resume = None if args.resume_dir is None else Path(args.resume_dir).expanduser()
     if resume is not None and resume.resolve() == out.resolve():
         raise LowbitError("--resume-dir must be another directory than --out")
@@ -786,7 +793,7 @@ def run_export_gguf(args) -> None:
     elif args.set:
         raise LowbitError("--set changes a recipe's settings; give it with --recipe")
     out = Path(args.out).expanduser()
-    check_target(out, "export to", kind="file", force=args.force)  # before the long work
+    check_target(out, "export to", kind="file", force=args.force, inputs=command_inputs(args))
     calib_corpus = None
     if recipe is not None and recipe.needs_calibration:
         calib_corpus = load_corpus(args.calib, part="calibration")
@@ -847,7 +854,7 @@ def run_export(args) -> None:
     elif args.model is not None:
         check_saved_recipe(Path(args.model).expanduser())  # from its config.json alone
     out = Path(args.out).expanduser()
-    check_target(out, "export to", force=args.force)  # before the long work
+    check_target(out, "export to", force=args.force, inputs=command_inputs(args))  # before work
     needs_calib = recipe is not None and recipe.needs_calibration
     calib_corpus = load_corpus(args.calib, part="calibration") if needs_calib else None
     # float32: a saved model's float tensors as they are stored, not the dtype it runs in
@@ -891,7 +898,9 @@ def run_report(args) -> None:
 
     if not (args.results or args.layer_error or args.channels):
         raise LowbitError("nothing to report: give eval --json files, --layer-error or --channels")
-    check_target(args.out, "write the report to", force=args.force)  # before the long work
+    check_target(  # before the long work
+        args.out, "write the report to", force=args.force, inputs=command_inputs(args)
+    )
     layer_errors, magnitudes, model_name = [], None, ""
     if args.layer_error or args.channels:
         layer_errors, magnitudes, model_name = measure_insides(args)
