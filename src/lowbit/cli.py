@@ -603,7 +603,7 @@ def check_json_target(args) -> None:
     (:func:`lowbit.atomic.check_target`)."""
     from lowbit.atomic import check_target
 
-    if getattr(args, "json", None):
+    if getattr(args, "json", None) is not None:  # "" too: a sentence, not ignored
         check_target(args.json, "write", kind="file", force=args.force, inputs=command_inputs(args))
 
 
@@ -882,7 +882,7 @@ def report(rows: list[dict], args) -> None:
         "(unquantized caches counted in fp16)"
     )
     print(format_table(rows))
-    if args.json:
+    if args.json is not None:
         write_json(args.json, rows[0] if len(rows) == 1 else rows, force=args.force)
         print(f"wrote {args.json}")
 
@@ -987,7 +987,7 @@ def run_lm_eval(args) -> None:
     for task, values in results["results"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
         print(f"{task}: {shown}")
-    if args.json:
+    if args.json is not None:
         write_json(args.json, results["results"], force=args.force)
         print(f"wrote {args.json}")
 
