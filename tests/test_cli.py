@@ -210,20 +210,23 @@ def test_json_to_a_directory_that_takes_no_files_is_refused_first(capsys, tiny_m
     assert f"the directory {locked} does not take new files" in err
 
 
-def test_json_never_replaces_a_device_file(tiny_model_dir, tmp_path):
+def test_json_never_replaces_a_device_file(tmp_path):
     import stat
 
-    from lowbit.cli import write_json_atomic
+    from lowbit.atomic import write_json
     from lowbit.errors import LowbitError
 
-    with pytest.raises(LowbitError, match="not a regular file"):
-        write_json_atomic("/dev/full", {"a": 1})
+    for force in (False, True):
+        with pytest.raises(LowbitError, match="not a regular file"):
+            write_json("/dev/full", {"a": 1}, force=force)
+        with pytest.raises(LowbitError, match="it is a directory"):
+            write_json(str(tmp_path), {"a": 1}, force=force)
     assert stat.S_ISCHR(__import__("os").stat("/dev/full").st_mode)
-    with pytest.raises(LowbitError, match="it is a directory"):
-        write_json_atomic(str(tmp_path), {"a": 1})
 
 
-def test_json_writes_through_a_symbolic_link(capsys, tiny_model_dir, corpus, tmp_path):
+def test_json_needs_force_to_replace_a_file_and_never_writes_through_a_link(
+    capsys, tiny_model_dir, corpus, tmp_path
+):
     import os
 
     real = tmp_path / "results" / "real.json"
@@ -234,14 +237,19 @@ def test_json_writes_through_a_symbolic_link(capsys, tiny_model_dir, corpus, tmp
     link.symlink_to(real)
     dangling = tmp_path / "dangling.json"
     dangling.symlink_to(tmp_path / "results" / "new.json")
-    for target in (link, dangling):
-        code, _, err = run(
-            capsys, "eval", "--model", str(tiny_model_dir), "--dataset", str(corpus),
-            "--seqlen", "64", "--windows", "1", "--no-progress", "--json", str(target),
-        )  # fmt: skip
-        assert code == 0, err
-        assert target.is_symlink()  # still a link, written through
-        assert json.loads(target.read_text())["recipe"]["method"] == "fp"
+    argv = ["eval", "--model", str(tiny_model_dir), "--dataset", str(corpus), "--seqlen", "64",
+            "--windows", "1", "--no-progress", "--json"]  # fmt: skip
+    for target, force in ((real, []), (link, []), (link, ["--force"])):
+        code, out, err = run(capsys, *argv, str(target), *force)
+        assert code == 2 and out == "" and err.count("\n") == 1  # refused before evaluating
+        assert ("never replaces what a link points to" if target == link else "--force") in err
+        assert real.read_text() == "old"
+    code, _, err = run(capsys, *argv, str(dangling))  # a link to nothing: written through
+    assert code == 0, err
+    assert dangling.is_symlink() and json.loads(dangling.read_text())["recipe"]["method"] == "fp"
+    code, _, err = run(capsys, *argv, str(real), "--force")
+    assert code == 0, err
+    assert json.loads(real.read_text())["recipe"]["method"] == "fp"
     assert os.stat(real).st_mode & 0o777 == 0o640  # the replaced file keeps its permissions
     assert sorted(p.name for p in real.parent.iterdir()) == ["new.json", "real.json"]
 
@@ -425,10 +433,10 @@ def test_a_full_disk_while_writing_json_keeps_the_old_file(capsys, monkeypatch, 
     monkeypatch.setattr(json, "dump", _full_disk)
     code, _, err = run(
         capsys, "eval", "--model", str(tiny_model_dir), "--dataset", str(corpus), "--seqlen",
-        "64", "--windows", "1", "--no-progress", "--json", str(target),
+        "64", "--windows", "1", "--no-progress", "--json", str(target), "--force",
     )  # fmt: skip
     assert code == 2 and err.count("\n") == 1
-    assert "the disk is full (No space left on device); it was left as it was" in err
+    assert "the disk is full (No space left on device); nothing was written" in err
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and target.read_text() == "old"
 
 

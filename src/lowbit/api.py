@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.files import is_dir
 from lowbit.io.checkpoint import load
 from lowbit.io.format import is_lowbit_checkpoint
 from lowbit.models import loader
@@ -155,13 +156,16 @@ def load_model(
     *,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    need_tokenizer: bool = True,
 ) -> loader.LoadedModel:
     """A model and its tokenizer from any spec :func:`lowbit.models.loader.load_model` takes,
     or from a directory saved by :func:`lowbit.save` (quantized, packed, verified; ``source``
     ``"lowbit"``). ``dtype``: the dtype the model runs in; None is float32 for a float model
-    and, for a saved one, the dtype it records (:func:`lowbit.io.checkpoint.run_dtype`)."""
+    and, for a saved one, the dtype it records (:func:`lowbit.io.checkpoint.run_dtype`).
+    ``need_tokenizer=False``: a saved model without a usable tokenizer loads with ``tokenizer``
+    None (for what needs only the model, such as ``lowbit info``)."""
     path = None if spec is None else Path(spec).expanduser()
-    if path is None or not (path.is_dir() and is_lowbit_checkpoint(path)):
+    if path is None or not (is_dir(path) and is_lowbit_checkpoint(path)):
         return loader.load_model(
             spec, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code
         )
@@ -171,6 +175,8 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
+        if not need_tokenizer:
+            return loader.LoadedModel(model, None, str(path), "lowbit")
         raise LowbitError(f"{path} holds a lowbit model but no usable tokenizer ({err})") from err
     return loader.LoadedModel(model, tokenizer, str(path), "lowbit")
 
@@ -224,6 +230,7 @@ def quantize_to_directory(
     max_shard_size: int | str | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    force: bool = False,
 ) -> QuantizeResult:
     """Quantize the model ``spec`` names with ``recipe`` and write it to ``out`` (what ``lowbit
     quantize`` and the benchmarks run), whole in memory or streamed block by block.
@@ -248,6 +255,7 @@ def quantize_to_directory(
         max_shard_size: the most bytes per weights file (None: 1 GB streamed, so the writer
             holds little; 5 GB in memory, transformers' default).
         trust_remote_code: passed to transformers.
+        force: replace a regular file at ``out`` (:func:`lowbit.atomic.check_target`).
 
     A run that cannot fit (the in-memory path of a recipe that cannot stream, or the streamed
     path itself) is refused before any work, with the bytes needed and available.
@@ -268,7 +276,7 @@ def quantize_to_directory(
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     target = Path(out).expanduser()
-    check_target(target, "save to")  # before the long work
+    check_target(target, "save to", force=force)  # before the long work
     path = None if spec is None else Path(spec).expanduser()
     streamable = (
         path is not None
@@ -303,7 +311,7 @@ def quantize_to_directory(
         )  # fmt: skip
         dtype = run_dtype(model, dtype)
         save(model, target, tokenizer=loaded.tokenizer, dtype=dtype,
-             max_shard_size=max_shard_size or "5GB")  # fmt: skip
+             max_shard_size=max_shard_size or "5GB", force=force)  # fmt: skip
         seconds = time.perf_counter() - start
         return QuantizeResult(target, recipe, False, seconds, dtype, model=model, memory=estimate)
 
@@ -318,7 +326,7 @@ def quantize_to_directory(
     )
     dtype = run_dtype(model, dtype)
     max_shard_bytes = parse_size(max_shard_size or "1GB")
-    with atomic_directory(target, verb="save to") as tmp:  # whole or not at all
+    with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
         quantize_blocks(streamed, recipe, context, writer.add)
         qconfig = quantization_config(recipe, streamed.specs)

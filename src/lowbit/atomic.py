@@ -11,8 +11,10 @@ renamed to the target in one step. Whatever stops the writing on the way leaves 
 * SIGKILL cannot be caught: the pid and host in the name let the next write beside the same
   target (:func:`remove_stale_temporaries`) see that the writer is dead and remove it.
 
-The target may be a symbolic link (to an empty directory, or dangling): the directory is written
-where the link points and the link stays. It lives at the lowest layer of the package, as
+What may be written is one rule for every writer (:func:`check_target`): a new or empty target,
+or with the user's ``--force`` an existing regular file; never a directory that holds files,
+and never what a symbolic link points to (a link to nothing or to an empty directory is
+written through and stays a link). It lives at the lowest layer of the package, as
 ``lowbit.errors`` does, because both ``lowbit.models.loader`` (the GGUF cache) and ``lowbit.io``
 (checkpoints, exports) write through it.
 """
@@ -30,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from lowbit.errors import LowbitError
@@ -41,6 +43,7 @@ __all__ = [
     "check_target",
     "os_error_reason",
     "remove_stale_temporaries",
+    "write_json",
     "STALE_SECONDS",
 ]
 
@@ -99,32 +102,108 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
 
 
 def _resolve(path: str | os.PathLike) -> tuple[Path, str]:
-    """The directory to write for ``path`` (a link followed to where it points) and how to name
-    it in a sentence."""
+    """The path to write for ``path`` (a link followed to where it points) and how to name it
+    in a sentence ("a link" only when the path itself is one)."""
     given = Path(path).expanduser()
+    if not given.is_symlink():
+        return given, str(given)
     target = Path(os.path.realpath(given))
-    shown = f"{given} (a link to {target})" if given.is_symlink() else str(given)
-    return target, shown
+    return target, f"{given} (a link to {target})"
 
 
-def check_target(path: str | os.PathLike, verb: str = "save to") -> Path:
-    """Refuse, with one sentence, a target that is not a new or empty directory in a directory
-    that exists; returns the directory that will be written (links followed).
+def _is_empty(path: Path) -> bool:
+    """Whether ``path`` is an empty regular file or an empty directory (nothing to lose)."""
+    if path.is_dir():
+        return not any(path.iterdir())
+    return path.is_file() and path.stat().st_size == 0
+
+
+def check_target(
+    path: str | os.PathLike,
+    verb: str = "save to",
+    *,
+    kind: str = "directory",
+    force: bool = False,
+    inputs: Sequence[str | os.PathLike | None] = (),
+) -> Path:
+    """The one rule for every path lowbit writes: refuse, with one sentence, a target that
+    holds something of the user's; returns the path that will be written (links followed).
+
+    A target may be new, or empty (an empty directory, or for a file an empty file). Anything
+    else that exists is refused unless ``force``, and then only a regular file is replaced (by
+    the file or directory written), never a directory that holds files, a device, a FIFO or
+    socket. A symbolic link is followed only to nothing or to something empty: what a link
+    points to is never replaced, not even with ``force``. The target's directory must exist
+    and take new files.
 
     Args:
         path: the target as the user gave it.
         verb: what the sentence says cannot be done, e.g. ``"save to"``, ``"export to"``.
+        kind: ``"directory"`` or ``"file"``: what is written there.
+        force: the user's ``--force``: replace an existing regular file.
+        inputs: the files the command reads (model, corpora, result files): a target that is
+            one of them is refused, ``force`` or not.
     """
-    target, shown = _resolve(path)
-    if target.exists() and not target.is_dir():
-        raise LowbitError(f"cannot {verb} {shown}: it exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()):
-        raise LowbitError(f"cannot {verb} {shown}: the directory exists and is not empty")
+    if kind not in ("directory", "file"):
+        raise ValueError(f"kind must be 'directory' or 'file', not {kind!r}")
+    given = Path(path).expanduser()
+    target, shown = _resolve(given)
+    for source in inputs:
+        if source is not None and os.path.lexists(Path(source).expanduser()):
+            if os.path.realpath(Path(source).expanduser()) == os.path.realpath(target):
+                raise LowbitError(
+                    f"cannot {verb} {shown}: it is also what this command reads ({source}); "
+                    "give another path"
+                )
+    try:
+        _check_existing(given, target, shown, verb, kind, force)
+    except OSError as err:  # a directory on the way this user cannot search or list
+        raise LowbitError(f"cannot {verb} {shown}: {os_error_reason(err)}") from err
     if not target.parent.is_dir():
         raise LowbitError(f"cannot {verb} {shown}: the directory {target.parent} does not exist")
-    if not os.access(target.parent, os.W_OK):
-        raise LowbitError(f"cannot {verb} {shown}: {target.parent} is not writable")
+    try:  # the directory must really take a new entry (os.access says yes to root)
+        Path(tempfile.mkdtemp(prefix=f".{target.name}.probe-", dir=target.parent)).rmdir()
+    except OSError as err:
+        raise LowbitError(
+            f"cannot {verb} {shown}: the directory {target.parent} does not take new files "
+            f"({os_error_reason(err)})"
+        ) from err
     return target
+
+
+def _check_existing(
+    given: Path, target: Path, shown: str, verb: str, kind: str, force: bool
+) -> None:
+    if (
+        not os.path.lexists(target)
+        or _is_empty(target)
+        and target.is_dir() == (kind == "directory")
+    ):
+        return
+    if given.is_symlink():
+        raise LowbitError(
+            f"cannot {verb} {shown}: the link points to something that exists, and lowbit never "
+            "replaces what a link points to (not even with --force); remove the link or give "
+            "another path"
+        )
+    if target.is_dir():
+        if kind == "file":
+            raise LowbitError(f"cannot {verb} {shown}: it is a directory")
+        raise LowbitError(
+            f"cannot {verb} {shown}: the directory exists and is not empty (lowbit never "
+            "replaces a directory's files, not even with --force); remove it or give another path"
+        )
+    if not target.is_file():
+        raise LowbitError(
+            f"cannot {verb} {shown}: it is not a regular file (a device, FIFO or socket), and "
+            "lowbit writes only regular files"
+        )
+    if not force:
+        size = target.stat().st_size
+        raise LowbitError(
+            f"cannot {verb} {shown}: it exists (a file of {size:,} bytes); pass --force to "
+            "replace it"
+        )
 
 
 def os_error_reason(err: BaseException) -> str | None:
@@ -206,9 +285,22 @@ def _removed_on_signals(tmp: Path, shown: str, state: dict) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def _check_still_writable(path, verb: str, force: bool, kind: str = "directory") -> None:
+    """:func:`check_target` again just before the rename; what it now refuses appeared while
+    writing (an ``OSError``, which the callers turn into their sentence)."""
+    try:
+        check_target(path, verb, kind=kind, force=force)
+    except LowbitError as err:
+        raise FileExistsError(errno.EEXIST, "File exists") from err
+
+
 @contextlib.contextmanager
 def atomic_directory(
-    path: str | os.PathLike, *, verb: str = "save to", exist_ok: bool = False
+    path: str | os.PathLike,
+    *,
+    verb: str = "save to",
+    exist_ok: bool = False,
+    force: bool = False,
 ) -> Iterator[Path]:
     """Write a directory whole or not at all: yields an empty temporary directory to fill, and
     renames it to ``path`` when the block ends without an error.
@@ -223,6 +315,8 @@ def atomic_directory(
             the disk is full (...); nothing was written".
         exist_ok: when the target appears meanwhile (a concurrent writer of the same content,
             as for the GGUF cache), keep it and drop this one; otherwise that is a LowbitError.
+        force: the user's ``--force``: a regular file at ``path`` is replaced (see
+            :func:`check_target`).
 
     Raises:
         LowbitError: a target that is not a new or empty directory (unless ``exist_ok``), a
@@ -232,7 +326,7 @@ def atomic_directory(
     if exist_ok:
         target, shown = _resolve(path)
     else:
-        target = check_target(path, verb)
+        target = check_target(path, verb, force=force)
         shown = _resolve(path)[1]
     tmp = _temporary_beside(target, shown, verb)
     state = {"renamed": False}
@@ -247,6 +341,10 @@ def atomic_directory(
                     raise
                 raise LowbitError(f"cannot {verb} {shown}: {reason}; nothing was written") from err
             try:
+                if not exist_ok:  # the same rule again: something may have appeared meanwhile
+                    _check_still_writable(path, verb, force)
+                    if force and target.is_file() and not target.is_symlink():
+                        target.unlink()  # the regular file --force replaces
                 os.rename(tmp, target)  # replaces an empty directory in one step (POSIX)
                 state["renamed"] = True
             except OSError as err:
@@ -261,20 +359,22 @@ def atomic_directory(
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, *, verb: str = "write") -> Iterator[Path]:
+def atomic_file(
+    path: str | os.PathLike, *, verb: str = "write", force: bool = False
+) -> Iterator[Path]:
     """Write one file whole or not at all: yields a path inside a temporary directory beside
     ``path`` (named as :func:`atomic_directory` names its own, so a dead writer's is cleaned the
     same way); the file is renamed onto ``path`` when the block ends without an error.
 
+    ``path`` follows :func:`check_target`'s rule for a file: new or empty, or with ``force`` a
+    regular file (which keeps its permissions); a link only to nothing or to an empty file.
+
     Raises:
-        LowbitError: ``path`` is a directory, its directory does not exist or takes no new
+        LowbitError: a target the rule refuses, a directory that does not exist or takes no new
             files, or an ``OSError`` while writing.
     """
-    target, shown = _resolve(path)
-    if target.is_dir():
-        raise LowbitError(f"cannot {verb} {shown}: it is a directory")
-    if not target.parent.is_dir():
-        raise LowbitError(f"cannot {verb} {shown}: the directory {target.parent} does not exist")
+    target = check_target(path, verb, kind="file", force=force)
+    shown = _resolve(path)[1]
     tmp = _temporary_beside(target, shown, verb)
     state = {"renamed": False}
     try:
@@ -282,7 +382,11 @@ def atomic_file(path: str | os.PathLike, *, verb: str = "write") -> Iterator[Pat
             written = tmp / target.name
             try:
                 yield written
-                os.chmod(written, 0o666 & ~_umask())
+                _check_still_writable(path, verb, force, kind="file")
+                mode = 0o666 & ~_umask()
+                if target.is_file():  # a replaced file keeps its permissions
+                    mode = target.stat().st_mode & 0o7777
+                os.chmod(written, mode)
                 os.replace(written, target)
                 state["renamed"] = True
             except Exception as err:
@@ -292,6 +396,18 @@ def atomic_file(path: str | os.PathLike, *, verb: str = "write") -> Iterator[Pat
                 raise LowbitError(f"cannot {verb} {shown}: {reason}; nothing was written") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: str | os.PathLike, data, *, force: bool = False) -> Path:
+    """Write ``data`` as indented JSON to ``path`` through :func:`atomic_file` (the same rule
+    for the target: ``--force`` replaces an existing regular file). Returns the path written."""
+    import json
+
+    with atomic_file(path, verb="write", force=force) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+    return Path(path)
 
 
 def _umask() -> int:

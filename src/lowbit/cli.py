@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import signal
 import sys
 import tempfile
@@ -153,7 +151,18 @@ def _add_eval_args(parser: argparse.ArgumentParser, *, for_demo: bool = False) -
     parser.add_argument(
         "--json", default=None, metavar="FILE", help="also write the results as JSON"
     )
+    _add_force_arg(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+FORCE_HELP = (
+    "replace an existing regular file at the target (never a directory that holds files, "
+    "never what a symbolic link points to); without it an existing target is refused"
+)
+
+
+def _add_force_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
 
 
 def _add_backend_arg(parser: argparse.ArgumentParser) -> None:
@@ -361,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype the weights are read and calibrated in (default: float32; bfloat16 halves "
         "the memory and changes the results)",
     )
+    _add_force_arg(quantize_parser)
     quantize_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     export_parser = commands.add_parser(
@@ -405,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="directory to write (new or empty); for gguf the .gguf file",
     )
+    _add_force_arg(export_parser)
     export_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     info_parser = commands.add_parser(
@@ -442,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
         "results", nargs="*", metavar="JSON", help="lowbit eval --json files"
     )
     report_parser.add_argument("--out", required=True, help="the directory to write")
+    _add_force_arg(report_parser)
     report_parser.add_argument(
         "--layer-error",
         nargs="+",
@@ -495,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     lm_eval_parser.add_argument("--chunk", type=int, default=128,
                                 help="tokens fed at a time through a quantized KV cache")  # fmt: skip
     lm_eval_parser.add_argument("--json", default=None, metavar="FILE", help="write the results")
+    _add_force_arg(lm_eval_parser)
 
     generate_parser = commands.add_parser(
         "generate",
@@ -603,64 +616,20 @@ def build_recipes(names: list[str], settings: dict[str, str]) -> list[tuple[str,
     return built
 
 
-def check_writable(path: str) -> Path:
-    """The regular file that writing ``path`` will replace, checked before any long work.
-
-    A symbolic link is followed to its target (the link stays a link); an existing target that
-    is not a regular file (a directory, a device such as /dev/full, a FIFO) is refused; the
-    target's directory must exist and really take a new file (one is created and removed).
-    """
-    given = Path(path).expanduser()
-    target = Path(os.path.realpath(given))
-    shown = given if given == target else f"{given} (a link to {target})"
-    if target.is_dir():
-        raise LowbitError(f"cannot write {shown}: it is a directory")
-    if target.exists() and not target.is_file():
-        raise LowbitError(
-            f"cannot write {shown}: it is not a regular file (a device, FIFO or socket), and "
-            "lowbit writes only regular files"
-        )
-    if not target.parent.is_dir():
-        raise LowbitError(f"cannot write {shown}: the directory {target.parent} does not exist")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as err:
-        raise LowbitError(
-            f"cannot write {shown}: the directory {target.parent} does not take new files "
-            f"({err.strerror})"
-        ) from err
-    os.close(fd)
-    os.unlink(probe)
-    return target
+def command_inputs(args) -> list:
+    """The paths a command reads (``--model``, ``--dataset``, ``--calib``, ``--reference``,
+    report's result files): no output may be one of them, not even with ``--force``."""
+    names = ("model", "dataset", "calib", "reference", "resume_dir")
+    return [getattr(args, n, None) for n in names] + list(getattr(args, "results", None) or [])
 
 
-def write_json_atomic(path: str, data) -> None:
-    """Write ``data`` as JSON to a temporary file beside ``path``'s target, then rename it there.
+def check_json_target(args) -> None:
+    """Refuse, before any work, a ``--json`` target the writing rule refuses
+    (:func:`lowbit.atomic.check_target`)."""
+    from lowbit.atomic import check_target
 
-    A write that fails (a full disk) leaves the target as it was and is one sentence.
-    """
-    from lowbit.atomic import os_error_reason
-
-    target = check_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        if target.exists():  # keep the replaced file's permissions
-            os.chmod(tmp, target.stat().st_mode & 0o7777)
-        else:  # what open() would have given it (mkstemp makes 0600)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise LowbitError(
-                f"cannot write {path}: {os_error_reason(err)}; it was left as it was"
-            ) from err
-        raise
+    if getattr(args, "json", None) is not None:  # "" too: a sentence, not ignored
+        check_target(args.json, "write", kind="file", force=args.force, inputs=command_inputs(args))
 
 
 def _fmt(value, spec: str) -> str:
@@ -710,8 +679,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         raise LowbitError("--reference is the float model of --engine llama.cpp")
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
-    if args.json:
-        check_writable(args.json)
+    check_json_target(args)
     return evaluate_recipes(
         args.model,
         labelled,
@@ -751,14 +719,13 @@ def run_eval_llama_cpp(args) -> dict:
         )
     if args.threads < 1:
         raise LowbitError(f"--threads must be at least 1, not {args.threads}")
-    if args.json:
-        check_writable(args.json)
+    check_json_target(args)
     row = evaluate_gguf(
         args.model, reference=args.reference, dataset=args.dataset, seqlen=args.seqlen,
         windows=args.windows, threads=args.threads, progress=not args.no_progress,
     )  # fmt: skip
-    # the table's other columns: llama.cpp's F16 cache, no quantization time
-    row.update(kv_bytes_per_token=float("nan"), kv_context=args.kv_context, quantize_seconds=0.0)
+    # the table's other columns: no quantization time (KV bytes: llama.cpp's F16 cache)
+    row.update(kv_context=args.kv_context, quantize_seconds=0.0)
     row["dtype"] = "llama.cpp, the file's own types"
     return row
 
@@ -777,7 +744,7 @@ def run_quantize(args) -> None:
     if recipe.method == "fp":
         raise LowbitError("recipe fp quantizes nothing: there is no quantized model to save")
     out = Path(args.out).expanduser()
-    check_target(out, "save to")  # before the long work
+    check_target(out, "save to", force=args.force, inputs=command_inputs(args))  # before the work
     resume = None if args.resume_dir is None else Path(args.resume_dir).expanduser()
     if resume is not None and resume.resolve() == out.resolve():
         raise LowbitError("--resume-dir must be another directory than --out")
@@ -795,10 +762,11 @@ def run_quantize(args) -> None:
         stream=args.stream, calib_dtype=resolve_dtype(args.calib_dtype), device=device,
         dtype=resolve_dtype(args.dtype) or "auto", resume_dir=args.resume_dir,
         max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress,
+        progress=not args.no_progress, force=args.force,
     )  # fmt: skip
     if result.model is not None:
-        memory = memory_report(result.model, adapter_for(result.model))
+        # as the saved model runs (what `eval --model OUT` states), not as it sits here in float32
+        memory = memory_report(result.model, adapter_for(result.model), float_dtype=result.dtype)
         bits, size = memory.bits_per_weight, memory.model_bytes
     else:
         bits, size = result.bits_per_weight, result.bytes_written
@@ -833,6 +801,7 @@ def run_export_gguf(args) -> None:
     import torch
 
     from lowbit.api import load_model
+    from lowbit.atomic import check_target
     from lowbit.data import load_corpus
     from lowbit.formats.gguf_mix import file_type
     from lowbit.io.gguf import check_gguf_recipe, export_gguf, gguf_settings_of
@@ -845,12 +814,19 @@ def run_export_gguf(args) -> None:
 
         check_gguf_recipe(get_recipe(args.recipe).to_dict())  # the methods, before any setting
         if args.type is not None:
+            given = settings.get("gguf_type")
+            if given is not None and file_type(given) != file_type(args.type):
+                raise LowbitError(
+                    f"--type {args.type} and --set gguf_type={given} ask for two file types; "
+                    "give one of them"
+                )
             settings["gguf_type"] = args.type
         ((_, recipe),) = build_recipes([args.recipe], settings)
         check_gguf_recipe(recipe.to_dict())  # before any model loads or calibrates
     elif args.set:
         raise LowbitError("--set changes a recipe's settings; give it with --recipe")
-    out = check_writable(args.out)
+    out = Path(args.out).expanduser()
+    check_target(out, "export to", kind="file", force=args.force, inputs=command_inputs(args))
     calib_corpus = None
     if recipe is not None and recipe.needs_calibration:
         calib_corpus = load_corpus(args.calib, part="calibration")
@@ -877,7 +853,9 @@ def run_export_gguf(args) -> None:
         source = embedded_gguf_path()
     elif loaded.source == "gguf":
         source = Path(loaded.name)
-    ftype = export_gguf(model, out, tokenizer=loaded.tokenizer, source_gguf=source)
+    ftype = export_gguf(
+        model, out, tokenizer=loaded.tokenizer, source_gguf=source, force=args.force
+    )
     print(f"wrote {args.out}: {model.lowbit_recipe.method}, {ftype}")
 
 
@@ -909,7 +887,7 @@ def run_export(args) -> None:
     elif args.model is not None:
         check_saved_recipe(Path(args.model).expanduser())  # from its config.json alone
     out = Path(args.out).expanduser()
-    check_target(out, "export to")  # before the long work
+    check_target(out, "export to", force=args.force, inputs=command_inputs(args))  # before work
     needs_calib = recipe is not None and recipe.needs_calibration
     calib_corpus = load_corpus(args.calib, part="calibration") if needs_calib else None
     # float32: a saved model's float tensors as they are stored, not the dtype it runs in
@@ -922,11 +900,13 @@ def run_export(args) -> None:
         )
     if recipe is not None:
         _quantize_for_export(args, loaded, recipe, saved, calib_corpus)
-    export_compressed_tensors(model, out, tokenizer=loaded.tokenizer)
+    export_compressed_tensors(model, out, tokenizer=loaded.tokenizer, force=args.force)
     print(f"wrote {out}: {model.lowbit_recipe.method} as {args.format}")
 
 
 def report(rows: list[dict], args) -> None:
+    from lowbit.atomic import write_json
+
     first = rows[0]
     print(
         f"model: {first['model']} (runs in {first['dtype']})\n"
@@ -935,8 +915,8 @@ def report(rows: list[dict], args) -> None:
         "(unquantized caches counted in fp16)"
     )
     print(format_table(rows))
-    if args.json:
-        write_json_atomic(args.json, rows[0] if len(rows) == 1 else rows)
+    if args.json is not None:
+        write_json(args.json, rows[0] if len(rows) == 1 else rows, force=args.force)
         print(f"wrote {args.json}")
 
 
@@ -951,13 +931,16 @@ def run_report(args) -> None:
 
     if not (args.results or args.layer_error or args.channels):
         raise LowbitError("nothing to report: give eval --json files, --layer-error or --channels")
-    check_target(Path(args.out).expanduser(), "write the report to")  # before the long work
+    check_target(  # before the long work
+        args.out, "write the report to", force=args.force, inputs=command_inputs(args)
+    )
     layer_errors, magnitudes, model_name = [], None, ""
     if args.layer_error or args.channels:
         layer_errors, magnitudes, model_name = measure_insides(args)
     page = write_report(
-        args.results, args.out, layer_errors=layer_errors, magnitudes=magnitudes, model=model_name
-    )
+        args.results, args.out, layer_errors=layer_errors, magnitudes=magnitudes,
+        model=model_name, force=args.force,
+    )  # fmt: skip
     print(f"wrote {page}")
 
 
@@ -1000,6 +983,18 @@ def measure_insides(args):
 
 
 def run_lm_eval(args) -> None:
+    from lowbit.eval.harness import cloze_items
+    from lowbit.models.loader import check_model_spec
+
+    # what can be refused in a moment comes before lm-eval's import and the model's load
+    for option, value in (("--limit", args.limit), ("--batch-size", args.batch_size),
+                          ("--chunk", args.chunk)):  # fmt: skip
+        if value is not None and value < 1:
+            raise LowbitError(f"{option} must be at least 1, not {value}")
+    if "local" in args.tasks.split(","):
+        cloze_items(args.items)  # refuses --items below 1
+    check_json_target(args)
+    check_model_spec(args.model)
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -1007,6 +1002,7 @@ def run_lm_eval(args) -> None:
         raise LowbitError(
             f"lowbit lm-eval needs lm-eval: pip install 'lowbit[lm-eval]' ({err})"
         ) from err
+    from lowbit.atomic import write_json
     from lowbit.eval.harness import TASK_NAME, register, write_cloze_task
 
     register()
@@ -1024,8 +1020,8 @@ def run_lm_eval(args) -> None:
     for task, values in results["results"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
         print(f"{task}: {shown}")
-    if args.json:
-        write_json_atomic(args.json, results["results"])
+    if args.json is not None:
+        write_json(args.json, results["results"], force=args.force)
         print(f"wrote {args.json}")
 
 
@@ -1045,8 +1041,9 @@ def run_info(args) -> None:
 
     device = resolve_device(args.device)
     loaded = load_model(
-        args.model, dtype=resolve_dtype(args.dtype), trust_remote_code=args.trust_remote_code
-    )
+        args.model, dtype=resolve_dtype(args.dtype), trust_remote_code=args.trust_remote_code,
+        need_tokenizer=False,
+    )  # fmt: skip
     loaded.model.to(device)
     adapter = adapter_for(loaded.model)
     recipe = getattr(loaded.model, "lowbit_recipe", None)

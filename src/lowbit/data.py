@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.files import is_dir, is_file, read_bytes
 
 PYDOC_EVAL_EVERY = 4  # topic i is evaluation text when i % 4 == 3
 CORPUS_NAMES = ("pydoc", "wikitext2")
@@ -55,11 +56,11 @@ def pydoc_text(part: str) -> str:
 
 
 def _read_text_file(path: Path) -> str:
-    if not path.exists():
+    if not is_file(path, "dataset file") and not is_dir(path, "dataset file"):
         raise LowbitError(f"dataset file {path} does not exist")
-    if not path.is_file():
+    if not is_file(path):
         raise LowbitError(f"dataset {path} is not a file")
-    raw = path.read_bytes()
+    raw = read_bytes(path, "dataset file")
     if b"\x00" in raw[:65536]:
         raise LowbitError(f"dataset file {path} is not text (it contains NUL bytes)")
     try:

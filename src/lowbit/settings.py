@@ -141,7 +141,10 @@ def parse_text(text: Any, annotation: Any) -> Any:
     if annotation in (int, Count):
         return int(text)
     if annotation is float:
-        return float(text)
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text.strip()!r} is not a finite number")
+        return value
     if annotation is str:
         return text
     raise ValueError(f"cannot read a value of type {annotation} from text")

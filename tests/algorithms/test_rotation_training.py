@@ -160,7 +160,7 @@ def test_learned_clips_lower_the_in_loop_kl_beyond_the_rotations():
     [(False, False, False, "constant"), (True, True, True, "cosine")],
 )
 def test_an_interrupted_run_resumes_to_the_same_rotations(
-    tmp_path, learn_clip, scales, weights, schedule
+    tmp_path, capsys, learn_clip, scales, weights, schedule
 ):
     settings = RotationTrainingSettings(
         steps=7, save_every=3, learn_clip=learn_clip, lr_schedule=schedule, **SETTINGS
@@ -179,9 +179,14 @@ def test_an_interrupted_run_resumes_to_the_same_rotations(
             model, rotations, CALIBRATION, settings, resume_dir=tmp_path, on_step=interrupt
         )
     model, resumed = _setup(scales=scales, weights=weights)  # a new process starts afresh
+    capsys.readouterr()
     report = train_rotations(model, resumed, CALIBRATION, settings, resume_dir=tmp_path)
 
     assert report.resumed_from == 3
+    # it says so, as a resumed GPTQ run does (issue 50)
+    assert f"resuming from {tmp_path}: the rotation training continues at step 3 of 7" in (
+        capsys.readouterr().err
+    )
     assert report.losses == expected.losses
     assert report.clip_ratios == expected.clip_ratios and bool(report.clip_ratios) == learn_clip
     for got, want in zip(resumed.parameters(), straight.parameters(), strict=True):
@@ -190,6 +195,27 @@ def test_an_interrupted_run_resumes_to_the_same_rotations(
         assert resumed.down_log_scales.abs().max() > 0
     if weights:  # so did ΔW
         assert min(d.abs().max() for d in resumed.weight_deltas.values()) > 0
+
+
+def test_a_diverging_run_names_its_learning_rates_not_a_clip_setting(monkeypatch):
+    """Issue 50: once the loss is NaN the run stops with a sentence naming lr and weight_lr
+    (before, a NaN clip ratio reached the weight part, whose error named a_clip_ratio)."""
+    from lowbit.algorithms import rotation_training
+
+    real_loss = rotation_training._loss
+    calls = []
+
+    def nan_after_two(*args):
+        calls.append(1)
+        loss = real_loss(*args)
+        return loss * float("nan") if len(calls) > 2 else loss
+
+    monkeypatch.setattr(rotation_training, "_loss", nan_after_two)
+    model, rotations = _setup()
+    settings = RotationTrainingSettings(steps=6, learn_clip=True, **SETTINGS)
+    with pytest.raises(LowbitError, match=r"diverged: its loss is nan at step 3 of 6 \(lr=0\.01"):
+        train_rotations(model, rotations, CALIBRATION, settings)
+    assert len(calls) == 3  # stopped at once, not after the remaining steps
 
 
 def test_learned_down_scales_lower_the_in_loop_kl_beyond_the_rotations():

@@ -68,3 +68,17 @@ def test_cli_refuses_a_recipe_with_the_llama_cpp_engine(exported):
     assert (
         proc.returncode == 2 and "drop --recipe" in proc.stderr and "Traceback" not in proc.stderr
     )
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_file_of_another_vocabulary_than_the_reference(exported):
+    """Issue 50: the tiny file against the default reference (the embedded model, another
+    vocabulary) was `RuntimeError: llama_decode returned -1`; now one sentence, before any
+    window runs."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowbit", "eval", "--engine", "llama.cpp", "--model",
+         str(exported / "q4_0.gguf"), "--seqlen", "32", "--windows", "1", "--no-progress"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "has a vocabulary of" in proc.stderr and "pass --reference" in proc.stderr

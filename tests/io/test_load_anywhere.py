@@ -174,6 +174,15 @@ def test_the_cli_runs_a_saved_kvquant_model(tmp_path):
     )
     assert info.returncode == 0, info.stderr
     assert "kvquant" in info.stdout
+    # what `lowbit quantize` states of it is what the saved model states (issue 50: quantize
+    # counted the float weights in float32, 32 bits per weight, where the saved model has 16)
+    from lowbit.eval.memory import memory_report
+    from lowbit.io.checkpoint import run_dtype
+    from lowbit.models.adapter import adapter_for
+
+    stated = memory_report(model, adapter_for(model), float_dtype=run_dtype(model))
+    assert f"bits per weight: {stated.bits_per_weight:.3f}; model: " in info.stdout, info.stdout
+    assert f"{stated.model_bytes / 1e6:.1f} MB" in info.stdout and stated.bits_per_weight == 16
     generate = subprocess.run(
         [
             *cli,

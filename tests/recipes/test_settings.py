@@ -76,9 +76,10 @@ def test_a_per_layer_override_may_leave_a_layer_in_float():
         ("kivi", {"bits": "16"}, "bits must be between 2 and 8, not 16"),
         ("kivi", {"group": "0"}, "group must be a positive integer"),
         ("kv-int", {"k_group": "-1"}, "k_group must be a positive integer"),
-        ("kvquant", {"outlier_fraction": "nan"}, "outlier_fraction must be in [0, 0.5)"),
+        ("kvquant", {"outlier_fraction": "nan"}, "'nan' is not a finite number"),
         ("mixed", {"frac_4bit": "1.5"}, "frac_4bit must be in [0, 1]"),
-        ("mixed", {"qat_lr": "inf"}, "qat_lr must be a positive finite number"),
+        ("mixed", {"qat_lr": "inf"}, "qat_lr='inf' of recipe 'mixed': 'inf' is not a finite"),
+        ("mixed", {"qat_lr": "1e400"}, "'1e400' is not a finite number"),  # overflows to inf
         ("spqr", {"outlier_fraction": "0.2"}, "outlier fraction must be between 0 and 0.1"),
         ("rotate", {"seed": str(2**64)}, "seed must be an integer from 0 to 2**64 - 1"),
         ("quarot", {"seed": "-1"}, "seed must be an integer from 0 to 2**64 - 1"),

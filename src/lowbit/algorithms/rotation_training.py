@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -346,6 +347,11 @@ def train_rotations(
             _restore(trained, optimizer, tensors)
             report.resumed_from = int(record["step"])
             report.losses = list(record["losses"])
+            print(  # say so, as a resumed GPTQ run does: it is quicker, its bar starts part-way
+                f"lowbit: resuming from {resume_dir}: the rotation training continues at step "
+                f"{report.resumed_from} of {settings.steps}, where an earlier run saved it",
+                file=sys.stderr,
+            )
 
     activation = _activation_quantizer(settings, clips)
     value = _quantizer(settings.v_bits, False, settings.v_clip_ratio)
@@ -370,6 +376,12 @@ def train_rotations(
             for step in range(report.resumed_from, settings.steps):
                 ids = pieces[step % pieces.shape[0]].unsqueeze(0).to(device)  # [1, seqlen]
                 loss = _loss(model, ids, settings.loss, paused)
+                if not math.isfinite(float(loss.detach())):
+                    raise LowbitError(
+                        f"the rotation training diverged: its loss is {float(loss.detach())} at "
+                        f"step {step + 1} of {settings.steps} (lr={settings.lr}, weight_lr="
+                        f"{settings.weight_lr}); lower lr or weight_lr"
+                    )
                 loss.backward()
                 factor = _lr_factor(settings, step)
                 for group, lr in zip(optimizer.param_groups, base_lrs, strict=True):

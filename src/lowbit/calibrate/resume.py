@@ -40,6 +40,7 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
+from lowbit.files import is_file, read_bytes
 
 __all__ = ["RESUME_FORMAT_VERSION", "BlockCheckpoints", "run_fingerprint", "tensor_sha256"]
 
@@ -223,7 +224,7 @@ class BlockCheckpoints:
 
     def _read_json(self, path: Path) -> dict[str, Any]:
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_bytes(path).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise LowbitError(
                 f"{path} in the resume directory is not valid JSON; delete the directory or "
@@ -281,10 +282,9 @@ class BlockCheckpoints:
             f"block {index} of resume directory {self.directory} is damaged ({{}}); delete "
             f"{stem}.json to quantize that block again"
         )
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise LowbitError(damaged.format(f"{path.name} is missing")) from None
+        if not is_file(path):
+            raise LowbitError(damaged.format(f"{path.name} is missing"))
+        data = read_bytes(path)
         if hashlib.sha256(data).hexdigest() != record.get("tensors_sha256"):
             raise LowbitError(damaged.format(f"{path.name} does not match its checksum"))
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lowbit.data import pydoc_text
+from lowbit.errors import LowbitError
 
 TASK_NAME = "lowbit_pydoc_cloze"
 _REGISTERED = False
@@ -69,6 +70,8 @@ def register() -> None:
 
 def cloze_items(n_items: int, seed: int = 0) -> list[dict]:
     """``n_items`` multiple-choice cloze items from the pydoc evaluation text."""
+    if isinstance(n_items, bool) or not isinstance(n_items, int) or n_items < 1:
+        raise LowbitError(f"the local task needs at least 1 item, not {n_items!r} (--items)")
     sentences = []
     for sentence in re.split(r"(?<=[.!?])\s+", pydoc_text("eval")):
         words = sentence.split()

@@ -18,8 +18,15 @@ import numpy as np
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.files import is_file, opened
 
-__all__ = ["LlamaCppModel", "decode_speed", "evaluate_gguf", "gguf_size"]
+__all__ = [
+    "LlamaCppModel",
+    "decode_speed",
+    "evaluate_gguf",
+    "gguf_kv_bytes_per_token",
+    "gguf_size",
+]
 
 
 def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
@@ -29,8 +36,10 @@ def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
         raise LowbitError(
             "--engine llama.cpp needs llama-cpp-python: pip install 'lowbit[gguf]'"
         ) from None
-    if not Path(path).is_file():
+    if not is_file(path):
         raise LowbitError(f"{path} is not a file")
+    with opened(path):  # unreadable: a sentence naming it, not llama.cpp's "failed to load"
+        pass
     try:
         return Llama(
             str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True,
@@ -53,6 +62,28 @@ class LlamaCppModel:
         self.llm.eval(window.tolist())
         return torch.from_numpy(np.array(self.llm.scores[: window.numel()], dtype=np.float32))
 
+    def check_vocabulary(self, vocab_size: int, tokenizer, sample: torch.Tensor) -> None:
+        """Refuse, before any window runs, a file whose vocabulary is not the reference
+        model's: another size (llama.cpp would fail on the first id past its end, or score
+        another vocabulary), or ids that its tokenizer spells otherwise than the reference's
+        (``sample``: [T] ids the reference's tokenizer made)."""
+        n_vocab = int(self.llm.n_vocab())
+        if n_vocab != vocab_size:
+            raise LowbitError(
+                f"{self.path} has a vocabulary of {n_vocab} tokens and the reference model one "
+                f"of {vocab_size}: they are not the same model's; pass --reference, the float "
+                "model the file was made from"
+            )
+        ids = sample.tolist()
+        theirs = self.llm.detokenize(ids).decode("utf-8", errors="replace")
+        ours = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        if theirs != ours:
+            raise LowbitError(
+                f"{self.path}'s tokenizer spells the reference model's tokens otherwise (the "
+                "same ids are other text): the file's vocabulary is not the reference's; pass "
+                "--reference, the float model the file was made from"
+            )
+
 
 def gguf_size(path: str | os.PathLike) -> tuple[int, float]:
     """``(file bytes, bits per weight of the block linears)``."""
@@ -69,6 +100,31 @@ def gguf_size(path: str | os.PathLike) -> tuple[int, float]:
             bits += int(tensor.n_bytes) * 8
             weights += int(tensor.n_elements)
     return Path(path).stat().st_size, bits / max(weights, 1)
+
+
+def gguf_kv_bytes_per_token(path: str | os.PathLike) -> float:
+    """Bytes per token of llama.cpp's default KV cache for the file's model: keys and values
+    in F16 for every layer's KV heads (what ``--engine llama.cpp`` runs with)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def field(name: str):
+        found = reader.fields.get(name)
+        return None if found is None else found.contents()
+
+    arch = field("general.architecture")
+    layers = field(f"{arch}.block_count")
+    heads = field(f"{arch}.attention.head_count")
+    kv_heads = field(f"{arch}.attention.head_count_kv") or heads
+    key = field(f"{arch}.attention.key_length")
+    value = field(f"{arch}.attention.value_length")
+    if key is None or value is None:
+        width = field(f"{arch}.embedding_length")
+        if width is None or not heads:
+            raise LowbitError(f"{path} does not state its attention's shape (no {arch}.* fields)")
+        key = value = int(width) // int(heads)
+    return float(int(layers) * int(kv_heads) * (int(key) + int(value)) * 2)  # 2 bytes: F16
 
 
 def decode_speed(path: str | os.PathLike, threads: int = 2, new_tokens: int = 64) -> float:
@@ -122,6 +178,8 @@ def evaluate_gguf(
         float_reference.tokenizer = loaded.tokenizer
     ids = eval_windows(tokenize(float_reference.tokenizer, corpus.text), seqlen, windows)  # [N, S]
     engine = LlamaCppModel(path, n_ctx=seqlen, threads=threads)
+    vocab_size = int(float_reference.model.get_output_embeddings().weight.shape[0])
+    engine.check_vocabulary(vocab_size, float_reference.tokenizer, ids[0, :256])
     result = evaluate(
         engine, ids, reference=float_reference, progress=progress, desc=Path(path).name[:30]
     )
@@ -138,5 +196,6 @@ def evaluate_gguf(
         "top1": result.top1,
         "bits_per_weight": bits,
         "model_bytes": file_bytes,
+        "kv_bytes_per_token": gguf_kv_bytes_per_token(path),
         "eval_seconds": result.seconds,
     }

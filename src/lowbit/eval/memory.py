@@ -23,18 +23,25 @@ class MemoryReport:
     kv_context: int  # context length the KV figure is stated at
 
 
-def _tensor_bits(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size() * 8
+def _tensor_bits(t: torch.Tensor, float_dtype: torch.dtype | None = None) -> int:
+    """Bits of ``t``; a float tensor at ``float_dtype``'s size when one is given (the dtype a
+    saved model runs in, so ``quantize`` states what ``eval`` of the saved model states)."""
+    size = t.element_size()
+    if float_dtype is not None and t.is_floating_point():
+        size = torch.tensor([], dtype=float_dtype).element_size()
+    return t.numel() * size * 8
 
 
-def _module_bits(module: torch.nn.Module) -> int:
+def _module_bits(module: torch.nn.Module, float_dtype: torch.dtype | None = None) -> int:
     """Storage of one block linear: its own accounting, or its float parameters."""
     if hasattr(module, "storage_bits"):
         return module.storage_bits()
-    return sum(_tensor_bits(p) for p in module.parameters(recurse=False))
+    return sum(_tensor_bits(p, float_dtype) for p in module.parameters(recurse=False))
 
 
-def linear_weight_bits(model: torch.nn.Module, adapter: DecoderAdapter) -> tuple[int, int]:
+def linear_weight_bits(
+    model: torch.nn.Module, adapter: DecoderAdapter, float_dtype: torch.dtype | None = None
+) -> tuple[int, int]:
     """(bits stored, weights) over every block linear; biases excluded from both."""
     bits = weights = 0
     for name in adapter.linear_names():
@@ -42,8 +49,8 @@ def linear_weight_bits(model: torch.nn.Module, adapter: DecoderAdapter) -> tuple
         n = module.weight_numel if hasattr(module, "weight_numel") else module.weight.numel()
         weights += n
         bias = getattr(module, "bias", None)
-        bias_bits = 0 if bias is None else _tensor_bits(bias)
-        bits += _module_bits(module) - bias_bits
+        bias_bits = 0 if bias is None else _tensor_bits(bias, float_dtype)
+        bits += _module_bits(module, float_dtype) - bias_bits
     return bits, weights
 
 
@@ -57,9 +64,9 @@ def _persistent_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     ]
 
 
-def model_storage_bytes(model: torch.nn.Module) -> int:
+def model_storage_bytes(model: torch.nn.Module, float_dtype: torch.dtype | None = None) -> int:
     """Bytes to store the whole model: parameters and persistent buffers, each shared tensor
-    once, quantized modules at their exact storage."""
+    once, quantized modules at their exact storage (float tensors at ``float_dtype`` if given)."""
     seen: set[int] = set()
     bits = 0
     accounted: set[int] = set()
@@ -72,7 +79,7 @@ def model_storage_bytes(model: torch.nn.Module) -> int:
         if id(t) in accounted or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        bits += _tensor_bits(t)
+        bits += _tensor_bits(t, float_dtype)
     return bits // 8
 
 
@@ -138,14 +145,16 @@ def memory_report(
     *,
     kv_context: int = 2048,
     kv_float_dtype: torch.dtype = torch.float16,
+    float_dtype: torch.dtype | None = None,
 ) -> MemoryReport:
     """Exact storage of ``model`` and its KV cache per token at ``kv_context``
-    (:func:`kv_bytes_per_token`)."""
-    bits, weights = linear_weight_bits(model, adapter)
+    (:func:`kv_bytes_per_token`); float tensors at ``float_dtype`` when given (the dtype the
+    model will run in), else at their own."""
+    bits, weights = linear_weight_bits(model, adapter, float_dtype)
     return MemoryReport(
         bits_per_weight=bits / weights,
         linear_weights=weights,
-        model_bytes=model_storage_bytes(model),
+        model_bytes=model_storage_bytes(model, float_dtype),
         kv_bytes_per_token=kv_bytes_per_token(model, adapter, kv_context, kv_float_dtype),
         kv_context=kv_context,
     )

@@ -15,6 +15,7 @@ import dataclasses
 import html
 import io
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from lowbit.errors import LowbitError
 from lowbit.eval.distributions import ChannelMagnitudes
 from lowbit.eval.layer_error import LayerError
 from lowbit.eval.memory import KV_CONTEXTS
+from lowbit.files import read_text
 
 REQUIRED = ("label", "ppl", "kl", "bits_per_weight", "kv_bytes_per_token")
 
@@ -33,10 +35,8 @@ def load_rows(paths: Sequence[str | os.PathLike]) -> list[dict]:
     rows: list[dict] = []
     for path in paths:
         try:
-            data = json.loads(Path(path).expanduser().read_text())
-        except OSError as err:
-            raise LowbitError(f"cannot read {path}: {err.strerror}") from err
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            data = json.loads(read_text(Path(path).expanduser()))
+        except json.JSONDecodeError as err:
             raise LowbitError(f"{path} is not JSON ({err})") from err
         found = data if isinstance(data, list) else [data]
         for row in found:
@@ -45,10 +45,41 @@ def load_rows(paths: Sequence[str | os.PathLike]) -> list[dict]:
                 raise LowbitError(
                     f"{path} is not a lowbit eval --json result (no {', '.join(missing)})"
                 )
+            _check_row(row, path)
         rows.extend(found)
     if not rows:
         raise LowbitError("the result files hold no rows")
     return rows
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_row(row: dict, path) -> None:
+    """Refuse a row whose fields are not what eval writes: ppl and KL are numbers or null (a NaN
+    or an infinity is drawn around, with a note), bits per weight a finite number >= 0."""
+    where = f"{path}: the row {str(row['label'])[:40]!r}"
+    for key in ("ppl", "kl"):
+        if row[key] is not None and not _is_number(row[key]):
+            raise LowbitError(f"{where} has {key} {row[key]!r}, not a number")
+    bits = row["bits_per_weight"]
+    if not _is_number(bits) or not math.isfinite(bits) or bits < 0:
+        raise LowbitError(f"{where} has bits_per_weight {bits!r}, not a finite number >= 0")
+    if not _is_number(row["kv_bytes_per_token"]):
+        raise LowbitError(f"{where} has kv_bytes_per_token {row['kv_bytes_per_token']!r}")
+
+
+def drawable(value, log_scale: bool = False) -> bool:
+    """Whether a figure can place ``value``: a finite number (and > 0 on a log scale)."""
+    return _is_number(value) and math.isfinite(value) and (value > 0 or not log_scale)
+
+
+def _shown(value, spec: str) -> str:
+    """A table cell: ``-`` for no value, ``nan``/``inf`` as they are, else formatted."""
+    if value is None:
+        return "-"
+    return format(value, spec) if math.isfinite(value) else str(value)
 
 
 def is_float(row: dict) -> bool:
@@ -91,7 +122,9 @@ def pareto_figure(rows: list[dict], metric: str) -> bytes:
     Pareto front as a line, float as a horizontal reference line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    quantized = [r for r in rows if not is_float(r)]
+    log_scale = metric == "ppl"
+    left_out = [r for r in rows if not drawable(r[metric], log_scale)]
+    quantized = [r for r in rows if not is_float(r) and r not in left_out]
     points = [(r["bits_per_weight"], r[metric]) for r in quantized]
     for row, (x, y) in zip(quantized, points, strict=True):
         ax.scatter([x], [y], color="tab:blue", zorder=3)
@@ -100,15 +133,21 @@ def pareto_figure(rows: list[dict], metric: str) -> bytes:
     if front:
         ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "--",
                 color="tab:red", label="Pareto front", zorder=2)  # fmt: skip
-    for row in (r for r in rows if is_float(r)):
+    floats = [r for r in rows if is_float(r) and r not in left_out]
+    for row in floats:
         ax.axhline(row[metric], color="gray", linewidth=1, label=f"float ({row['label']})")
-    if metric == "ppl" and points:
+    if log_scale and (points or floats):
         ax.set_yscale("log")
+    if left_out:  # said on the figure, so an empty or partial plot is never silent
+        shown = ", ".join(f"{r['label']} ({_shown(r[metric], '.4g')})" for r in left_out)
+        ax.text(0.01, 0.99, f"not drawn, {metric} not a finite number: {shown}",
+                transform=ax.transAxes, fontsize=7, va="top", wrap=True)  # fmt: skip
     ax.set_xlabel("bits per weight")
     ax.set_ylabel({"ppl": "perplexity", "kl": "KL(float || quantized), nats/token"}[metric])
     ax.set_title(f"{metric} against bits per weight")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if points or floats:
+        ax.legend(fontsize=8)
     return _png(fig)
 
 
@@ -125,8 +164,16 @@ def kv_figure(rows: list[dict]) -> bytes:
     plt = _pyplot()
     fig, (per_token, total) = plt.subplots(1, 2, figsize=(9.6, 4.0))
     seen: dict[tuple[float, ...], str] = {}
+    left_out = []
     for row in rows:
-        seen.setdefault(_kv_curve(row), row["label"])
+        curve = _kv_curve(row)
+        if all(drawable(v) for v in curve):
+            seen.setdefault(curve, row["label"])
+        else:
+            left_out.append(row["label"])
+    if left_out:
+        fig.text(0.01, 0.01, f"not drawn, KV bytes not a finite number: {', '.join(left_out)}",
+                 fontsize=7)  # fmt: skip
     for curve, label in sorted(seen.items(), reverse=True):
         per_token.plot(KV_CONTEXTS, curve, marker="o", label=label)
         totals = [per * c / 2**20 for per, c in zip(curve, KV_CONTEXTS, strict=True)]
@@ -138,7 +185,8 @@ def kv_figure(rows: list[dict]) -> bytes:
     per_token.set_ylabel("KV bytes per token")
     total.set_ylabel("KV cache, MiB")
     total.set_yscale("log")
-    per_token.legend(fontsize=7)
+    if seen:
+        per_token.legend(fontsize=7)
     fig.suptitle("KV cache against context length")
     return _png(fig)
 
@@ -236,7 +284,8 @@ def build_html(rows: list[dict], figures: dict[str, bytes], model: str = "") -> 
     """One page: a table of the rows and every figure as an embedded PNG."""
     cells = "".join(
         f"<tr><td>{html.escape(str(r['label']))}</td><td>{r['bits_per_weight']:.3f}</td>"
-        f"<td>{r['ppl']:.3f}</td><td>{r['kl']:.4f}</td><td>{r['kv_bytes_per_token']:.0f}</td></tr>"
+        f"<td>{_shown(r['ppl'], '.3f')}</td><td>{_shown(r['kl'], '.4f')}</td>"
+        f"<td>{_shown(r['kv_bytes_per_token'], '.0f')}</td></tr>"
         for r in rows
     )
     images = "".join(
@@ -281,8 +330,10 @@ def write_report(
     layer_errors: Sequence[LayerError] = (),
     magnitudes: ChannelMagnitudes | None = None,
     model: str = "",
+    force: bool = False,
 ) -> Path:
-    """Write ``out`` (a new or empty directory), whole or not at all: ``index.html``, every
+    """Write ``out`` (a new or empty directory; with ``force`` a regular file there is
+    replaced), whole or not at all: ``index.html``, every
     figure as a PNG file, and the measurements given as ``measurements.json`` (the numbers
     behind their figures), from the eval results in ``paths``. Returns the page's path."""
     rows = load_rows(paths) if paths else []
@@ -290,7 +341,7 @@ def write_report(
         raise LowbitError("nothing to report: give eval --json files, --layer-error or --channels")
     figures = build_figures(rows, layer_errors, magnitudes)
     page = build_html(rows, figures, model)
-    with atomic_directory(out, verb="write the report to") as tmp:
+    with atomic_directory(out, verb="write the report to", force=force) as tmp:
         for name, png in figures.items():
             (tmp / name).write_bytes(png)
         (tmp / "index.html").write_text(page)

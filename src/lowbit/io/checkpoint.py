@@ -149,10 +149,10 @@ def checkpoint_tensors(model: nn.Module, prefix: str = "") -> dict[str, Tensor]:
 
 
 # -- saving ----------------------------------------------------------------------------------------
-def check_save_target(target: Path) -> None:
-    """Refuse, with one sentence, a save target that is not a new or empty directory (a link
-    is followed: see :func:`lowbit.atomic.check_target`)."""
-    check_target(target, "save to")
+def check_save_target(target: Path, *, force: bool = False) -> None:
+    """Refuse, with one sentence, a save target that is not a new or empty directory (or with
+    ``force`` a regular file): see :func:`lowbit.atomic.check_target`."""
+    check_target(target, "save to", force=force)
 
 
 def run_dtype(model: nn.Module, dtype: torch.dtype | str = "auto") -> torch.dtype:
@@ -184,6 +184,7 @@ def save(
     tokenizer=None,
     dtype: torch.dtype | str = "auto",
     max_shard_size: int | str = DEFAULT_SHARD_BYTES,
+    force: bool = False,
 ) -> Path:
     """Write ``model`` (quantized by lowbit, either face) as a checkpoint directory.
 
@@ -197,17 +198,18 @@ def save(
         max_shard_size: the most tensor bytes one weights file holds, as a number or a string
             such as ``"2GB"`` (:func:`lowbit.io.shards.parse_size`); a larger model is written
             as Hugging Face's shards and index. The default, 5 GB, is transformers' own.
+        force: replace a regular file at ``directory`` (:func:`lowbit.atomic.check_target`).
 
     Returns:
         The directory's path.
     """
     target = Path(directory).expanduser()
-    check_save_target(target)
+    check_save_target(target, force=force)
     max_shard_bytes = parse_size(max_shard_size)
     dtype = run_dtype(model, dtype)
     qconfig = describe(model)
     expected = expected_tensors(skeleton(model.config, qconfig))
-    with atomic_directory(target, verb="save to") as tmp:  # whole or not at all
+    with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
         for tensors in checkpoint_tensor_groups(model):
             check_rebuilds(expected, tensors)  # a refusal here removes the temporary directory

@@ -450,7 +450,7 @@ def _check_keys(model: nn.Module, plan: ExportPlan, tensors: dict[str, Tensor]) 
 
 
 def export_compressed_tensors(
-    model: nn.Module, out_dir: str | os.PathLike, *, tokenizer=None
+    model: nn.Module, out_dir: str | os.PathLike, *, tokenizer=None, force: bool = False
 ) -> Path:
     """Write ``model`` (quantized by lowbit, either face) as a compressed-tensors directory.
 
@@ -461,6 +461,7 @@ def export_compressed_tensors(
         model: a model ``lowbit.quantize`` returned, or one loaded from a lowbit checkpoint.
         out_dir: where to write; must not exist or be empty.
         tokenizer: saved beside the model when given.
+        force: replace a regular file at ``out_dir`` (:func:`lowbit.atomic.check_target`).
 
     Returns:
         The directory's path.
@@ -473,7 +474,7 @@ def export_compressed_tensors(
 
     from lowbit.io.checkpoint import saved_config
 
-    check_target(out_dir, "export to")
+    check_target(out_dir, "export to", force=force)
     plan = plan_export(model)
     tensors = export_tensors(model, plan)
     _check_keys(model, plan, tensors)
@@ -482,7 +483,7 @@ def export_compressed_tensors(
     config["quantization_config"] = compressed_tensors_config(plan)
     if not config.get("architectures"):
         config["architectures"] = [type(model).__name__]
-    with atomic_directory(out_dir, verb="export to") as tmp:  # whole or not at all
+    with atomic_directory(out_dir, verb="export to", force=force) as tmp:  # whole or not at all
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = getattr(model, "generation_config", None)

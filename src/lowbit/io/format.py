@@ -24,7 +24,8 @@ model.safetensors", never loads it wrongly).
 
 :func:`verify_checkpoint` checks a directory without loading its tensors: the checksums recorded
 at save time (each shard's and the index's, for a sharded one), the index's weight_map against
-the shards' own tables, then every tensor the described model needs (key, shape, dtype), none extra. Every
+the shards' own tables, then every tensor the described model needs (key, shape, dtype), none extra, and
+every float tensor finite. Every
 path that loads lowbit weights goes through it (:func:`lowbit.io.checkpoint.load` and
 transformers' ``from_pretrained``, :mod:`lowbit.io.hf`), so a damaged or edited checkpoint is
 one sentence, never a silently different model.
@@ -42,6 +43,7 @@ import torch
 
 from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
+from lowbit.files import is_file, read_bytes, read_text
 from lowbit.io.shards import INDEX_NAME, WEIGHTS_NAME, read_weight_map
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "verify_checkpoint",
     "weight_files",
     "stored_tensors",
+    "check_finite",
 ]
 
 FORMAT_VERSION = 1
@@ -74,11 +77,11 @@ def config_checksum(config: dict[str, Any]) -> str:
 
 def read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
-    if not path.is_file():
+    if not is_file(path):
         raise LowbitError(f"{directory} has no config.json: not a model directory")
     try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        config = json.loads(read_text(path))
+    except json.JSONDecodeError as err:
         raise LowbitError(f"{path} is not valid JSON ({err})") from err
     if not isinstance(config, dict):
         raise LowbitError(f"{path} does not hold a JSON object")
@@ -86,12 +89,14 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 
 def is_lowbit_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` has a config.json whose quantization method is lowbit's."""
+    """Whether ``directory`` has a config.json whose quantization method is lowbit's; a
+    directory or config.json this user cannot read is a LowbitError naming it."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
+    if not is_file(path):
         return False
+    raw = read_bytes(path)  # unreadable: a sentence, not "not a lowbit checkpoint"
     try:
-        qconfig = json.loads(path.read_text()).get("quantization_config")
+        qconfig = json.loads(raw.decode("utf-8")).get("quantization_config")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return False
     return isinstance(qconfig, dict) and qconfig.get("quant_method") == QUANT_METHOD
@@ -129,12 +134,12 @@ def weight_files(directory: Path, checksums: dict[str, Any]) -> tuple[list[Path]
     """
     if INDEX_NAME not in checksums:  # one file (every checkpoint before shards)
         weights = directory / WEIGHTS_NAME
-        if not weights.is_file():
+        if not is_file(weights):
             raise LowbitError(f"{directory} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
         _check_sum(weights, checksums.get(WEIGHTS_NAME))
         return [weights], None
     index = directory / INDEX_NAME
-    if not index.is_file():
+    if not is_file(index):
         raise LowbitError(f"{directory} has no {INDEX_NAME}: the checkpoint is incomplete")
     _check_sum(index, checksums[INDEX_NAME])
     weight_map = read_weight_map(directory)
@@ -154,7 +159,7 @@ def weight_files(directory: Path, checksums: dict[str, Any]) -> tuple[list[Path]
     files = []
     for name in names:
         path = directory / name
-        if not path.is_file():
+        if not is_file(path):
             raise LowbitError(f"{directory} has no {name}: the checkpoint is incomplete")
         _check_sum(path, checksums[name])
         files.append(path)
@@ -223,7 +228,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     check_format(qconfig, where)
     checksums = qconfig.get("checksums")
     if INDEX_NAME not in (checksums if isinstance(checksums, dict) else {}):
-        if not (directory / WEIGHTS_NAME).is_file():
+        if not is_file(directory / WEIGHTS_NAME):
             raise LowbitError(f"{directory} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
     if not isinstance(checksums, dict):
         raise LowbitError(f"{where} has no checksums: it was not written by lowbit.save")
@@ -260,7 +265,30 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
         raise LowbitError(
             f"{stored[extra[0]][2]} has a tensor this model does not use: {extra[0]!r}"
         )
+    check_finite({k: holder for k, (_, dtype, holder) in stored.items() if dtype in _FLOAT_DTYPES})
     return raw
+
+
+def check_finite(holders: dict[str, Path]) -> None:
+    """Refuse weights whose float tensors (scales, zeros, codebooks, outliers, float weights)
+    hold a NaN or an infinity: a model that would compute NaN logits without a word.
+    ``holders`` maps each tensor key to the weights file holding it. Read one tensor at a time,
+    after the checksum (a file edited with its checksums recomputed gets here)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for key, path in holders.items():
+        by_file.setdefault(path, []).append(key)
+    for path, keys in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                tensor = f.get_tensor(key)
+                if not bool(torch.isfinite(tensor).all()):
+                    bad = int((~torch.isfinite(tensor)).sum())
+                    raise LowbitError(
+                        f"{path}: tensor {key!r} holds {bad} value(s) that are not finite (NaN "
+                        "or infinity); the model would compute NaN, so it is refused"
+                    )
 
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}

