@@ -295,15 +295,17 @@ class ExportPlan:
 
     def transform_groups(self) -> dict[str, tuple[OnlineTransform, list[str]]]:
         """One compressed-tensors transform scheme per distinct transform: name -> (transform,
-        the linears it is applied to). Names follow the first linear's own name
-        (``online_down_proj``), so a checkpoint key reads
-        ``model.layers.0.mlp.down_proj.online_down_proj_input.weight``."""
+        the linears it is applied to). Names follow the linears' own name (``online_down_proj``)
+        where they share one, else the transform (``online_hadamard_64``), so a checkpoint key
+        reads ``model.layers.0.mlp.down_proj.online_down_proj_input.weight``."""
         by_key: dict[tuple, tuple[OnlineTransform, list[str]]] = {}
         for fqn, transform in self.transforms.items():
             by_key.setdefault(transform.key(), (transform, []))[1].append(fqn)
         groups: dict[str, tuple[OnlineTransform, list[str]]] = {}
         for transform, fqns in by_key.values():
-            name = base = f"online_{fqns[0].rpartition('.')[2]}"
+            leaves = {fqn.rpartition(".")[2] for fqn in fqns}
+            leaf = leaves.pop() if len(leaves) == 1 else f"{transform.type}_{transform.block}"
+            name = base = f"online_{leaf}".replace("-", "_")
             suffix = 1
             while name in groups:
                 suffix += 1
