@@ -251,3 +251,35 @@ def test_block_hadamards_export_as_sylvester_blocks_that_compressed_tensors_buil
     apply_transform_config(loaded, TransformConfig.model_validate(config))
     # measured max abs difference 3.6e-7 (|logits| up to 1.6)
     assert (loaded(IDS).logits - model(IDS).logits).abs().max() < 1e-5
+
+
+def test_cli_exports_a_rotated_model_and_evaluates_the_export_against_the_float_model(
+    tiny_model_dir, tmp_path, capsys
+):
+    """``lowbit export`` of quarot W4A16, then ``lowbit eval --model EXPORT --reference FLOAT``:
+    the row is the exported file's (transforms applied by compressed-tensors' code), and its KL
+    to the float model is lowbit's own model's."""
+    from lowbit.cli import main
+    from lowbit.eval.run import evaluate_recipes
+
+    out = tmp_path / "ct"
+    settings = ["--set", "w_algo=rtn", "--set", "w_group=32"]
+    argv = ["export", "--model", str(tiny_model_dir), "--recipe", "quarot-w4a16", *settings]
+    assert main([*argv, "--format", "compressed-tensors", "--out", str(out)]) == 0
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x * 2 + 1\n" * 40)
+    argv = ["eval", "--model", str(out), "--reference", str(tiny_model_dir), "--dataset"]
+    argv += [str(text), "--seqlen", "32", "--windows", "3", "--json", str(tmp_path / "r.json")]
+    capsys.readouterr()
+    assert main([*argv, "--no-progress"]) == 0
+    row = json.loads((tmp_path / "r.json").read_text())  # one row: the object itself
+    assert row["label"] == "compressed-tensors export"
+    (mine,) = evaluate_recipes(
+        tiny_model_dir, [get_recipe("quarot-w4a16", w_algo="rtn", w_group=32)], dataset=str(text),
+        seqlen=32, windows=3, progress=False,
+    )  # fmt: skip
+    assert row["kl"] > 1e-4  # the quantized export against the float model, not itself
+    # the export computes lowbit's model up to fp32 rounding of the online transform (logits
+    # within 1e-5, test above), so its KL and perplexity are lowbit's to 1e-3 relative
+    assert row["kl"] == pytest.approx(mine["kl"], rel=1e-3)
+    assert row["ppl"] == pytest.approx(mine["ppl"], rel=1e-3)
