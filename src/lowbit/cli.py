@@ -312,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference",
         default=None,
         metavar="MODEL",
-        help="--engine llama.cpp: the float model to compare with (default: the embedded model)",
+        help="the float model to compare --model with, evaluated as it is: a .gguf file "
+        "(--engine llama.cpp) or a compressed-tensors export, whose transforms lowbit applies "
+        "(default: the embedded model)",
     )
     eval_parser.add_argument(
         "--threads", type=int, default=2, help="--engine llama.cpp: llama.cpp's threads (2)"
@@ -675,8 +677,6 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
 
     if getattr(args, "engine", "transformers") == "llama.cpp":
         return [run_eval_llama_cpp(args)]
-    if getattr(args, "reference", None) is not None:
-        raise LowbitError("--reference is the float model of --engine llama.cpp")
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
     check_json_target(args)
@@ -699,6 +699,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         resume_dir=args.resume_dir,
         trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress,
+        reference=getattr(args, "reference", None),
     )
 
 

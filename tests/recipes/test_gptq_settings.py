@@ -19,7 +19,7 @@ _GPTQ = ["act_order", "block_size", "damp", "guard", "heldout_fraction", "sequen
 SAVED_KEYS = {
     "gptq": _W + _A + _GPTQ,
     "quarot": _W + _A + ["act_order", "damp", "guard", "w_algo", "kv_bits", "k_bits", "v_bits",
-                         "kv_clip_ratio", "rotation", "seed", "online_fp16"],
+                         "kv_clip_ratio", "rotation", "seed", "online_fp16", "hadamard_block"],
     "spqr": _GPTQ + ["w_bits", "beta1", "beta2", "stat_bits", "outlier_fraction", "tau",
                      "simplified", "sparse_format"],
     "mixed": ["act_order", "block_size", "damp", "sequential", "frac_4bit", "outlier_fraction",

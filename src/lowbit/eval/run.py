@@ -59,6 +59,15 @@ def _labelled(recipes: Sequence[Recipe | str | tuple[str, Recipe]]) -> list[tupl
     return pairs
 
 
+def _is_compressed_tensors(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was loaded from a compressed-tensors directory."""
+    quantization = getattr(model.config, "quantization_config", None)
+    method = getattr(quantization, "quant_method", None)
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    return str(getattr(method, "value", method)) == "compressed-tensors"
+
+
 def evaluate_recipes(
     model: str | os.PathLike | None,
     recipes: Sequence[Recipe | str | tuple[str, Recipe]],
@@ -79,6 +88,7 @@ def evaluate_recipes(
     resume_dir: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    reference: str | os.PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """Quantize the model with each recipe and evaluate it on the same windows.
 
@@ -107,6 +117,10 @@ def evaluate_recipes(
         resume_dir: block checkpoints of a GPTQ run (one GPTQ recipe at most).
         trust_remote_code: passed to transformers.
         progress: show progress bars.
+        reference: the float model to compare ``model`` with, evaluated as it is (one row): a
+            compressed-tensors export is the file that ships (lowbit's loader applies its
+            transforms), so its row is of that file. An export is compared with the embedded
+            model when no reference is given.
 
     Returns:
         One dict per recipe: ``model``, ``recipe`` (its ``to_dict()``), ``label``, ``dataset``,
@@ -160,6 +174,25 @@ def evaluate_recipes(
         )
 
     saved = getattr(base, "lowbit_recipe", None)  # a lowbit checkpoint: already quantized
+    exported = _is_compressed_tensors(base)
+    float_model = None
+    if reference is not None or exported:
+        what = "a compressed-tensors export" if exported else f"{loaded.name}"
+        if any(recipe.method != "fp" for _, recipe in labelled) or saved is not None:
+            raise LowbitError(
+                f"with a float reference, {what} is evaluated as it is; drop --recipe (and "
+                "give --reference only with a model that is not a lowbit checkpoint)"
+            )
+        float_loaded = load_model(reference, trust_remote_code=trust_remote_code)
+        float_model = float_loaded.model.to(device)
+        if float_model.config.vocab_size != base.config.vocab_size:
+            raise LowbitError(
+                f"the reference {float_loaded.name} has a vocabulary of "
+                f"{float_model.config.vocab_size} tokens and {loaded.name} one of "
+                f"{base.config.vocab_size}: they are not the same model"
+            )
+        label = "compressed-tensors export" if exported else "as loaded"
+        labelled = [(label, labelled[0][1])]
     if saved is not None:
         if any(recipe.method != "fp" for _, recipe in labelled):
             raise LowbitError(
@@ -167,7 +200,10 @@ def evaluate_recipes(
                 "--recipe, or quantize the float model instead"
             )
         labelled = [(f"{saved.method} (saved)", saved)]
-    reference = None if saved is not None else FloatReference(base)  # no float model to compare
+    if float_model is not None:
+        float_reference = FloatReference(float_model)
+    else:  # a lowbit checkpoint has no float model to compare with
+        float_reference = None if saved is not None else FloatReference(base)
     rows = []
     for label, recipe in labelled:
         start = time.perf_counter()
@@ -184,7 +220,12 @@ def evaluate_recipes(
         use_backend(candidate, backend)
         prepare_run(candidate)  # what generate runs: lowbit.models.run
         result = evaluate(
-            candidate, ids, reference=reference, chunk=chunk, progress=progress, desc=label[:30]
+            candidate,
+            ids,
+            reference=float_reference,
+            chunk=chunk,
+            progress=progress,
+            desc=label[:30],
         )
         candidate_adapter = adapter_for(candidate)
         memory = memory_report(candidate, candidate_adapter, kv_context=kv_context)

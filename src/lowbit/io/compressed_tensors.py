@@ -22,11 +22,25 @@ re-quantized):
   compressed-tensors``, ``format``, ``quantization_status: compressed``, one ``config_groups``
   entry per distinct scheme, ``ignore`` (linears left in float), ``kv_cache_scheme: null``.
 
+* online transforms (QuaRot's Hadamards before down_proj and o_proj, after ``rotate``, ``quarot``
+  or ``learn-rotate``; every offline rotation, R1/R2 and learned scale is already fused into the
+  weights) as ``transform_config`` entries at the linear's ``input``: one scheme per distinct
+  matrix, its matrix ``W`` stored under ``{linear}.{scheme}_input.weight`` ([b, b], b = the
+  width, or the block size of a block-diagonal transform, written as the scheme's ``head_dim``).
+  compressed-tensors and vLLM compute ``x @ W / sqrt(b)``, so ``W = sqrt(b) * M`` for lowbit's
+  ``transform(x) = x @ M``: ±1 for a Hadamard. Type ``hadamard`` when W is Sylvester's matrix
+  (vLLM's fast Hadamard kernel computes exactly that), else ``random-hadamard``: both engines
+  multiply by the stored W (compressed-tensors' factory draws its own matrix, which the loader
+  replaces with the stored one: :func:`lowbit.models.loader.apply_exported_transforms`; vLLM
+  loads it). transformers 5.24 ignores ``transform_config`` on load, so a plain
+  ``from_pretrained`` of such a directory computes a different function; lowbit's loader applies
+  it with compressed-tensors' own ``apply_transform_config``.
+
 Weight scales are written in the model's float dtype: exact for fp32 and fp16 models (lowbit's
 scales are fp16 values); a bf16 model's scales are rounded to bf16.
 
 Refused, with one sentence naming the layer and the part, before anything is written: online
-input transforms (QuaRot's Hadamards), activation quantizers other than int8 per-token symmetric
+transforms other than lowbit's Hadamards, activation quantizers other than int8 per-token symmetric
 without clipping, double-quantized scales, weight-only widths other than 2, 4 and 8 bits (the
 format's int32 layout for 3, 5, 6 and 7 bits changed between compressed-tensors versions: 0.12
 packs ``32 // bits`` codes per word, 0.20 packs densely across words), and every quantized KV
@@ -40,8 +54,9 @@ The package itself is not needed to export (only to load): tensors are written w
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +80,8 @@ QUANT_METHOD = "compressed-tensors"
 PACK_FORMAT = "pack-quantized"
 INT_FORMAT = "int-quantized"
 WEIGHTS_NAME = "model.safetensors"
+#: where lowbit's online transforms sit: at a linear's input, applied at run time
+TRANSFORM_LOCATION = "input"
 #: weight-only widths whose int32 layout every compressed-tensors version reads the same way
 PORTABLE_PACK_BITS = (2, 4, 8)
 
@@ -84,8 +101,6 @@ _KV_PARTS = {
 _METHODS_NOT_HELD = {
     "spqr": "SpQR's small groups with quantized statistics and sparse fp16 outliers",
     "mixed": "2/4/16-bit mixed precision with sparse outliers",
-    "quarot": "QuaRot's online Hadamard transforms",
-    "rotate": "the online Hadamard transforms of a rotation",
     "kv-int": "a KV cache quantized with scales computed at run time",
     "kivi": "KIVI's KV cache with run-time scales",
     "kvquant": "KVQuant's KV cache (non-uniform codebooks with sparse fp16 outliers)",
@@ -105,13 +120,15 @@ def check_recipe(recipe: dict[str, Any]) -> None:
         method = part.get("method")
         settings = part.get("settings") or {}
         reason = _METHODS_NOT_HELD.get(method)
-        if reason is None and method in ("rtn", "gptq"):
+        if reason is None and method in ("rtn", "gptq", "quarot"):
             reason = _settings_not_held(settings)
+        if reason is None and method == "quarot":
+            reason = _quarot_cache_not_held(settings)
         if reason is not None:
             raise LowbitError(
                 f"compressed-tensors cannot hold the recipe {method!r}: {reason}; it holds "
-                "integer weights of 2, 4 or 8 bits (rtn, gptq), with or without int8 per-token "
-                "activations"
+                "integer weights of 2, 4 or 8 bits (rtn, gptq, quarot), with or without int8 "
+                "per-token activations, on a model rotated or not"
             )
 
 
@@ -126,9 +143,21 @@ def check_saved_recipe(directory: Path) -> None:
             check_recipe(recipe)
 
 
+def _quarot_cache_not_held(settings: dict[str, Any]) -> str | None:
+    """Why quarot's KV cache settings make a cache the format cannot hold, or None."""
+    kv = settings.get("kv_bits")
+    bits = (kv, kv) if kv is not None else (settings.get("k_bits", 4), settings.get("v_bits", 4))
+    if bits != (16, 16):
+        return (
+            "a KV cache quantized with scales computed at run time (set kv_bits=16: the "
+            "format's kv_cache_scheme holds static scales only)"
+        )
+    return None
+
+
 def _settings_not_held(settings: dict[str, Any]) -> str | None:
     """Why rtn/gptq ``settings`` give linears the format cannot hold, or None."""
-    a_bits, w_bits = settings.get("a_bits", 16), settings.get("w_bits")
+    a_bits, w_bits = settings.get("a_bits", 16), settings.get("w_bits")  # quarot: a_bits given
     if w_bits == 16:
         return "weights left in float (w_bits=16), so no linear holds integers"
     if a_bits == 16:
@@ -186,12 +215,111 @@ class LayerScheme:
 
 
 @dataclass
+class OnlineTransform:
+    """One linear's online input transform as a compressed-tensors ``input`` transform.
+
+    compressed-tensors (its own ``HadamardTransform``, and vLLM's) computes
+    ``y = x @ (W / sqrt(b))`` on every block of ``b`` input channels (the scheme's ``head_dim``
+    when ``b`` is less than the width), with ``W`` read from the checkpoint. ``W`` here is
+    ``sqrt(b)`` times the matrix lowbit's transform applies (``transform(x) = x @ M``), so the
+    product is lowbit's: ±1 entries for a Hadamard (exact in every float dtype).
+    """
+
+    width: int  # the linear's input width
+    block: int  # b: size of each diagonal block (== width: one full transform)
+    weight: Tensor  # [b, b] float64: sqrt(b) * M
+    precision: torch.dtype  # dtype of the online product (QuaRot: float32)
+
+    @property
+    def type(self) -> str:
+        """``hadamard`` when W is Sylvester's matrix (vLLM runs it by its Hadamard kernel,
+        ignoring W); else ``random-hadamard``, which both engines apply as the dense W they read
+        from the checkpoint (its factory's own random matrix is replaced by the stored one)."""
+        return "hadamard" if _is_sylvester(self.weight) else "random-hadamard"
+
+    def key(self) -> tuple:
+        """Equal for transforms one scheme can hold (same matrix, blocks and precision)."""
+        head_dim = None if self.block == self.width else self.block
+        return (head_dim, self.block, self.precision, self.weight.numpy().tobytes())
+
+
+def _is_sylvester(weight: Tensor) -> bool:
+    n = weight.shape[0]
+    if n & (n - 1):
+        return False
+    sylvester = torch.ones(1, 1, dtype=torch.float64)
+    while sylvester.shape[0] < n:
+        sylvester = torch.cat(
+            (torch.cat((sylvester, sylvester), 1), torch.cat((sylvester, -sylvester), 1)), 0
+        )
+    return torch.equal(weight, sylvester)
+
+
+def _online_transform(fqn: str, transform: nn.Module, width: int, dtype) -> OnlineTransform:
+    """The compressed-tensors form of lowbit's online ``transform`` on ``fqn``'s input; a
+    LowbitError for a transform it cannot express."""
+    from lowbit.transforms.hadamard import OnlineHadamard
+    from lowbit.transforms.rotate import CrossHeadHadamard
+
+    if type(transform) is OnlineHadamard:
+        block = transform.size  # the whole width, or one Hadamard per group of channels
+        exact = OnlineHadamard(block)  # float64 arithmetic on a float64 input
+    elif type(transform) is CrossHeadHadamard:
+        block = transform.n  # A ⊗ I mixes heads: only a dense width x width matrix holds it
+        exact = CrossHeadHadamard(transform.num_heads, transform.head_dim)
+    else:
+        raise LowbitError(
+            f"cannot export {fqn} to compressed-tensors: its input goes through lowbit's "
+            f"{type(transform).__name__}, which the format's transforms cannot express"
+        )
+    if width % block:
+        raise LowbitError(f"cannot export {fqn}: its online transform does not fit its input")
+    matrix = exact(torch.eye(block, dtype=torch.float64))  # [b, b]: row i = transform(e_i)
+    weight = matrix * math.sqrt(block)  # [b, b]
+    rounded = weight.round()
+    if torch.allclose(weight, rounded, rtol=0, atol=1e-9):
+        weight = rounded  # a Hadamard matrix: exactly ±1
+    precision = transform.compute_dtype or dtype
+    return OnlineTransform(width, block, weight, precision)
+
+
+@dataclass
 class ExportPlan:
-    """What will be written: the scheme of every quantized linear, the float linears."""
+    """What will be written: the scheme of every quantized linear, the float linears, the
+    online transforms."""
 
     schemes: dict[str, LayerScheme]  # fqn -> scheme, in module order
     float_linears: list[str]  # linears kept in float (lm_head, unselected block linears)
     float_dtype: torch.dtype  # the model's float dtype; weight scales are written in it
+    transforms: dict[str, OnlineTransform] = field(default_factory=dict)  # fqn -> its input's
+
+    def transform_groups(self) -> dict[str, tuple[OnlineTransform, list[str]]]:
+        """One compressed-tensors transform scheme per distinct transform: name -> (transform,
+        the linears it is applied to). Names follow the linears' own name (``online_down_proj``)
+        where they share one, else the transform (``online_hadamard_64``), so a checkpoint key
+        reads ``model.layers.0.mlp.down_proj.online_down_proj_input.weight``."""
+        by_key: dict[tuple, tuple[OnlineTransform, list[str]]] = {}
+        for fqn, transform in self.transforms.items():
+            by_key.setdefault(transform.key(), (transform, []))[1].append(fqn)
+        groups: dict[str, tuple[OnlineTransform, list[str]]] = {}
+        for transform, fqns in by_key.values():
+            leaves = {fqn.rpartition(".")[2] for fqn in fqns}
+            leaf = leaves.pop() if len(leaves) == 1 else f"{transform.type}_{transform.block}"
+            name = base = f"online_{leaf}".replace("-", "_")
+            suffix = 1
+            while name in groups:
+                suffix += 1
+                name = f"{base}_{suffix}"
+            groups[name] = (transform, fqns)
+        return groups
+
+    def transform_keys(self) -> dict[str, tuple[str, OnlineTransform]]:
+        """Checkpoint key of every stored transform matrix -> (its scheme name, transform)."""
+        keys = {}
+        for name, (transform, fqns) in self.transform_groups().items():
+            for fqn in fqns:
+                keys[f"{fqn}.{name}_{TRANSFORM_LOCATION}.weight"] = (name, transform)
+        return keys
 
 
 def _is_int8_token_quantizer(quantizer: nn.Module) -> bool:
@@ -206,22 +334,22 @@ def _is_int8_token_quantizer(quantizer: nn.Module) -> bool:
     )
 
 
+_CLIP_HINT = (
+    " (a clip ratio of dynamic activations cannot be fused into weights: quantize with "
+    "a_clip_ratio=1, and learn-rotate with learn_clip=false)"
+)
+
+
 def _layer_scheme(fqn: str, module: nn.Module) -> LayerScheme | None:
     """The scheme of a lowbit linear, None for a float one; a LowbitError for what the format
     cannot hold."""
     where = f"cannot export {fqn} to compressed-tensors"
-    if module.input_transform is not None:
-        kind = type(module.input_transform).__name__
-        raise LowbitError(
-            f"{where}: its input goes through an online transform ({kind}, e.g. QuaRot's "
-            "online Hadamard), which the format cannot express; only rotations fully fused "
-            "into the weights export"
-        )
     act = module.act_quantizer
     if act is not None and not _is_int8_token_quantizer(act):
         raise LowbitError(
             f"{where}: its activation quantizer ({act.extra_repr()}) is not int8 per-token "
             "symmetric without clipping, the only integer activation scheme the format holds"
+            + ("" if getattr(act, "clip_ratio", 1.0) == 1.0 else _CLIP_HINT)
         )
     weight = module.quantized_weight
     if weight is None:
@@ -279,6 +407,8 @@ def plan_export(model: nn.Module) -> ExportPlan:
 
     check_not_run_form(model, "export")
     adapter = adapter_for(model)
+    dtype = adapter.embed_tokens.weight.dtype
+    transforms: dict[str, OnlineTransform] = {}
     schemes: dict[str, LayerScheme] = {}
     float_linears: list[str] = []
     inside: list[str] = []  # lowbit linears: their children are checked with them
@@ -287,6 +417,9 @@ def plan_export(model: nn.Module) -> ExportPlan:
             continue
         if isinstance(module, (FakeQuantLinear, PackedLinearBase)):
             inside.append(fqn)
+            if module.input_transform is not None:
+                width = module.in_features
+                transforms[fqn] = _online_transform(fqn, module.input_transform, width, dtype)
             scheme = _layer_scheme(fqn, module)
             if scheme is None:
                 float_linears.append(fqn)
@@ -312,7 +445,7 @@ def plan_export(model: nn.Module) -> ExportPlan:
             )
     if not schemes:
         raise LowbitError("the model has no quantized linear: there is nothing to export")
-    return ExportPlan(schemes, float_linears, adapter.embed_tokens.weight.dtype)
+    return ExportPlan(schemes, float_linears, dtype, transforms)
 
 
 def compressed_tensors_config(plan: ExportPlan) -> dict[str, Any]:
@@ -335,8 +468,26 @@ def compressed_tensors_config(plan: ExportPlan) -> dict[str, Any]:
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
         "sparsity_config": {},
-        "transform_config": {},
+        "transform_config": transform_config(plan),
     }
+
+
+def transform_config(plan: ExportPlan) -> dict[str, Any]:
+    """compressed-tensors' ``transform_config`` of ``plan``: one scheme per distinct online
+    transform, applied at the ``input`` of its linears (``{}`` when there is none)."""
+    groups = {}
+    for name, (transform, fqns) in plan.transform_groups().items():
+        groups[name] = {
+            "type": transform.type,
+            "apply": [
+                {"targets": fqns, "location": TRANSFORM_LOCATION, "inverse": False, "ignore": []}
+            ],
+            "randomize": False,
+            "requires_grad": False,
+            "head_dim": None if transform.block == transform.width else transform.block,
+            "precision": str(transform.precision).removeprefix("torch."),
+        }
+    return {"config_groups": groups} if groups else {}
 
 
 def _pack_rows(unsigned: Tensor, bits: int) -> Tensor:
@@ -367,6 +518,13 @@ def _linear_tensors(module: nn.Module, scheme: LayerScheme, scale_dtype) -> dict
     return out
 
 
+def _stored_matrix(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """A transform matrix in the model's float dtype (what vLLM loads it into) when that holds
+    it exactly (±1 always), else in float32."""
+    cast = weight.to(dtype)
+    return cast if torch.equal(cast.to(torch.float64), weight) else weight.to(torch.float32)
+
+
 def _module_name(model: nn.Module, module: nn.Module) -> str:
     return next(fqn for fqn, m in model.named_modules() if m is module)
 
@@ -386,6 +544,8 @@ def export_tensors(model: nn.Module, plan: ExportPlan) -> dict[str, Tensor]:
     for fqn, module in quantized.items():
         for name, tensor in _linear_tensors(module, plan.schemes[fqn], plan.float_dtype).items():
             tensors[f"{fqn}.{name}"] = tensor
+    for key, (_, transform) in plan.transform_keys().items():
+        tensors[key] = _stored_matrix(transform.weight, plan.float_dtype)  # [b, b]
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     from lowbit.models.adapter import adapter_for
 
@@ -426,10 +586,12 @@ def _check_keys(model: nn.Module, plan: ExportPlan, tensors: dict[str, Tensor]) 
         expected.pop(_module_name(skeleton, skeleton.get_output_embeddings()) + ".weight", None)
     for fqn in plan.schemes:
         expected.pop(f"{fqn}.weight", None)
+    transform_keys = plan.transform_keys()
     produced = {
         k: tuple(t.shape)
         for k, t in tensors.items()
-        if k.rpartition(".")[0] not in plan.schemes or k.endswith(".bias")
+        if (k.rpartition(".")[0] not in plan.schemes or k.endswith(".bias"))
+        and k not in transform_keys
     }
     for key, shape in produced.items():
         if key not in expected:

@@ -30,6 +30,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_model
@@ -244,8 +245,92 @@ def _pretrained(source: str | Path, dtype: torch.dtype, trust_remote_code: bool)
         trust_remote_code=trust_remote_code,
         output_loading_info=True,
     )
+    transforms = transform_keys(source)
+    if transforms:
+        info = dict(info)
+        info["unexpected_keys"] = sorted(set(info.get("unexpected_keys") or ()) - set(transforms))
     _check_loading_info(source, config, info)
+    if transforms:
+        apply_exported_transforms(model, Path(source))
     return model
+
+
+def _raw_transform_config(source) -> dict[str, Any] | None:
+    path = Path(source) / "config.json"
+    if not Path(source).is_dir() or not path.is_file():
+        return None
+    quantization = json.loads(path.read_text()).get("quantization_config") or {}
+    transforms = quantization.get("transform_config") or {}
+    if quantization.get("quant_method") != "compressed-tensors":
+        return None
+    return transforms if transforms.get("config_groups") else None
+
+
+def transform_keys(source) -> dict[str, tuple[str, str]]:
+    """Checkpoint keys of the online transform matrices a compressed-tensors config names:
+    ``{linear}.{scheme}_{location}.weight`` -> (linear, transform module name).
+
+    transformers 5.24 ignores ``transform_config`` (its ``CompressedTensorsConfig`` keeps only
+    the quantization part), so lowbit applies it itself: :func:`apply_exported_transforms`."""
+    transforms = _raw_transform_config(source)
+    if transforms is None:
+        return {}
+    keys = {}
+    for name, scheme in transforms["config_groups"].items():
+        for args in scheme.get("apply") or []:
+            if str(args.get("location")) not in ("input", "output"):
+                raise LowbitError(
+                    f"the transform {name!r} of {source} sits at {args.get('location')!r}; "
+                    "lowbit loads transforms at a linear's input or output only"
+                )
+            module = f"{name}_{args['location']}"
+            for target in args.get("targets") or []:
+                keys[f"{target}.{module}.weight"] = (target, module)
+    return keys
+
+
+def apply_exported_transforms(model: torch.nn.Module, source: Path) -> None:
+    """Apply a compressed-tensors checkpoint's ``transform_config`` with compressed-tensors' own
+    code (``apply_transform_config``: a forward pre-hook per linear computing
+    ``x @ W / sqrt(b)``), then put the matrices stored in the checkpoint in place of the ones
+    its factories built (vLLM reads them from the checkpoint too; a ``random-hadamard`` factory
+    would draw its own).
+
+    Raises:
+        LowbitError: a matrix missing from the weight files, or of the wrong shape.
+    """
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from safetensors import safe_open
+
+    transforms = _raw_transform_config(source)
+    apply_transform_config(model, TransformConfig.model_validate(transforms))
+    wanted = transform_keys(source)
+    found: set[str] = set()
+    shared: dict[int, torch.Tensor] = {}  # compressed-tensors shares one matrix per scheme
+    for file in sorted(source.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in set(handle.keys()) & set(wanted):
+                linear, module = wanted[key]
+                weight = model.get_submodule(linear).get_submodule(module).weight
+                stored = handle.get_tensor(key)
+                if tuple(stored.shape) != tuple(weight.shape):
+                    raise LowbitError(
+                        f"the transform matrix {key} of {source} is {tuple(stored.shape)}, but "
+                        f"its scheme needs {tuple(weight.shape)}"
+                    )
+                stored = stored.to(device=weight.device, dtype=weight.dtype)
+                first = shared.setdefault(weight.data_ptr(), stored)
+                if not torch.equal(first, stored):
+                    raise LowbitError(
+                        f"the transform matrix {key} of {source} differs from another layer's "
+                        "of its scheme, which compressed-tensors shares between them"
+                    )
+                with torch.no_grad():
+                    weight.copy_(stored)
+                found.add(key)
+    missing = sorted(set(wanted) - found)
+    if missing:
+        raise LowbitError(f"the weights of {source} lack the transform matrix {missing[0]}")
 
 
 def _check_loading_info(source, config, info: dict) -> None:

@@ -82,6 +82,7 @@ class LearnRotateRecipe(Recipe):
     seed: Count = 0
     online_fp16: bool = False
     online: bool = True
+    hadamard_block: int | None = None
     learn_heads: bool = True
     a_bits: int = 4
     a_clip_ratio: float | None = None  # 0.9 at 4 bits or fewer, none above
@@ -166,6 +167,7 @@ class LearnRotateRecipe(Recipe):
             seed=self.seed,
             online_dtype=torch.float16 if self.online_fp16 else torch.float32,
             online=self.online,
+            hadamard_block=self.hadamard_block,
         )
         rotations = LearnedRotations.for_model(
             context.adapter,

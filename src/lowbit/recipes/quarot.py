@@ -60,6 +60,7 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
         rotation: hadamard (randomized), random (random orthogonal, paper Table 8), none.
         seed: seed of the rotation's random signs or matrix.
         online_fp16: compute the online Hadamards in fp16 instead of fp32 (paper Table 10).
+        hadamard_block: block-diagonal online Hadamards of this order (tensor parallelism).
         guard, act_order, damp: GPTQ settings (see ``gptq``).
     """
 
@@ -82,6 +83,7 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     rotation: Literal["hadamard", "random", "none"] = "hadamard"
     seed: Count = 0
     online_fp16: bool = False
+    hadamard_block: int | None = None
     # GPTQ settings quarot does not offer (not in its saved JSON): fixed at GPTQ's defaults
     block_size: ClassVar[int] = 128
     heldout_fraction: ClassVar[float] = 0.125
@@ -147,6 +149,7 @@ class QuaRotRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
                 rotation=self.rotation,
                 seed=self.seed,
                 online_dtype=torch.float16 if self.online_fp16 else torch.float32,
+                hadamard_block=self.hadamard_block,
             )
             context.transformed(model)
         model.lowbit_weight_report = quantize_linears(

@@ -38,6 +38,7 @@ class RotateRecipe(Recipe):
     seed: Count = 0
     online_fp16: bool = False
     online: bool = True
+    hadamard_block: int | None = None
 
     def validate(self) -> None:
         if self.rotation not in ("hadamard", "random"):
@@ -51,5 +52,6 @@ class RotateRecipe(Recipe):
             seed=self.seed,
             online_dtype=torch.float16 if self.online_fp16 else torch.float32,
             online=self.online,
+            hadamard_block=self.hadamard_block,
         )
         context.transformed(model)

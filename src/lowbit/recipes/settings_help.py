@@ -52,6 +52,9 @@ SETTINGS: dict[str, str] = {
     "online_fp16": "compute the online Hadamards in fp16 instead of fp32",
     "online": "add the online Hadamards before down_proj and o_proj (false: the residual "
     "rotation alone, a standard graph that GGUF files can hold)",
+    "hadamard_block": "make the online Hadamards block-diagonal with blocks of this order (must "
+    "divide the attention width and the intermediate size): each tensor-parallel shard applies "
+    "its own; unset: full width",
     # learned rotation (learn-rotate)
     "learn_heads": "learn R2, one head_dim rotation per layer on values and the o_proj input, "
     "besides R1 on the residual stream",

@@ -161,6 +161,7 @@ class RotationReport:
     online_dtype: str | None
     o_proj_hadamard: str  # the resolved path
     layers: list[LayerRotation] = field(default_factory=list)
+    hadamard_block: int | None = None  # block-diagonal online Hadamards of this order
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -368,12 +369,32 @@ def _check_plain_linears(adapter: DecoderAdapter) -> None:
                 )
 
 
+def _check_block(adapter: DecoderAdapter, block: int | None) -> None:
+    """A block-diagonal Hadamard of order ``block`` must exist and divide both online widths."""
+    if block is None:
+        return
+    width = adapter.num_heads * adapter.head_dim
+    inter = adapter.intermediate_size
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise LowbitError(f"hadamard_block must be a positive integer, got {block!r}")
+    if not has_hadamard(block):
+        raise LowbitError(f"hadamard_block={block} has no known Hadamard construction")
+    if width % block or inter % block:
+        raise LowbitError(
+            f"hadamard_block={block} must divide the attention width {width} and the "
+            f"intermediate size {inter}"
+        )
+
+
 def _add_online_hadamards(
-    model: nn.Module, adapter: DecoderAdapter, o_path: str, online_dtype
+    model: nn.Module, adapter: DecoderAdapter, o_path: str, online_dtype, block: int | None = None
 ) -> list[LayerRotation]:
-    """Online Hadamards on every block's down_proj and o_proj inputs (o_path resolved)."""
+    """Online Hadamards on every block's down_proj and o_proj inputs (o_path resolved); with
+    ``block``, block-diagonal ones (``I ⊗ H_block``) on both, online (o_path is "full")."""
     inter, heads, head_dim = adapter.intermediate_size, adapter.num_heads, adapter.head_dim
     width = heads * head_dim
+    if block is not None:
+        return _add_block_hadamards(model, adapter, online_dtype, block)
     down_text = f"online {_describe_hadamard(inter)}, fused into down_proj columns"
     if o_path == "factorized":
         o_text = (
@@ -411,6 +432,29 @@ def _add_online_hadamards(
     return layers
 
 
+def _add_block_hadamards(
+    model: nn.Module, adapter: DecoderAdapter, online_dtype, block: int
+) -> list[LayerRotation]:
+    """Block-diagonal online Hadamards ``I ⊗ H_block / sqrt(block)`` before down_proj and
+    o_proj: each block of ``block`` input channels is transformed on its own, so a tensor-
+    parallel shard of the input (a multiple of ``block`` channels) is transformed without the
+    others' channels."""
+    inter, width = adapter.intermediate_size, adapter.num_heads * adapter.head_dim
+    text = f"block-diagonal {_describe_hadamard(block)}"
+    down_text = f"online {text} (x{inter // block}), fused into down_proj columns"
+    o_text = f"online {text} (x{width // block}), fused into o_proj columns"
+    layers = []
+    for view in adapter.blocks():
+        with torch.device(view.o_proj.weight.device):
+            for linear, n in ((view.down_proj, inter), (view.o_proj, width)):
+                online = OnlineHadamard(n, group_size=block, compute_dtype=online_dtype)
+                exact = OnlineHadamard(n, group_size=block)  # float64 on a float64 weight
+                fused = _rows_transformed(linear.weight, exact)  # W Tᵀ
+                _replace(model, linear, _online_linear(linear, fused, online))
+        layers.append(LayerRotation(view.index, down_text, "full", o_text))
+    return layers
+
+
 # ---------------------------------------------------------------------------
 # Entry point.
 # ---------------------------------------------------------------------------
@@ -424,6 +468,7 @@ def rotate_model(
     online_dtype: torch.dtype | None = None,
     o_proj_hadamard: str = "auto",
     online: bool = True,
+    hadamard_block: int | None = None,
 ) -> RotationReport:
     """QuaRot's function-preserving rewrite, in place: fuse norms, untie, rotate, go online.
 
@@ -443,6 +488,10 @@ def rotate_model(
         online: add the online Hadamards; False leaves a standard graph (the residual rotation
             with norms fused alone), which is what weight-only formats of other engines
             (GGUF) can hold.
+        hadamard_block: make both online Hadamards block-diagonal with blocks of this order
+            (must divide the attention width and the intermediate size): what a tensor-parallel
+            shard can apply alone, and, for a power of two, what vLLM's Hadamard kernel runs.
+            None: full-width transforms (QuaRot's). The o_proj path is then "full".
 
     Returns:
         A RotationReport.
@@ -463,13 +512,22 @@ def rotate_model(
     else:
         device = adapter.lm_head.weight.device
         q = residual_rotation(adapter.hidden_size, rotation, seed=seed, device=device)  # checks
-    o_path = _resolve_o_proj_path(adapter, o_proj_hadamard)
+    if hadamard_block is not None and online:
+        _check_block(adapter, hadamard_block)
+        if o_proj_hadamard not in ("auto", "full"):
+            raise LowbitError(
+                f"hadamard_block puts a block-diagonal Hadamard online before o_proj; "
+                f"o_proj_hadamard={o_proj_hadamard!r} is another path"
+            )
+        o_path = "full"
+    else:
+        o_path = _resolve_o_proj_path(adapter, o_proj_hadamard)
     if online_dtype is not None and not (
         isinstance(online_dtype, torch.dtype) and online_dtype.is_floating_point
     ):
         raise LowbitError(f"online_dtype must be a floating torch dtype, got {online_dtype!r}")
     _check_plain_linears(adapter)
-    if online and not has_hadamard(adapter.intermediate_size):
+    if online and hadamard_block is None and not has_hadamard(adapter.intermediate_size):
         raise LowbitError(
             f"intermediate size {adapter.intermediate_size} has no known Hadamard construction, "
             "so the online down_proj transform cannot be built"
@@ -479,7 +537,11 @@ def rotate_model(
     norms_fused = fuse_norms(model)
     if q is not None:
         rotate_residual(model, q)
-    layers = _add_online_hadamards(model, adapter, o_path, online_dtype) if online else []
+    layers = (
+        _add_online_hadamards(model, adapter, o_path, online_dtype, hadamard_block)
+        if online
+        else []
+    )
 
     if rotation == "hadamard":
         residual = f"randomized Hadamard {_describe_hadamard(adapter.hidden_size)}"
@@ -497,6 +559,7 @@ def rotate_model(
         online_dtype=None if online_dtype is None else str(online_dtype).removeprefix("torch."),
         o_proj_hadamard=o_path,
         layers=layers,
+        hadamard_block=hadamard_block if online else None,
     )
     model.lowbit_rotation = report
     return report
