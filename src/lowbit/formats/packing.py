@@ -98,8 +98,23 @@ def _bytes_from_codes(codes: Tensor, bits: int) -> Tensor:
 
 
 def _codes_from_bytes(data: Tensor, bits: int, n: int) -> Tensor:
-    """[rows, n_bytes] uint8 stream → [rows, n] int64 codes."""
+    """[rows, n_bytes] uint8 stream → [rows, n] integer codes (uint8 for 1/2/4/8 bits, int32
+    for 3 and 6, int64 otherwise): the narrowest integers that hold a whole-byte chunk, since a
+    decode step of a packed KV cache unpacks every cached token."""
     rows, n_bytes = data.shape
+    if 8 % bits == 0:  # whole codes per byte: shifts and a mask in uint8
+        k = 8 // bits
+        if k == 1:
+            return data[:, :n]
+        shifts = torch.arange(k, device=data.device, dtype=torch.uint8) * bits
+        codes = (data.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, n_bytes, k]
+        return codes.view(rows, -1)[:, :n]
+    if bits in (3, 6) and n_bytes % 3 == 0 and n % (24 // bits) == 0:  # 3-byte chunks in int32
+        chunks = data.reshape(rows, n_bytes // 3, 3).to(torch.int32)  # [rows, chunks, 3]
+        word = chunks[..., 0] | (chunks[..., 1] << 8) | (chunks[..., 2] << 16)
+        shifts = torch.arange(24 // bits, device=data.device, dtype=torch.int32) * bits
+        codes = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, chunks, 24/bits]
+        return codes.view(rows, -1)[:, :n]
     chunk_elems = math.lcm(bits, 8) // bits
     chunk_bytes = chunk_elems * bits // 8
     n_chunks = math.ceil(n / chunk_elems)

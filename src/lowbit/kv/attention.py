@@ -19,10 +19,14 @@ The forward pass, per layer:
    head_dim after RoPE. It cancels in q kᵀ, so the cache holds rotated keys (QuaRot's cache).
    Then the layer's query quantizer, if any (BFP16 queries of K-sort + BFP), sees the queries
    exactly as they enter q kᵀ.
-4. The cache update returns the whole sequence as the cache stores it (dequantized). Without a
-   cache (``use_cache=False``) a throw-away layer quantizes the same way, so a single pass and
-   cached evaluation agree. A stock ``DynamicCache`` that is still empty (what ``generate()``
-   and ``forward`` create by default) is filled with this model's quantized layers.
+4. With a cache, the new keys and values are stored (packed a page at a time) and attention
+   reads the pages chunk by chunk (:func:`lowbit.kv.decode.chunked_attention`: per chunk
+   dequantize, RoPE for pre-RoPE keys, scores, running max and sum), never the layer's whole
+   float K/V. ``packed_attention = False`` on a module takes the reference path instead: the
+   whole sequence dequantized by the cache update, then step 5. Without a cache
+   (``use_cache=False``) a throw-away layer quantizes the same way and takes step 5, so a
+   single pass and cached evaluation agree. A stock ``DynamicCache`` that is still empty (what
+   ``generate()`` and ``forward`` create by default) is filled with this model's quantized layers.
 5. Attention with transformers' own kernels (sdpa, or eager math), the mask transformers built
    (causal, padding, sliding window), GQA by head repetition as in the stock model.
 
@@ -40,6 +44,7 @@ from transformers.cache_utils import Cache
 
 from lowbit.errors import LowbitError
 from lowbit.kv.cache import KVCacheLayout, QuantizedKVLayer
+from lowbit.kv.decode import RopeTable, chunked_attention
 from lowbit.kv.quantizer import KVQuantizer
 from lowbit.models.compat import pop_attention_cache
 from lowbit.transforms.hadamard import fast_hadamard_transform, has_hadamard
@@ -107,6 +112,7 @@ class KVQuantAttention(nn.Module):
         pre_rope: bool = False,
         rotate_qk: str = "none",
         query_quantizer: nn.Module | None = None,
+        rope_table: RopeTable | None = None,
     ) -> None:
         super().__init__()
         self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
@@ -129,6 +135,12 @@ class KVQuantAttention(nn.Module):
         self.rotate_qk = rotate_qk
         self._rope_cos_sin = rope_cos_sin
         self.lowbit_rope_order: RopeOrder | None = getattr(attn, "lowbit_rope_order", None)
+        # a cache's tokens are read by chunked attention over the packed pages (False: the
+        # whole cache dequantized, then transformers' attention; kept as the reference path)
+        self.packed_attention = True
+        self.rope_table = rope_table or RopeTable(
+            rope_cos_sin, getattr(attn.config, "max_position_embeddings", 0) or 0
+        )
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, pre_rope={self.pre_rope}, rotate_qk={self.rotate_qk}"
@@ -203,6 +215,20 @@ class KVQuantAttention(nn.Module):
             q = self.query_quantizer(q)
 
         layer = self._cache_layer(cache)
+        if layer is not None and self.packed_attention:
+            layer.store(k, v, cache_kwargs)
+            key_rope = None
+            if self.pre_rope:
+                table = self.rope_table
+
+                def key_rope(keys: Tensor, positions: Tensor) -> Tensor:
+                    cos_k, sin_k = table(positions.long(), keys.dtype)  # [B, n, D]
+                    return self._rope(keys, cos_k, sin_k)
+
+            out = chunked_attention(
+                q, layer, scaling=self.scaling, mask=attention_mask, key_rope=key_rope
+            )  # [B, S, H_q, D]
+            return self.o_proj(out.reshape(batch, steps, -1)), None
         if layer is None:
             layer = self.layout.make_layer(self.layer_idx)
             keys, values = layer.update(k, v, cache_kwargs)  # [B, H_kv, T, D]
@@ -329,6 +355,7 @@ def install_kv_quantization(
         track_positions=pre_rope,
     )
     layout.make_layer(0)  # validates sink_tokens / fp_window
+    table = None
     for i in range(n):
         _move_to_layer(adapter.block(i).attn, keys[i], values[i], queries[i])
         attn = KVQuantAttention(
@@ -338,7 +365,9 @@ def install_kv_quantization(
             pre_rope=pre_rope,
             rotate_qk=rotate_qk,
             query_quantizer=queries[i],
+            rope_table=table,
         )
+        table = attn.rope_table  # one table of cos/sin by position, shared by the layers
         adapter.replace_attention(i, attn)
     model.lowbit_kv = layout
     model.lowbit_make_cache = layout.make_cache

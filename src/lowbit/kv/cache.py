@@ -3,14 +3,18 @@
 Per layer and per stream (K, V) the layer stores, in token order:
 
 1. sink tokens: the first ``sink_tokens`` cache slots, kept in floating point;
-2. packed chunks: one :class:`~lowbit.kv.quantizer.PackedKV` (chunks are concatenated as they
-   arrive, so one dequantization per step covers them all);
+2. packed pages: :class:`~lowbit.kv.quantizer.PackedKV` objects of ``PAGE_TOKENS`` tokens each
+   (the last one open: new tokens are joined to it, so a step copies at most a page, never
+   the whole cache);
 3. an fp residual: tokens not yet quantized. After each update the oldest tokens leave the
    residual in whole ``token_group``s as long as at least ``fp_window`` tokens stay behind
    (KIVI's last 128 tokens; 0 for per-token formats, so then the residual is empty).
 
-``update`` returns the whole sequence, dequantized, in the input's dtype, so attention always
-sees what the cache really stores, the tokens of the current step included: evaluating a window
+lowbit's attention (:mod:`lowbit.kv.attention`) stores with ``store`` and reads the pages a
+chunk at a time (``chunks``, :func:`lowbit.kv.decode.chunked_attention`); transformers'
+``update`` returns the whole sequence, dequantized, in the input's dtype (the reference path).
+Either way attention sees what the cache really stores, the tokens of the current step
+included: evaluating a window
 in one pass (``use_cache=False``; attention then uses a throw-away layer) or in chunks gives the
 same numbers for per-token formats. For token-grouped formats (per-channel keys) a token is
 quantized only once its group is complete, so results depend on how tokens arrive, as in
@@ -110,16 +114,67 @@ class _Stream:
         if self.quantizer is None:
             return
         group = self.quantizer.token_group
+        page = -(-PAGE_TOKENS // group) * group  # a whole number of token groups
         n = max(self.residual.shape[2] - self.fp_window, 0) // group * group
         if n == 0:
             return
-        packed = self.quantizer.quantize(self.residual[:, :, :n])
-        self.residual = self.residual[:, :, n:]
-        self.chunks.append(packed)
-        try:
-            self.chunks = [type(packed).concat(self.chunks)]
-        except NotImplementedError:
-            pass  # a format that cannot join its chunks keeps a list
+        done = 0
+        while done < n:  # fill the open page, then whole new pages
+            last = self.chunks[-1] if self.chunks else None
+            room = page - last.num_tokens if last is not None else page
+            if room <= 0:
+                last, room = None, page
+            take = min(n - done, room)
+            packed = self.quantizer.quantize(self.residual[:, :, done : done + take])
+            if last is not None:
+                try:  # O(page) per step, never O(cache)
+                    packed = type(packed).concat([last, packed])
+                    self.chunks.pop()
+                except NotImplementedError:
+                    pass  # a format that cannot join its chunks keeps small pages
+            self.chunks.append(packed)
+            done += take
+        rest = self.residual[:, :, n:]
+        self.residual = rest.contiguous() if rest.shape[2] else None
+
+    def regions(self) -> list[tuple[int, int, Tensor | PackedKV]]:
+        """``(start, stop, data)`` of the sink, each packed page and the residual, in slot
+        order; ``data`` is an fp tensor or a :class:`PackedKV`."""
+        out, start = [], 0
+        parts = [] if self.sink is None else [self.sink]
+        parts += self.chunks
+        if self.residual is not None:
+            parts.append(self.residual)
+        for part in parts:
+            n = part.shape[2] if isinstance(part, Tensor) else part.num_tokens
+            if n:
+                out.append((start, start + n, part))
+            start += n
+        return out
+
+    def decode(
+        self, region: tuple[int, int, Tensor | PackedKV], start: int, stop: int, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor | None]:
+        """Slots ``start:stop`` (inside ``region``) as ``([B, H, n, D] in dtype, R or None)``:
+        a rotated format's values stay in their stored basis and ``R`` is returned (the value
+        is ``x @ Rᵀ``); pinned tokens in the range are written over their slots."""
+        r0, _, data = region
+        rotation = None
+        if isinstance(data, Tensor):
+            out = data[:, :, start - r0 : stop - r0].to(dtype)
+        else:
+            rotation = data.rotation
+            out = data.dequantize_tokens(start - r0, stop - r0, dtype, rotate_back=False)
+        if self.pinned is not None:
+            hit = (self.pinned_slots >= start) & (self.pinned_slots < stop)
+            if bool(hit.any()):
+                pinned = self.pinned[hit].to(dtype)  # [P', H, D]
+                if rotation is not None:  # pinned fp values, moved to the stored basis
+                    pinned = pinned @ rotation.to(dtype)
+                out = out.clone() if isinstance(data, Tensor) else out
+                rows, slots = self.pinned_rows[hit].long(), self.pinned_slots[hit].long()
+                out[rows, :, slots - start] = pinned
+        return out, rotation
 
     def full(self, dtype: torch.dtype) -> Tensor:
         """Every stored token, dequantized, [B, H, T, D] in ``dtype``."""
@@ -184,6 +239,11 @@ class _Stream:
             self.pinned = self.pinned[entries]
 
 
+#: tokens per packed page: storage grows a page at a time, and chunked attention decodes one
+#: page (or less) at a time
+PAGE_TOKENS = 1024
+
+
 def _cat(old: Tensor | None, new: Tensor) -> Tensor:
     return new if old is None else torch.cat([old, new])
 
@@ -241,10 +301,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.residual_dtype = key_states.dtype
         self.is_initialized = True
 
-    def update(
-        self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None, **kwargs
-    ) -> tuple[Tensor, Tensor]:
-        """Store new keys/values [B, H_kv, S, D]; return all of them, dequantized, [B, H_kv, T, D].
+    def store(
+        self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None
+    ) -> None:
+        """Store new keys/values [B, H_kv, S, D] (packed a page at a time).
 
         ``cache_kwargs["positions"]`` ([B, S] or [1, S]) is required when the cache tracks
         positions (pre-RoPE keys); with sinks it also pins tokens at positions below
@@ -267,7 +327,36 @@ class QuantizedKVLayer(CacheLayerMixin):
         for stream, states in ((self.k, key_states), (self.v, value_states)):
             stream.append(states, sink_room, self.residual_dtype, self.length, pin)
         self.length += key_states.shape[2]
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None, **kwargs
+    ) -> tuple[Tensor, Tensor]:
+        """Store new keys/values [B, H_kv, S, D]; return all of them, dequantized, [B, H_kv, T, D]
+        (transformers' contract; lowbit's attention reads the pages instead: :meth:`store`,
+        :meth:`chunks`). ``cache_kwargs`` as for :meth:`store`."""
+        self.store(key_states, value_states, cache_kwargs)
         return self.k.full(key_states.dtype), self.v.full(value_states.dtype)
+
+    def chunks(self, dtype: torch.dtype, max_tokens: int | None = None):
+        """Every cached slot, a chunk at a time: yields ``(start, stop, k, k_rot, v, v_rot)``
+        with ``k``, ``v`` ``[B, H_kv, stop - start, D]`` in ``dtype`` and ``*_rot`` the rotation
+        ``R`` of a chunk left in its stored basis (the value is ``x @ Rᵀ``) or None. Chunks
+        never cross a page, sink or residual boundary of either stream and hold at most
+        ``max_tokens`` slots, so a step decodes one chunk at a time, never the whole cache."""
+        max_tokens = max_tokens or PAGE_TOKENS
+        regions_k, regions_v = self.k.regions(), self.v.regions()
+        bounds = sorted({0} | {r[1] for r in regions_k} | {r[1] for r in regions_v})
+        ik = iv = 0
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            for a in range(lo, hi, max_tokens):
+                b = min(a + max_tokens, hi)
+                while regions_k[ik][1] <= a:
+                    ik += 1
+                while regions_v[iv][1] <= a:
+                    iv += 1
+                k, k_rot = self.k.decode(regions_k[ik], a, b, dtype)
+                v, v_rot = self.v.decode(regions_v[iv], a, b, dtype)
+                yield a, b, k, k_rot, v, v_rot
 
     def positions(self) -> Tensor:
         """Positions of every cached token, [B, T] long (pre-RoPE caches only)."""

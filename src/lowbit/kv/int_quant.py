@@ -56,6 +56,10 @@ class IntPackedKV(PackedKV):
     token_group: int = 1
     channel_group: int = 1
 
+    @property
+    def token_stride(self) -> int:
+        return self.token_group
+
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         b, h, t, d = self.shape
         q = unpack_bits(self.codes, self.bits, d).float()  # [B, H, T, D]

@@ -144,7 +144,9 @@ class KVQuantPackedKV(PackedKV):
         channels, values = unpack_index_value(self.col_val)
         return rows, channels, values
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None, *, rotate_back: bool = True) -> Tensor:
+        """The values ``[B, H, T, D]``; ``rotate_back=False`` keeps a ``rotate`` quantizer's
+        stored basis (``x R``), so attention can rotate ``Σ a_t x̂_t`` once instead."""
         b, h, t, d = self.shape
         q = self.quantizer
         idx = unpack_bits(self.codes, q.bits, d)  # [B, H, T, D]
@@ -153,15 +155,40 @@ class KVQuantPackedKV(PackedKV):
             half = q.half_range.float()[None, :, None, :]
         else:
             center, half = self.center.float(), self.half_range.float()
-        out = q.decode(idx) * half + center  # [B, H, T, D] fp32
+        out = q.decode(idx) * half + center  # [B, H, T, D] fp32, contiguous
         if self.col_val.numel():
-            rows, channels, values = self._outliers()
-            flat = out.permute(2, 0, 1, 3).reshape(t * b, h * d)  # [T*B, H*D], a copy
-            flat[rows, channels] = values
-            out = flat.view(t, b, h, d).permute(1, 2, 0, 3)
-        if q.rotate:  # back from the rotated basis: x = (x R) Rᵀ
+            rows, channels, values = self._outliers()  # rows: token * B + batch row
+            token, batch = rows // b, rows % b
+            head, dim = channels // d, channels % d
+            flat = ((batch * h + head) * t + token) * d + dim  # [nnz] into [B, H, T, D]
+            out.view(-1)[flat] = values
+        if q.rotate and rotate_back:  # back from the rotated basis: x = (x R) Rᵀ
             out = out @ q.rotation.float().T
         return out.to(self.dtype if dtype is None else dtype)
+
+    @property
+    def rotation(self) -> Tensor | None:
+        return self.quantizer.rotation if self.quantizer.rotate else None
+
+    def slice_tokens(self, start: int, stop: int) -> KVQuantPackedKV:
+        """Tokens ``start:stop``: codes and statistics cut on axis 2, CSR rows (token-major)
+        cut and rebased."""
+        b, h, t, d = self.shape
+        if (start, stop) == (0, t):
+            return self
+        if not 0 <= start <= stop <= t:
+            raise LowbitError(f"cannot slice tokens {start}:{stop} of {t}")
+        row_ptr = self.row_ptr[start * b : stop * b + 1]
+        first, last = int(row_ptr[0]), int(row_ptr[-1])
+        return dataclasses.replace(
+            self,
+            shape=torch.Size((b, h, stop - start, d)),
+            codes=self.codes[:, :, start:stop],
+            center=None if self.center is None else self.center[:, :, start:stop],
+            half_range=None if self.half_range is None else self.half_range[:, :, start:stop],
+            row_ptr=row_ptr - first,
+            col_val=self.col_val[first:last],
+        )
 
     def select_batch(self, index: Tensor) -> KVQuantPackedKV:
         b, h, t, d = self.shape
@@ -492,8 +519,8 @@ class KVQuantQuantizer(KVQuantizer):
 
     def decode(self, idx: Tensor) -> Tensor:
         """fp32 normalized levels ``[B, H, T, D]`` of indices ``idx`` (inverse of encode)."""
-        if not self.channel_codebooks:
-            return nuq_dequantize(idx, self.codebook, 0.0, 1.0)
+        if not self.channel_codebooks:  # nuq_dequantize(idx, codebook, 0, 1), one gather
+            return self.codebook.float()[idx.long()]
         b, h, t, d = idx.shape
         rows = idx.permute(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*D]
         levels = nuq_dequantize(rows, self.codebook, 0.0, 1.0, codebook_axis=-1)

@@ -103,6 +103,47 @@ class PackedKV:
         shape = torch.Size((*self.shape[:2], tokens, self.shape[3]))
         return dataclasses.replace(self, shape=shape, **cut)
 
+    @property
+    def token_stride(self) -> int:
+        """Tokens that share statistics: a slice starts and ends on a multiple of this."""
+        return 1
+
+    @property
+    def rotation(self) -> Tensor | None:
+        """``R`` ``[D, D]`` when the stored basis is rotated (``dequantize() = stored @ Rᵀ``)
+        and ``dequantize(rotate_back=False)`` returns the stored basis; None otherwise."""
+        return None
+
+    def slice_tokens(self, start: int, stop: int) -> PackedKV:
+        """Tokens ``start:stop`` (multiples of ``token_stride``, or the end): each stored tensor
+        cut on axis 2 in proportion, no copy."""
+        n = self.num_tokens
+        if (start, stop) == (0, n):
+            return self
+        if not 0 <= start <= stop <= n:
+            raise LowbitError(f"cannot slice tokens {start}:{stop} of {n}")
+        cut = {
+            k: t[:, :, start * t.shape[2] // n : stop * t.shape[2] // n]
+            for k, t in self.stored_tensors().items()
+        }
+        shape = torch.Size((*self.shape[:2], stop - start, self.shape[3]))
+        return dataclasses.replace(self, shape=shape, **cut)
+
+    def dequantize_tokens(
+        self, start: int, stop: int, dtype: torch.dtype, *, rotate_back: bool = True
+    ) -> Tensor:
+        """Tokens ``start:stop`` dequantized, ``[B, H_kv, stop - start, D]``: only the token
+        groups that hold them are decoded (what chunked attention reads per chunk).
+        ``rotate_back=False`` leaves a rotated format in its stored basis (see ``rotation``)."""
+        g = self.token_stride
+        lo, hi = start // g * g, min(-(-stop // g) * g, self.num_tokens)
+        part = self.slice_tokens(lo, hi)
+        if self.rotation is not None:
+            out = part.dequantize(dtype, rotate_back=rotate_back)
+        else:
+            out = part.dequantize(dtype)
+        return out if (lo, hi) == (start, stop) else out[:, :, start - lo : stop - lo]
+
     @classmethod
     def concat(cls, parts: list[PackedKV]) -> PackedKV:
         """Parts of one stream, in token order, as one object (stored tensors joined on axis 2)."""

@@ -1,0 +1,155 @@
+"""Attention that reads a quantized KV cache a chunk at a time (flash-decoding on the CPU).
+
+:func:`chunked_attention` computes ``softmax(q kᵀ · scaling + mask) v`` over a
+:class:`~lowbit.kv.cache.QuantizedKVLayer` without ever building the layer's whole float K/V:
+for each chunk the layer yields (a page of packed tokens, the fp sink, the fp residual; at most
+``lowbit.kv.cache.PAGE_TOKENS`` slots) it dequantizes that chunk only, applies RoPE to pre-RoPE keys at their
+true positions, takes the scores, and merges them into a running max, sum and weighted value
+sum (Dao et al.'s online softmax). The work per step is one pass over the stored codes; the
+float memory is one chunk's.
+
+Decisions:
+
+* GQA without repeating heads: the query heads of one KV head are laid side by side,
+  ``[B, H_kv, G * S, D]``, so one matmul per chunk serves the group.
+* Scores and sums in float32 whatever the model's dtype (the dequantized chunk is produced in
+  float32 directly), so the result equals the dequantize-everything path within float32
+  rounding of a different summation order.
+* Values stored in a rotated basis (KVQuant's ``rotate=True``: dequantized ``x̂ Rᵀ``) are
+  accumulated in that basis, and ``Rᵀ`` is applied once to the sum (it is linear), not to
+  every cached token.
+* Masks: transformers' 4-D mask (bool, or additive float) sliced per chunk; with no mask and
+  more than one query the causal mask is built per chunk from slot indices (the queries are
+  the last ``S`` slots). A query row that may see nothing gets zeros.
+* RoPE of pre-RoPE keys uses a table of cos/sin by position (:class:`RopeTable`), equal bit
+  for bit to computing them per position (each entry is one product and a cos/sin), so a step
+  does no trigonometry over the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lowbit.kv.cache import QuantizedKVLayer
+
+__all__ = ["chunked_attention", "RopeTable"]
+
+
+class RopeTable:
+    """cos/sin ``[P, D]`` of positions ``0..P-1`` for one model, grown on demand (doubling)
+    up to ``limit`` positions; positions beyond it are computed directly.
+
+    Args:
+        rope_cos_sin: the adapter's ``positions [B, T], dtype -> (cos, sin) [B, T, D]``.
+        limit: the largest table kept (the model's ``max_position_embeddings``).
+    """
+
+    def __init__(
+        self, rope_cos_sin: Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]], limit: int
+    ) -> None:
+        self.rope_cos_sin = rope_cos_sin
+        self.limit = max(int(limit), 1)
+        self.tables: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin) ``[B, n, D]`` of ``positions`` ``[B, n]``."""
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if top > self.limit:
+            return self.rope_cos_sin(positions, dtype)
+        key = (dtype, positions.device)
+        cos, sin = self.tables.get(key, (None, None))
+        if cos is None or cos.shape[0] < top:
+            size = min(max(top, 2 * (0 if cos is None else cos.shape[0]), 1024), self.limit)
+            grid = torch.arange(size, device=positions.device)[None]  # [1, P]
+            cos, sin = (t[0] for t in self.rope_cos_sin(grid, dtype))  # [P, D]
+            self.tables[key] = (cos, sin)
+        return cos[positions], sin[positions]  # [B, n, D]
+
+
+def chunked_attention(
+    q: Tensor,
+    layer: QuantizedKVLayer,
+    *,
+    scaling: float,
+    mask: Tensor | None = None,
+    key_rope: Callable[[Tensor, Tensor], Tensor] | None = None,
+    max_tokens: int | None = None,
+) -> Tensor:
+    """Attention of queries over every token ``layer`` holds, the new ones included.
+
+    Args:
+        q: ``[B, H_q, S, D]`` queries, ready for ``q kᵀ`` (RoPE, Hadamard, query quantizer done).
+        layer: the layer's cache, after this step's keys and values were stored.
+        scaling: the softmax scale.
+        mask: transformers' 4-D mask ``[B or 1, 1, S, T]`` (bool: allowed; float: added), or
+            None (then causal when ``S > 1``).
+        key_rope: ``(keys [B, H_kv, n, D], positions [B, n]) -> rotated keys`` for a cache of
+            pre-RoPE keys; None when keys are cached after RoPE.
+        max_tokens: most slots decoded at once (None: a page, ``PAGE_TOKENS``).
+
+    Returns:
+        ``[B, S, H_q, D]`` in ``q``'s dtype (the layout ``o_proj`` reads after a reshape).
+    """
+    b, hq, s, d = q.shape
+    total = layer.length
+    positions = layer.positions() if key_rope is not None else None  # [B, T]
+    acc: dict[int, Tensor] = {}  # id of the value basis's rotation (0: none) -> [B, Hkv, GS, D]
+    rotations: dict[int, Tensor] = {}
+    m = l = qf = None
+    for start, stop, k, k_rot, v, v_rot in layer.chunks(torch.float32, max_tokens):
+        if qf is None:
+            hkv = k.shape[1]
+            qf = q.float().reshape(b, hkv, (hq // hkv) * s, d)  # [B, Hkv, G*S, D]
+            m = torch.full((b, hkv, qf.shape[2], 1), float("-inf"), device=q.device)  # max
+            l = torch.zeros(b, hkv, qf.shape[2], 1, device=q.device)  # running sum of exp
+        if k_rot is not None:  # keys in a rotated basis: x̂ Rᵀ
+            k = k @ k_rot.float().T
+        if key_rope is not None:
+            k = key_rope(k, positions[:, start:stop])
+        scores = torch.matmul(qf, k.transpose(2, 3)) * scaling  # [B, Hkv, G*S, n]
+        scores = _masked(scores, mask, start, stop, s, total)
+        top = scores.amax(-1, keepdim=True)  # [B, Hkv, G*S, 1]
+        m_new = torch.maximum(m, top)
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(scores - safe)  # [B, Hkv, G*S, n]
+        alpha = torch.exp(m - safe)  # 0 where nothing was seen yet
+        l = l * alpha + p.sum(-1, keepdim=True)
+        key = 0 if v_rot is None else id(v_rot)
+        if v_rot is not None:
+            rotations[key] = v_rot
+        for other in acc:
+            acc[other] = acc[other] * alpha
+        pv = torch.matmul(p, v)  # [B, Hkv, G*S, D]
+        acc[key] = acc[key] + pv if key in acc else pv
+        m = m_new
+    out = None
+    for key, part in acc.items():
+        part = part if key == 0 else part @ rotations[key].float().T
+        out = part if out is None else out + part
+    out = out / torch.where(l == 0, torch.ones_like(l), l)  # [B, Hkv, G*S, D]
+    return out.view(b, hq, s, d).transpose(1, 2).to(q.dtype)  # [B, S, H_q, D]
+
+
+def _masked(scores: Tensor, mask: Tensor | None, start: int, stop: int, s: int, total: int):
+    """``scores`` ``[B, Hkv, G*S, n]`` of slots ``start:stop`` with the mask applied."""
+    b, hkv, gs, n = scores.shape
+    if mask is None:
+        first_query = total - s  # slot of query 0; query i sees slots <= first_query + i
+        if s == 1 or stop - 1 <= first_query:
+            return scores
+        slots = torch.arange(start, stop, device=scores.device)  # [n]
+        queries = torch.arange(s, device=scores.device)
+        allowed = slots[None, :] <= first_query + queries[:, None]  # [S, n]
+        grouped = scores.view(b, hkv, gs // s, s, n)
+        return grouped.masked_fill(~allowed, float("-inf")).view(b, hkv, gs, n)
+    part = mask[..., start:stop]  # [B or 1, 1, S, n]
+    grouped = scores.view(b, hkv, gs // s, s, n)
+    part = part[:, :, None]  # [B or 1, 1, 1, S, n]
+    if part.dtype == torch.bool:
+        grouped = grouped.masked_fill(~part, float("-inf"))
+    else:
+        grouped = grouped + part.float()
+    return grouped.reshape(b, hkv, gs, n)
