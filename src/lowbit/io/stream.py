@@ -91,6 +91,7 @@ def memory_estimate(
     *,
     dtype: torch.dtype = torch.float32,
     tokens: tuple[int, int] = (0, 0),
+    gptq: bool = False,
 ) -> MemoryEstimate:
     """The bytes each path needs (see :class:`MemoryEstimate`).
 
@@ -99,6 +100,9 @@ def memory_estimate(
         adapter: the skeleton's adapter (block names and widths).
         dtype: the calibration dtype.
         tokens: ``(samples, seqlen)`` of the calibration.
+        gptq: the weights are solved by GPTQ, whose float64 factorisation of the widest
+            Hessian holds about seven [K, K] float64 copies at once
+            (:func:`lowbit.algorithms.gptq.inverse_hessian_factor`): 11.5 GB at K = 14336.
     """
     size = torch.empty(0, dtype=dtype).element_size()
     params = weights.numel()
@@ -109,7 +113,9 @@ def memory_estimate(
     activations = 2 * samples * seqlen * adapter.hidden_size * size  # inputs and outputs
     # one sample through a block: its MLP's intermediate tensors and the attention scores
     working = 4 * seqlen * (widths + adapter.num_heads * seqlen) * 4
-    hessians = 3 * widths * widths * 4  # the shared q/k/v and gate/up sums, down_proj's, GPTQ's
+    hessians = 3 * widths * widths * 4  # the shared q/k/v and gate/up sums, down_proj's
+    if gptq:
+        hessians += 7 * widths * widths * 8
     streamed = BASE_BYTES + 3 * block * size + embed * size + activations + working + hessians
     in_memory = int(IN_MEMORY_BYTES_PER_PARAM * params * size / 4)
     return MemoryEstimate(params, in_memory, int(streamed))
