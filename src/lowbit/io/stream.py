@@ -267,6 +267,7 @@ class StreamedModel(BlockHooks):
         self._tick("pack")
         self._write(tensors)
         block.to("meta")
+        _return_freed_memory()
 
     # -- writing ----------------------------------------------------------------------------------
     def _write(self, tensors: dict[str, Tensor]) -> None:
@@ -284,6 +285,18 @@ class StreamedModel(BlockHooks):
             self._tick("load")
             self._write({key: tensor})
             del tensor
+
+
+def _return_freed_memory() -> None:
+    """Give the memory freed with a block back to the system (glibc keeps freed chunks below
+    its mmap threshold, up to 32 MB each, in its heap: the resident set would creep up from
+    block to block). Elsewhere a no-op."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _bias_bits(module: nn.Module) -> int:
