@@ -294,8 +294,9 @@ def quantize_to_directory(
     if streamable:
         streamed = open_streamed(path, calib_dtype)  # headers only
         estimate = memory_estimate(
-            streamed.weights, streamed.adapter, dtype=calib_dtype, tokens=calibration_shape
-        )
+            streamed.weights, streamed.adapter, dtype=calib_dtype, tokens=calibration_shape,
+            gptq=_solves_by_gptq(recipe),
+        )  # fmt: skip
         available = available_memory()
         if stream is None:
             stream = estimate.in_memory > available
@@ -369,6 +370,14 @@ def _check_fits(recipe: Recipe, estimate, available: int, stream: bool) -> None:
             f"quantizing this model {how} needs about {needed / GB:.1f} GB of memory and this "
             f"machine has {available / GB:.1f} GB available{hint}"
         )
+
+
+def _solves_by_gptq(recipe: Recipe) -> bool:
+    parts = getattr(recipe, "parts", [recipe])
+    return any(
+        getattr(part, "gptq_weights", False) or getattr(part, "w_algo", None) == "gptq"
+        for part in parts
+    )
 
 
 def _tokenizer(path: Path):

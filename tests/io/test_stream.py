@@ -114,6 +114,17 @@ def test_a_sharded_source_reads_as_the_single_file(tmp_path):
     _assert_identical(*_both_paths(sharded, get_recipe("rtn", w_group=32)))
 
 
+def test_a_tied_tensor_stored_under_its_other_key_streams(tmp_path):
+    """lowbit's GGUF cache (the embedded model) holds the tied embedding as lm_head.weight."""
+    from safetensors.torch import load_file
+
+    directory = _save(tmp_path / "m", "llama")
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _assert_identical(*_both_paths(directory, get_recipe("gptq", w_group=32)))
+
+
 def test_damaged_sources_are_one_sentence(tmp_path):
     directory = _save(tmp_path / "m", "llama")
     weights = directory / "model.safetensors"

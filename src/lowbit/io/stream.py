@@ -91,6 +91,7 @@ def memory_estimate(
     *,
     dtype: torch.dtype = torch.float32,
     tokens: tuple[int, int] = (0, 0),
+    gptq: bool = False,
 ) -> MemoryEstimate:
     """The bytes each path needs (see :class:`MemoryEstimate`).
 
@@ -99,6 +100,9 @@ def memory_estimate(
         adapter: the skeleton's adapter (block names and widths).
         dtype: the calibration dtype.
         tokens: ``(samples, seqlen)`` of the calibration.
+        gptq: the weights are solved by GPTQ, whose float64 factorisation of the widest
+            Hessian holds about seven [K, K] float64 copies at once
+            (:func:`lowbit.algorithms.gptq.inverse_hessian_factor`): 11.5 GB at K = 14336.
     """
     size = torch.empty(0, dtype=dtype).element_size()
     params = weights.numel()
@@ -109,7 +113,9 @@ def memory_estimate(
     activations = 2 * samples * seqlen * adapter.hidden_size * size  # inputs and outputs
     # one sample through a block: its MLP's intermediate tensors and the attention scores
     working = 4 * seqlen * (widths + adapter.num_heads * seqlen) * 4
-    hessians = 3 * widths * widths * 4  # the shared q/k/v and gate/up sums, down_proj's, GPTQ's
+    hessians = 3 * widths * widths * 4  # the shared q/k/v and gate/up sums, down_proj's
+    if gptq:
+        hessians += 7 * widths * widths * 8
     streamed = BASE_BYTES + 3 * block * size + embed * size + activations + working + hessians
     in_memory = int(IN_MEMORY_BYTES_PER_PARAM * params * size / 4)
     return MemoryEstimate(params, in_memory, int(streamed))
@@ -163,31 +169,36 @@ class StreamedModel(BlockHooks):
         self.adapter = adapter_for(self.model)
         self.blocks = self.adapter.blocks_module
         prefixes = tuple(self.adapter.block_prefix(i) + "." for i in range(self.adapter.num_layers))
-        seen: set[int] = set()
-        self.outside: list[str] = []  # the keys outside the blocks, a tied tensor once
+        aliases: dict[int, list[str]] = {}  # tensor -> its keys (tied tensors have several)
         for key, tensor in self.model.state_dict(keep_vars=True).items():
-            if not key.startswith(prefixes) and id(tensor) not in seen:
-                self.outside.append(key)
-            seen.add(id(tensor))
+            aliases.setdefault(id(tensor), []).append(key)
+        self._aliases = {key: keys for keys in aliases.values() for key in keys}
+        # the keys outside the blocks, a tied tensor under its first key (as in memory)
+        self.outside = [keys[0] for keys in aliases.values() if not keys[0].startswith(prefixes)]
         self._check_files()
         self._clock = time.perf_counter()
 
+    def source_key(self, key: str) -> str:
+        """The key the files hold ``key``'s tensor under (a tied tensor: any of its keys)."""
+        for alias in self._aliases.get(key, [key]):
+            if alias in self.weights:
+                return alias
+        raise LowbitError(
+            f"the weights in {self.weights.directory} lack the tensor {key!r} of its config's model"
+        )
+
     def _check_files(self) -> None:
-        """The files must hold every tensor of the skeleton with its shape, and nothing else (a
-        tied lm_head may be there)."""
-        expected = {k: tuple(t.shape) for k, t in self.model.state_dict().items()}
+        """The files must hold every tensor of the skeleton (a tied one under any of its keys)
+        with its shape, and nothing else."""
         where = f"the weights in {self.weights.directory}"
-        for key, shape in expected.items():
-            if key not in self.weights:
-                if key in self.outside:
-                    raise LowbitError(f"{where} lack the tensor {key!r} of its config's model")
-                continue  # a tied copy
-            if self.weights.shape(key) != shape:
+        for key, tensor in self.model.state_dict().items():
+            stored = self.source_key(key)
+            if self.weights.shape(stored) != tuple(tensor.shape):
                 raise LowbitError(
-                    f"{where}: tensor {key!r} has shape {list(self.weights.shape(key))}, its "
-                    f"config's model {list(shape)}"
+                    f"{where}: tensor {stored!r} has shape {list(self.weights.shape(stored))}, "
+                    f"its config's model {list(tensor.shape)}"
                 )
-        extra = sorted(set(self.weights.keys()) - set(expected))
+        extra = sorted(set(self.weights.keys()) - set(self._aliases))
         if extra:
             raise LowbitError(
                 f"{where} hold {extra[0]!r}, which its config's model has no place for"
@@ -202,7 +213,7 @@ class StreamedModel(BlockHooks):
     def capture_begin(self, device: torch.device) -> None:
         self._tick("forward")
         embed = self.adapter.embed_tokens
-        key = _key_of(self.model, embed.weight)
+        key = self.source_key(_key_of(self.model, embed.weight))
         embed.weight = nn.Parameter(self.weights.get(key, dtype=self.dtype, device=device), False)
         rotary = self.adapter.decoder.rotary_emb
         with torch.device(device):
@@ -230,7 +241,8 @@ class StreamedModel(BlockHooks):
         block = self.blocks[index]
         prefix = self.adapter.block_prefix(index) + "."
         state = {
-            key: self.weights.get(prefix + key, dtype=self.dtype) for key in block.state_dict()
+            key: self.weights.get(self.source_key(prefix + key), dtype=self.dtype)
+            for key in block.state_dict()
         }  # each [out, in] / [width], float, CPU
         block.load_state_dict(state, assign=True, strict=True)
         for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
@@ -255,6 +267,7 @@ class StreamedModel(BlockHooks):
         self._tick("pack")
         self._write(tensors)
         block.to("meta")
+        _return_freed_memory()
 
     # -- writing ----------------------------------------------------------------------------------
     def _write(self, tensors: dict[str, Tensor]) -> None:
@@ -268,10 +281,22 @@ class StreamedModel(BlockHooks):
         """Write the tensors outside the blocks, one at a time, in the calibration dtype."""
         self._tick("forward")
         for key in self.outside:
-            tensor = self.weights.get(key, dtype=self.dtype)
+            tensor = self.weights.get(self.source_key(key), dtype=self.dtype)
             self._tick("load")
             self._write({key: tensor})
             del tensor
+
+
+def _return_freed_memory() -> None:
+    """Give the memory freed with a block back to the system (glibc keeps freed chunks below
+    its mmap threshold, up to 32 MB each, in its heap: the resident set would creep up from
+    block to block). Elsewhere a no-op."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _bias_bits(module: nn.Module) -> int:
