@@ -23,7 +23,7 @@ SRC = Path(lowbit.__file__).parent
 
 #: lowest first; a module may import its own layer and the layers below it
 LAYERS = [
-    {"errors", "version", "registry", "settings", "atomic", "files", "checksum"},
+    {"errors", "version", "registry", "settings", "atomic", "files", "checksum", "mapped"},
     {"formats"},
     {"kernels"},
     {"nn"},

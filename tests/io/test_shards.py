@@ -240,3 +240,27 @@ def test_cli_quantize_writes_shards_and_refuses_a_bad_size(tiny_model_dir, tmp_p
                  "--max-shard-size", "2 parsecs", "--out", str(tmp_path / "x")]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown unit 'parsecs'" in err
+
+
+def test_fp32_floats_run_in_bf16_are_cast_after_loading_exactly_and_held_once(checkpoints):
+    """The quantizer loads floats as stored (views of the mapping) and casts them after, a slab
+    at a time: the same values as a cast while loading, and the fp32 pages are not resident."""
+    from lowbit.io import hf
+    from lowbit.mapped import file_mappings
+
+    root, _ = checkpoints
+    exact = load(root / "many", dtype=torch.float32)
+    previous, hf._CAST_SLAB = hf._CAST_SLAB, 1000  # several slabs even for a tiny embedding
+    try:
+        fast = load(root / "many")
+    finally:
+        hf._CAST_SLAB = previous
+    embedding = fast.get_submodule("model.embed_tokens").weight
+    assert embedding.dtype == torch.bfloat16
+    assert torch.equal(embedding, exact.get_submodule("model.embed_tokens").weight.bfloat16())
+    mapped = file_mappings()
+    assert not any(m.start <= embedding.data_ptr() < m.end for m in mapped)  # a copy
+    packed = fast.get_submodule("model.layers.0.mlp.up_proj").qdata
+    assert any(m.start <= packed.data_ptr() < m.end for m in mapped)  # a view of the file
+    want, got = exact.state_dict(), fast.state_dict()
+    assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)

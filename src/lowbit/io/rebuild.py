@@ -185,9 +185,9 @@ def skeleton(config, qconfig: dict[str, Any]) -> nn.Module:
     config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    with torch.device("meta"):
+    with torch.device("meta"):  # lowbit's modules too: an 8B model's packed buffers are GBs
         model = AutoModelForCausalLM.from_config(config)
-    restructure(model, qconfig)
+        restructure(model, qconfig)
     return model
 
 

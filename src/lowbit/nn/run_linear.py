@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from lowbit.errors import LowbitError
 from lowbit.kernels.dispatch import WeightBackend, choose, get_backend
+from lowbit.mapped import release_pages
 from lowbit.nn.packed_linear import PackedLinearBase
 from lowbit.nn.quant_linear import replace_module
 
@@ -269,8 +270,19 @@ def decode_for_run(model: nn.Module, dtype: torch.dtype | None = None) -> int:
         if _runs_on_cpu(module) and decodes_on_the_cpu(module)
     ]
     for name, module in targets:
-        replace_module(model, name, DecodedLinear(module, dtype))
+        decoded = DecodedLinear(module, dtype)
+        replace_module(model, name, decoded)
+        _release_packed([module], kept=[decoded.weight, decoded.bias])
     return len(targets)
+
+
+def _release_packed(layers: list[PackedLinearBase], kept: list[Tensor | None]) -> None:
+    """Give back the resident pages of swapped packed layers' own buffers where they are views
+    of a memory-mapped checkpoint (:func:`lowbit.mapped.release_pages`): the mapping lives on
+    for the layers not swapped yet, so without this a loaded model held its packed bits and
+    their run form side by side until the last layer was swapped."""
+    buffers = [b for layer in layers for b in layer.buffers(recurse=False)]
+    release_pages(buffers, keep=[t for t in kept if t is not None])
 
 
 def _layout(layers: list[PackedLinearBase], dtype: torch.dtype) -> KernelLayout | None:
@@ -320,6 +332,7 @@ def kernel_form(
             continue
         for index, layer in enumerate(group):
             replace_module(model, names[id(layer)], KernelLinear(layer, layout, index))
+        _release_packed(group, kept=[*layout.tensors(), *(layer.bias for layer in group)])
         swapped += len(group)
         shared += len(group) > 1
     return swapped, shared
