@@ -22,7 +22,12 @@ from lowbit.errors import LowbitError
 __all__ = ["LlamaCppModel", "decode_speed", "evaluate_gguf", "gguf_size"]
 
 
-def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
+#: llama.cpp's KV cache types by name -> ggml type id (``type_k`` / ``type_v``); quantized
+#: value caches need flash attention, so every non-f16 cache runs with it
+KV_CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}
+
+
+def _llama(path: str | os.PathLike, n_ctx: int, threads: int, kv_cache: str = "f16"):
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -31,10 +36,18 @@ def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
         ) from None
     if not Path(path).is_file():
         raise LowbitError(f"{path} is not a file")
+    if kv_cache not in KV_CACHE_TYPES:
+        raise LowbitError(
+            f"llama.cpp's KV cache type must be one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}"
+        )
+    cache = {}
+    if kv_cache != "f16":
+        kind = KV_CACHE_TYPES[kv_cache]
+        cache = dict(type_k=kind, type_v=kind, flash_attn=True)
     try:
         return Llama(
             str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True,
-            verbose=False,
+            verbose=False, **cache,
         )  # fmt: skip
     except (ValueError, RuntimeError) as err:
         raise LowbitError(f"llama.cpp cannot load {path}: {err}") from None
@@ -43,9 +56,12 @@ def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
 class LlamaCppModel:
     """A GGUF file run by llama.cpp, as :func:`~lowbit.eval.evaluate.evaluate` reads a model."""
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int, threads: int = 2):
+    def __init__(
+        self, path: str | os.PathLike, n_ctx: int, threads: int = 2, kv_cache: str = "f16"
+    ):
         self.path = Path(path)
-        self.llm = _llama(path, n_ctx, threads)
+        self.kv_cache = kv_cache
+        self.llm = _llama(path, n_ctx, threads, kv_cache)
 
     def window_logits(self, window: torch.Tensor) -> torch.Tensor:
         """llama.cpp's logits of one window: [S] -> [S, V] fp32 on the CPU."""
@@ -95,6 +111,7 @@ def evaluate_gguf(
     threads: int = 2,
     progress: bool = True,
     float_reference: Any = None,
+    kv_cache: str = "f16",
 ) -> dict[str, Any]:
     """Perplexity, KL and top-1 of llama.cpp's logits on lowbit's windows.
 
@@ -121,14 +138,15 @@ def evaluate_gguf(
         float_reference = FloatReference(loaded.model)
         float_reference.tokenizer = loaded.tokenizer
     ids = eval_windows(tokenize(float_reference.tokenizer, corpus.text), seqlen, windows)  # [N, S]
-    engine = LlamaCppModel(path, n_ctx=seqlen, threads=threads)
+    engine = LlamaCppModel(path, n_ctx=seqlen, threads=threads, kv_cache=kv_cache)
     result = evaluate(
         engine, ids, reference=float_reference, progress=progress, desc=Path(path).name[:30]
     )
     file_bytes, bits = gguf_size(path)
     return {
         "model": str(path),
-        "label": f"{Path(path).name} (llama.cpp)",
+        "label": f"{Path(path).name} (llama.cpp, {kv_cache} KV cache)",
+        "kv_cache": kv_cache,
         "dataset": corpus.name,
         "seqlen": seqlen,
         "windows": result.windows,
