@@ -67,6 +67,8 @@ def test_single_recipe_json_is_one_object(capsys, tiny_model_dir, corpus, tmp_pa
         (["--recipe", "rtn", "--set", "colour=red"], "no listed recipe has a setting 'colour'"),
         (["--recipe", "rtn", "--set", "w_bits"], "--set takes KEY=VALUE"),
         (["--json", "/no/such/dir/out.json"], "does not exist"),
+        (["--kv-cache", "q4_0"], "--kv-cache is llama.cpp's cache type"),
+        (["--engine", "llama.cpp", "--model", "m.gguf", "--kv-cache", "q3"], "--kv-cache must be"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(capsys, tiny_model_dir, corpus, extra, message):

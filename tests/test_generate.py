@@ -141,3 +141,26 @@ def test_sampling_follows_the_seed(tiny):
         torch.manual_seed(7)
         runs.append(generate(tiny.model, tiny.tokenizer, "The", max_new_tokens=10, temperature=1.5))
     assert runs[0].new_tokens == runs[1].new_tokens
+
+
+def test_a_quantized_cache_is_prefilled_in_chunks_with_the_same_tokens(tiny_model_dir):
+    from lowbit import quantize
+    from lowbit.recipes.registry import get_recipe
+
+    loaded = load_model(str(tiny_model_dir))
+    quantize(loaded.model, get_recipe("kv-int", bits=8), progress=False)
+    prompt = "The module holds the functions that the rest of the package calls " * 3
+    one = generate(loaded.model, loaded.tokenizer, prompt, max_new_tokens=6, prefill_chunk=4096)
+    chunked = generate(loaded.model, loaded.tokenizer, prompt, max_new_tokens=6, prefill_chunk=7)
+    assert chunked.new_tokens == one.new_tokens
+    assert chunked.cache.get_seq_length() == one.cache.get_seq_length()
+    with pytest.raises(LowbitError, match="prefill_chunk must be a positive integer"):
+        generate(loaded.model, loaded.tokenizer, prompt, prefill_chunk=0)
+
+
+def test_a_cache_that_does_not_fit_is_refused_before_the_prefill(tiny, monkeypatch):
+    import lowbit.generate as gen
+
+    monkeypatch.setattr(gen, "_available_bytes", lambda device: 1000)
+    with pytest.raises(LowbitError, match=r"needs 0.00 GiB \([0-9,]+ bytes\), more than the"):
+        generate(tiny.model, tiny.tokenizer, "The module", max_new_tokens=5)

@@ -319,6 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
     eval_parser.add_argument(
         "--threads", type=int, default=2, help="--engine llama.cpp: llama.cpp's threads (2)"
     )
+    eval_parser.add_argument(
+        "--kv-cache",
+        default="f16",
+        metavar="TYPE",
+        help="--engine llama.cpp: llama.cpp's KV cache type for keys and values (f16, q8_0, "
+        "q4_0, q4_1, q5_0, q5_1; quantized caches run with flash attention), so llama.cpp's "
+        "caches get KL and perplexity on the windows lowbit's get (default: f16)",
+    )
 
     quantize_parser = commands.add_parser(
         "quantize",
@@ -677,6 +685,10 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
 
     if getattr(args, "engine", "transformers") == "llama.cpp":
         return [run_eval_llama_cpp(args)]
+    if getattr(args, "kv_cache", "f16") != "f16":
+        raise LowbitError(
+            "--kv-cache is llama.cpp's cache type; lowbit's caches come from --recipe"
+        )
 
     labelled = build_recipes(recipe_names, parse_settings(getattr(args, "set", [])))
     check_json_target(args)
@@ -720,12 +732,19 @@ def run_eval_llama_cpp(args) -> dict:
         )
     if args.threads < 1:
         raise LowbitError(f"--threads must be at least 1, not {args.threads}")
+    from lowbit.eval.llama_cpp import KV_CACHE_TYPES
+
+    if args.kv_cache not in KV_CACHE_TYPES:
+        raise LowbitError(
+            f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)}, not {args.kv_cache!r}"
+        )
     check_json_target(args)
     row = evaluate_gguf(
         args.model, reference=args.reference, dataset=args.dataset, seqlen=args.seqlen,
         windows=args.windows, threads=args.threads, progress=not args.no_progress,
+        kv_cache=args.kv_cache,
     )  # fmt: skip
-    # the table's other columns: no quantization time (KV bytes: llama.cpp's F16 cache)
+    # the table's other columns: no quantization time (KV bytes: llama.cpp's cache of that type)
     row.update(kv_context=args.kv_context, quantize_seconds=0.0)
     row["dtype"] = "llama.cpp, the file's own types"
     return row

@@ -157,6 +157,7 @@ def generate(
     streamer: Callable[[str], None] | None = None,
     static_cache: bool = False,
     compile: bool = False,
+    prefill_chunk: int = 1024,
 ) -> GenerationResult:
     """Generate a continuation of ``prompt`` with ``model``, streaming text as it comes.
 
@@ -178,6 +179,9 @@ def generate(
         compile: run the model's forward through ``torch.compile`` (implies ``static_cache``;
             CUDA graphs on a GPU, Inductor's C++ code on the CPU); the first steps include the
             compile time, so tokens/s of a short answer understates it.
+        prefill_chunk: a quantized cache is prefilled this many prompt tokens at a time, each
+            chunk written packed before the next, so the prefill's float memory is one chunk's
+            (not the float cache of the whole prompt).
 
     Returns:
         GenerationResult: text, new token ids, prefill and decode times, decode tokens/s,
@@ -193,6 +197,10 @@ def generate(
             f"the prompt ({ids.shape[1]} tokens) and max_new_tokens ({max_new_tokens}) exceed "
             f"the model's context of {context} tokens"
         )
+
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise LowbitError(f"prefill_chunk must be a positive integer, not {prefill_chunk!r}")
+    check_cache_fits(model, ids.shape[1] + max_new_tokens, device)
 
     config = copy.deepcopy(model.generation_config)
     config.max_new_tokens = max_new_tokens
@@ -228,6 +236,15 @@ def generate(
     start = time.perf_counter()
     try:
         with torch.no_grad():
+            if make_cache is not None and not static_cache:  # all but the last prompt token
+                for lo in range(0, ids.shape[1] - 1, prefill_chunk):
+                    hi = min(lo + prefill_chunk, ids.shape[1] - 1)
+                    model(
+                        ids[:, lo:hi],
+                        attention_mask=torch.ones_like(ids[:, :hi]),
+                        logits_to_keep=1,
+                        **{CACHE_KWARG: cache},
+                    )
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -257,6 +274,45 @@ def generate(
         cache=_returned_cache(out, cache),
         streamed="".join(timed.pieces),
     )
+
+
+def kv_cache_bytes(model: torch.nn.Module, tokens: int) -> int:
+    """Bytes the model's KV cache takes for ``tokens`` tokens (batch 1): the recipe's analytic
+    figure for a quantized cache, else keys and values in the model's dtype."""
+    config = model.config
+    layers = config.num_hidden_layers
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = getattr(model, "lowbit_kv", None)
+    if layout is not None:
+        return math.ceil(layout.bytes_per_token(kv_heads, head_dim, tokens) * tokens)
+    element = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * element * tokens
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_cache_fits(model: torch.nn.Module, tokens: int, device: torch.device) -> None:
+    """Raise LowbitError, before any prefill, if a cache of ``tokens`` tokens would not fit in
+    the memory ``device`` has available now."""
+    need, free = kv_cache_bytes(model, tokens), _available_bytes(device)
+    if free is not None and need > free:
+        raise LowbitError(
+            f"the KV cache of {tokens:,} tokens needs {need / 2**30:.2f} GiB ({need:,} bytes), "
+            f"more than the {free / 2**30:.2f} GiB available on {device.type}; use a shorter "
+            "prompt or fewer new tokens, or a recipe that quantizes the cache"
+        )
 
 
 def _returned_cache(out, given):

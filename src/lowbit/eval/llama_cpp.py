@@ -29,7 +29,17 @@ __all__ = [
 ]
 
 
-def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
+#: llama.cpp's KV cache types by name -> ggml type id (``type_k`` / ``type_v``); quantized
+#: value caches need flash attention, so every non-f16 cache runs with it
+KV_CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}
+#: bytes each cache type stores per element (ggml's block bytes over its 32 elements)
+KV_CACHE_ELEMENT_BYTES = {
+    "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32,
+    "q5_1": 24 / 32,
+}  # fmt: skip
+
+
+def _llama(path: str | os.PathLike, n_ctx: int, threads: int, kv_cache: str = "f16"):
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -40,10 +50,18 @@ def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
         raise LowbitError(f"{path} is not a file")
     with opened(path):  # unreadable: a sentence naming it, not llama.cpp's "failed to load"
         pass
+    if kv_cache not in KV_CACHE_TYPES:
+        raise LowbitError(
+            f"llama.cpp's KV cache type must be one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}"
+        )
+    cache = {}
+    if kv_cache != "f16":
+        kind = KV_CACHE_TYPES[kv_cache]
+        cache = dict(type_k=kind, type_v=kind, flash_attn=True)
     try:
         return Llama(
             str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True,
-            verbose=False,
+            verbose=False, **cache,
         )  # fmt: skip
     except (ValueError, RuntimeError) as err:
         raise LowbitError(f"llama.cpp cannot load {path}: {err}") from None
@@ -52,9 +70,12 @@ def _llama(path: str | os.PathLike, n_ctx: int, threads: int):
 class LlamaCppModel:
     """A GGUF file run by llama.cpp, as :func:`~lowbit.eval.evaluate.evaluate` reads a model."""
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int, threads: int = 2):
+    def __init__(
+        self, path: str | os.PathLike, n_ctx: int, threads: int = 2, kv_cache: str = "f16"
+    ):
         self.path = Path(path)
-        self.llm = _llama(path, n_ctx, threads)
+        self.kv_cache = kv_cache
+        self.llm = _llama(path, n_ctx, threads, kv_cache)
 
     def window_logits(self, window: torch.Tensor) -> torch.Tensor:
         """llama.cpp's logits of one window: [S] -> [S, V] fp32 on the CPU."""
@@ -102,9 +123,9 @@ def gguf_size(path: str | os.PathLike) -> tuple[int, float]:
     return Path(path).stat().st_size, bits / max(weights, 1)
 
 
-def gguf_kv_bytes_per_token(path: str | os.PathLike) -> float:
-    """Bytes per token of llama.cpp's default KV cache for the file's model: keys and values
-    in F16 for every layer's KV heads (what ``--engine llama.cpp`` runs with)."""
+def gguf_kv_bytes_per_token(path: str | os.PathLike, kv_cache: str = "f16") -> float:
+    """Bytes per token of llama.cpp's KV cache of type ``kv_cache`` (:data:`KV_CACHE_TYPES`;
+    F16 by default) for the file's model: keys and values for every layer's KV heads."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -124,7 +145,8 @@ def gguf_kv_bytes_per_token(path: str | os.PathLike) -> float:
         if width is None or not heads:
             raise LowbitError(f"{path} does not state its attention's shape (no {arch}.* fields)")
         key = value = int(width) // int(heads)
-    return float(int(layers) * int(kv_heads) * (int(key) + int(value)) * 2)  # 2 bytes: F16
+    elements = int(layers) * int(kv_heads) * (int(key) + int(value))
+    return float(elements * KV_CACHE_ELEMENT_BYTES[kv_cache])
 
 
 def decode_speed(path: str | os.PathLike, threads: int = 2, new_tokens: int = 64) -> float:
@@ -151,6 +173,7 @@ def evaluate_gguf(
     threads: int = 2,
     progress: bool = True,
     float_reference: Any = None,
+    kv_cache: str = "f16",
 ) -> dict[str, Any]:
     """Perplexity, KL and top-1 of llama.cpp's logits on lowbit's windows.
 
@@ -177,7 +200,7 @@ def evaluate_gguf(
         float_reference = FloatReference(loaded.model)
         float_reference.tokenizer = loaded.tokenizer
     ids = eval_windows(tokenize(float_reference.tokenizer, corpus.text), seqlen, windows)  # [N, S]
-    engine = LlamaCppModel(path, n_ctx=seqlen, threads=threads)
+    engine = LlamaCppModel(path, n_ctx=seqlen, threads=threads, kv_cache=kv_cache)
     vocab_size = int(float_reference.model.get_output_embeddings().weight.shape[0])
     engine.check_vocabulary(vocab_size, float_reference.tokenizer, ids[0, :256])
     result = evaluate(
@@ -186,7 +209,8 @@ def evaluate_gguf(
     file_bytes, bits = gguf_size(path)
     return {
         "model": str(path),
-        "label": f"{Path(path).name} (llama.cpp)",
+        "label": f"{Path(path).name} (llama.cpp, {kv_cache} KV cache)",
+        "kv_cache": kv_cache,
         "dataset": corpus.name,
         "seqlen": seqlen,
         "windows": result.windows,
@@ -196,6 +220,6 @@ def evaluate_gguf(
         "top1": result.top1,
         "bits_per_weight": bits,
         "model_bytes": file_bytes,
-        "kv_bytes_per_token": gguf_kv_bytes_per_token(path),
+        "kv_bytes_per_token": gguf_kv_bytes_per_token(path, kv_cache),
         "eval_seconds": result.seconds,
     }

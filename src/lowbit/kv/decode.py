@@ -33,9 +33,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lowbit.kv import cache as kv_cache
 from lowbit.kv.cache import QuantizedKVLayer
 
 __all__ = ["chunked_attention", "RopeTable"]
+
+#: most score elements of one chunk (4 M fp32: 16 MB) when many queries come at once
+SCORE_ELEMENTS = 1 << 22
 
 
 class RopeTable:
@@ -88,13 +92,16 @@ def chunked_attention(
             None (then causal when ``S > 1``).
         key_rope: ``(keys [B, H_kv, n, D], positions [B, n]) -> rotated keys`` for a cache of
             pre-RoPE keys; None when keys are cached after RoPE.
-        max_tokens: most slots decoded at once (None: a page, ``PAGE_TOKENS``).
+        max_tokens: most slots decoded at once (None: a page, ``PAGE_TOKENS``, or fewer so
+            that a chunk's scores hold at most ``SCORE_ELEMENTS``: a long prompt's prefill).
 
     Returns:
         ``[B, S, H_q, D]`` in ``q``'s dtype (the layout ``o_proj`` reads after a reshape).
     """
     b, hq, s, d = q.shape
     total = layer.length
+    if max_tokens is None:  # a page, fewer when many queries (prefill) would make big scores
+        max_tokens = min(kv_cache.PAGE_TOKENS, max(64, SCORE_ELEMENTS // (b * hq * s)))
     positions = layer.positions() if key_rope is not None else None  # [B, T]
     acc: dict[int, Tensor] = {}  # id of the value basis's rotation (0: none) -> [B, Hkv, GS, D]
     rotations: dict[int, Tensor] = {}

@@ -520,7 +520,8 @@ class KVQuantQuantizer(KVQuantizer):
     def decode(self, idx: Tensor) -> Tensor:
         """fp32 normalized levels ``[B, H, T, D]`` of indices ``idx`` (inverse of encode)."""
         if not self.channel_codebooks:  # nuq_dequantize(idx, codebook, 0, 1), one gather
-            return self.codebook.float()[idx.long()]
+            flat = torch.index_select(self.codebook.float(), 0, idx.reshape(-1).long())
+            return flat.view(idx.shape)
         b, h, t, d = idx.shape
         rows = idx.permute(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*D]
         levels = nuq_dequantize(rows, self.codebook, 0.0, 1.0, codebook_axis=-1)
