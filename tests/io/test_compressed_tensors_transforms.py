@@ -112,12 +112,13 @@ def test_rotated_exports_of_every_family_give_lowbits_logits_in_another_process(
         difference = (got[str(directory)] - model(IDS).logits).abs().max().item()
         if "a8" in case:
             # compressed-tensors' int8 activation scale is max|x| / 127.5, lowbit's max|x| / 127
-            # (see test_compressed_tensors): measured max abs difference 0.003-0.013 (|logits|
-            # up to 1.8)
+            # (see test_compressed_tensors): measured max abs difference 0.0070 (qwen3) and
+            # 0.0103 (qwen2), |logits| up to 1.25
             assert difference < 0.05, (family, case, difference)
         else:
             # the same weights; the online transform is a dense fp32 product there and lowbit's
-            # fp32 butterfly here: measured max abs difference 3e-7 to 6e-7
+            # fp32 butterfly here: measured max abs difference 3.6e-7 (llama) and 6.0e-7
+            # (mistral), |logits| up to 1.7
             assert difference < 1e-5, (family, case, difference)
 
 
@@ -169,7 +170,8 @@ def test_lowbits_loader_applies_the_transforms_and_refuses_a_missing_matrix(expo
     _, model, directory = exports["mistral"]  # rotate+gptq-w4
     shutil.copytree(directory, tmp_path / "ct")
     loaded = _pretrained(tmp_path / "ct", torch.float32, False)
-    assert (loaded(IDS).logits - model(IDS).logits).abs().max() < 1e-5  # measured 4e-7
+    # measured 6.0e-7 (the cross-process test's mistral row)
+    assert (loaded(IDS).logits - model(IDS).logits).abs().max() < 1e-5
     path = tmp_path / "ct" / "model.safetensors"
     tensors = load_file(path)
     del tensors["model.layers.1.self_attn.o_proj.online_o_proj_input.weight"]
@@ -249,7 +251,7 @@ def test_block_hadamards_export_as_sylvester_blocks_that_compressed_tensors_buil
     assert tensors["model.layers.0.mlp.down_proj.online_hadamard_16_input.weight"].shape == (16, 16)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32).eval()
     apply_transform_config(loaded, TransformConfig.model_validate(config))
-    # measured max abs difference 3.6e-7 (|logits| up to 1.6)
+    # measured max abs difference 2.4e-7 (|logits| up to 1.25)
     assert (loaded(IDS).logits - model(IDS).logits).abs().max() < 1e-5
 
 
@@ -283,3 +285,34 @@ def test_cli_exports_a_rotated_model_and_evaluates_the_export_against_the_float_
     # within 1e-5, test above), so its KL and perplexity are lowbit's to 1e-3 relative
     assert row["kl"] == pytest.approx(mine["kl"], rel=1e-3)
     assert row["ppl"] == pytest.approx(mine["ppl"], rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(a_bits=16, kv_bits=16, w_group=64),  # W4A16
+        dict(w_bits=8, a_bits=8, kv_bits=16),  # W8A8, int8 per-token activations
+    ],
+    ids=["w4a16-g64", "w8a8"],
+)
+def test_the_embedded_models_rotated_export_is_lowbits_model(embedded, settings, tmp_path):
+    """SmolLM2 (576 = 36·16, 1536 = 12·128: dense random-hadamard matrices) under QuaRot, RTN
+    weights: the export, loaded with its transforms, against lowbit's model on pydoc text."""
+    import copy
+
+    from lowbit.data import load_corpus, tokenize
+    from lowbit.models.loader import load_model
+
+    model = copy.deepcopy(embedded.model)
+    quantize(model, get_recipe("quarot", w_algo="rtn", **settings), progress=False)
+    export_compressed_tensors(model, tmp_path / "ct", tokenizer=embedded.tokenizer)
+    exported = load_model(tmp_path / "ct").model
+    ids = tokenize(embedded.tokenizer, load_corpus("pydoc").text)[None, :256]  # [1, 256]
+    mine = model(ids).logits.log_softmax(-1)
+    theirs = exported(ids).logits.log_softmax(-1)
+    kl = (mine.exp() * (mine - theirs)).sum(-1).mean().item()
+    # issue 51's target: KL <= 1e-3 (W4A16: the same weights, fp32 rounding of the transforms;
+    # W8A8: also compressed-tensors' activation scale max/127.5 against lowbit's max/127)
+    print(f"KL {kl:.3g}, max |Δ log p| {(mine - theirs).abs().max().item():.3g}")
+    assert kl <= 1e-3, kl
