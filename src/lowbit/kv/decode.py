@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lowbit.kv import cache as kv_cache
+import lowbit.kv.cache as kv_cache
 from lowbit.kv.cache import QuantizedKVLayer
 
 __all__ = ["chunked_attention", "RopeTable"]
