@@ -209,7 +209,8 @@ def evaluate_gguf(
     file_bytes, bits = gguf_size(path)
     return {
         "model": str(path),
-        "label": f"{Path(path).name} (llama.cpp, {kv_cache} KV cache)",
+        # the cache type named where it is not llama.cpp's default (f16)
+        "label": f"{Path(path).name} (llama.cpp{'' if kv_cache == 'f16' else ', KV ' + kv_cache})",
         "kv_cache": kv_cache,
         "dataset": corpus.name,
         "seqlen": seqlen,
