@@ -290,24 +290,19 @@ def kv_cache_bytes(model: torch.nn.Module, tokens: int) -> int:
     return 2 * layers * kv_heads * head_dim * element * tokens
 
 
-def _available_bytes(device: torch.device) -> int | None:
+def _available_bytes(device: torch.device) -> int:
+    from lowbit.io.stream import available_memory
+
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return available_memory()
 
 
 def check_cache_fits(model: torch.nn.Module, tokens: int, device: torch.device) -> None:
     """Raise LowbitError, before any prefill, if a cache of ``tokens`` tokens would not fit in
     the memory ``device`` has available now."""
     need, free = kv_cache_bytes(model, tokens), _available_bytes(device)
-    if free is not None and need > free:
+    if need > free:
         raise LowbitError(
             f"the KV cache of {tokens:,} tokens needs {need / 2**30:.2f} GiB ({need:,} bytes), "
             f"more than the {free / 2**30:.2f} GiB available on {device.type}; use a shorter "
