@@ -161,6 +161,7 @@ class KVQuantPackedKV(PackedKV):
             token, batch = rows // b, rows % b
             head, dim = channels // d, channels % d
             flat = ((batch * h + head) * t + token) * d + dim  # [nnz] into [B, H, T, D]
+            out = out.contiguous()  # a chunk of the pages may be a strided view
             out.view(-1)[flat] = values
         if q.rotate and rotate_back:  # back from the rotated basis: x = (x R) Rᵀ
             out = out @ q.rotation.float().T
