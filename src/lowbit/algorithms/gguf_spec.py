@@ -91,7 +91,7 @@ class GGUFWeightSpec:
         prepared = prepare_hessian(hessian, settings.damp, settings.act_order)
         perm = prepared.perm
         wt = prepared.visiting(weight).T.contiguous()  # [in, out], visiting order
-        upper = prepared.upper.float()  # [in, in]
+        upper = prepared.take_upper()  # [in, in]
         fits: list[GGUFGrid | None] = [None] * (n // block)  # each block's grid, [out, 1(, k)]
         # the grid each sub-block rounds onto: [in / sub, out] scale and minimum
         scale_t = torch.zeros(n // sub, out, device=weight.device)

@@ -130,7 +130,7 @@ class PreparedHessian:
         damp: the relative dampening used (``damp · 10**retries``).
     """
 
-    upper: Tensor
+    upper: Tensor | None
     perm: Tensor | None
     dead: Tensor
     damp: float
@@ -141,6 +141,12 @@ class PreparedHessian:
         w = weight.detach().float().clone()  # [out, K]
         w[:, self.dead] = 0.0
         return w if self.perm is None else w[:, self.perm]
+
+    def take_upper(self) -> Tensor:
+        """``upper`` in float32 for the column loop, [K, K]; the float64 factor is released
+        (1.6 GB at K = 14336), so ``upper`` and :meth:`inverse_diagonal` are gone after."""
+        upper, self.upper = self.upper.float(), None
+        return upper
 
     def inverse_diagonal(self) -> Tensor:
         """``diag((H + λI)⁻¹)`` float32 [K] in visiting order: ``(Uᵀ U)_jj = Σ_i U_ij²``."""
@@ -169,56 +175,111 @@ def prepare_hessian(
     Returns:
         :class:`PreparedHessian`.
     """
-    h = hessian.detach().double().clone()  # [K, K]
-    dead = h.diagonal() == 0  # [K]
-    h[dead, dead] = 1.0  # as GPTQ: a dead input's weights are zeroed, H stays invertible
+    diagonal = hessian.detach().diagonal().double()  # [K] (a copy)
+    dead = diagonal == 0  # [K]
+    diagonal[dead] = 1.0  # as GPTQ: a dead input's weights are zeroed, H stays invertible
     if order_of is not None:
-        perm = order_of(h.diagonal())
+        perm = order_of(diagonal)
     elif act_order:
-        perm = torch.argsort(h.diagonal(), descending=True, stable=True)
+        perm = torch.argsort(diagonal, descending=True, stable=True)
     else:
         perm = None
-    if perm is not None:
-        h = h[perm][:, perm]  # [K, K] in visiting order
-    upper, damp_used = inverse_hessian_factor(h, damp, max_damp_tries)
+    upper, damp_used = inverse_hessian_factor(
+        hessian.detach(), damp, max_damp_tries, order=perm, dead=dead
+    )
     return PreparedHessian(upper, perm, dead, damp_used)
 
 
+# rows gathered at a time into the factorisation's buffer: a [rows, K] float64 temporary
+_GATHER_ROWS = 256
+
+
 def inverse_hessian_factor(
-    hessian: Tensor, damp: float = 0.01, max_damp_tries: int = 6
+    hessian: Tensor,
+    damp: float = 0.01,
+    max_damp_tries: int = 6,
+    *,
+    order: Tensor | None = None,
+    dead: Tensor | None = None,
 ) -> tuple[Tensor, float]:
     """Upper Cholesky factor ``U`` of the dampened inverse Hessian: ``Uᵀ U = (H + λI)⁻¹``.
 
+    With P the order reversal and P H P = L Lᵀ: H⁻¹ = (P L⁻¹ P)ᵀ (P L⁻¹ P), and P L⁻¹ P is
+    upper triangular with a positive diagonal, so it is U: one factorisation and one triangular
+    solve (torch.cholesky_inverse is ~20x slower on CPU at n = 1536). Both run in place on
+    column-major float64 buffers, so at most two [n, n] float64 matrices are held besides the
+    input (3.3 GB at Llama-3-8B's n = 14336).
+
     Args:
-        hessian: [n, n] symmetric positive semi-definite, no zero diagonal entries.
+        hessian: [n, n] symmetric positive semi-definite, any float dtype (not modified).
         damp: initial ``λ / mean(diag H)``; multiplied by 10 after each failed factorisation.
             0 (an exact Hessian) is tried once.
         max_damp_tries: factorisations tried before giving up.
+        order: [n] the visiting order: ``U`` factors ``H[order][:, order]`` (None: as is).
+        dead: [n] bool, original order: diagonal entries to read as 1 (zero in ``hessian``).
 
     Returns:
-        ``(U [n, n] float64, damp used)``.
+        ``(U [n, n] float64 column-major, damp used)``.
     """
-    h = hessian.double()
-    mean_diag = h.diagonal().mean().item()
+    n = hessian.shape[0]
+    device = hessian.device
+    # the reversed visiting order: buffer row i is H's row reversed[i]
+    forward = order if order is not None else torch.arange(n, device=device)
+    reversed_order = forward.flip(0)
+    ones = None if dead is None else dead[reversed_order]  # [n] bool, buffer order
+    buffer = torch.empty(n, n, dtype=torch.float64, device=device).T  # [n, n] column-major
+
+    def fill() -> Tensor:
+        """``P H P`` (visiting order, reversed) into ``buffer``; returns its diagonal."""
+        for lo in range(0, n, _GATHER_ROWS):
+            rows = reversed_order[lo : lo + _GATHER_ROWS]
+            buffer[lo : lo + len(rows)] = hessian[rows][:, reversed_order]
+        diagonal = buffer.diagonal()
+        if ones is not None:
+            diagonal[ones] = 1.0
+        return diagonal.clone()  # [n] undamped
+
+    diagonal = fill()
+    mean_diag = diagonal.flip(0).mean().item()  # summed in visiting order
     if not mean_diag > 0:
         raise LowbitError("the Hessian has no positive diagonal entry; no calibration input?")
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    # With P the order reversal and P H P = L Lᵀ: H⁻¹ = (P L⁻¹ P)ᵀ (P L⁻¹ P), and P L⁻¹ P is
-    # upper triangular with a positive diagonal, so it is U. One factorisation and one
-    # triangular solve (torch.cholesky_inverse is ~20x slower on CPU at n = 1536).
-    flipped = h.flip(0, 1)
+    info = torch.empty((), dtype=torch.int32, device=device)
     relative = damp
-    for _ in range(max_damp_tries if damp > 0 else 1):
-        lower, info = torch.linalg.cholesky_ex(flipped + relative * mean_diag * eye)
+    for attempt in range(max_damp_tries if damp > 0 else 1):
+        if attempt:
+            fill()  # a failed factorisation overwrote the buffer
+        buffer.diagonal().copy_(diagonal + relative * mean_diag)
+        torch.linalg.cholesky_ex(buffer, out=(buffer, info))  # lower L, in place
         if info.item() == 0:
-            upper = torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
+            # L⁻¹ solved into the identity in place, then reversed: U = P L⁻¹ P
+            upper = torch.eye(n, dtype=torch.float64, device=device).T  # column-major
+            torch.linalg.solve_triangular(buffer, upper, upper=False, out=upper)
+            del buffer
+            _reverse_in_place(upper.T)
             if bool(torch.isfinite(upper).all()):
                 return upper, relative
+            buffer = torch.empty(n, n, dtype=torch.float64, device=device).T
         relative *= 10.0
     raise LowbitError(
         f"the Hessian is not positive definite even with dampening {relative / 10:g} x mean "
         "diagonal; the calibration data may be degenerate"
     )
+
+
+def _reverse_in_place(matrix: Tensor) -> None:
+    """``matrix.copy_(matrix.flip(0, 1))`` for a contiguous [n, n] matrix, a [rows, n]
+    temporary at a time instead of a whole copy."""
+    n = matrix.shape[0]
+    step = _GATHER_ROWS
+    top = 0
+    while n - top - step >= top + step:  # a block at the top, its mirror at the bottom
+        bottom = n - top - step
+        saved = matrix[top : top + step].clone()
+        matrix[top : top + step] = matrix[bottom : bottom + step].flip(0, 1)
+        matrix[bottom : bottom + step] = saved.flip(0, 1)
+        top += step
+    middle = matrix[top : n - top]  # rows whose mirrors lie among them
+    middle.copy_(middle.flip(0, 1).clone())
 
 
 def _stats(weight: Tensor, spec, group_size: int | None):
@@ -295,7 +356,7 @@ def _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_t
     prepared = prepare_hessian(hessian, damp, act_order, max_damp_tries=max_damp_tries)
     perm = prepared.perm
     w = prepared.visiting(weight)  # [out, in], visiting order
-    upper = prepared.upper.float()  # [in, in]
+    upper = prepared.take_upper()  # [in, in]
 
     # Work on Wᵀ [in, out]: a column of W is a contiguous row, so the per-column rank-1
     # updates touch contiguous memory. Statistics are transposed the same way: [G, out].

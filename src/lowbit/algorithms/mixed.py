@@ -318,7 +318,7 @@ def _gptq(w, hessian, stats, outliers, block_size, act_order, damp, dynamic, mse
         hessian, damp, order_of=lambda diag: _visiting_order(diag, k, act_order, dynamic)
     )
     order = prepared.perm  # [K]
-    upper = prepared.upper.float()  # [K, K]
+    upper = prepared.take_upper()  # [K, K]
     wt = w.T[order].contiguous()  # [K, N] in visiting order (dead columns already zero)
     out_t = outliers.T[order].contiguous()  # [K, N]
     col_group = (order // GROUP).tolist()

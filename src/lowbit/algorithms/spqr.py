@@ -248,7 +248,7 @@ def _spqr(weight, hessian, spec: SpQRSpec, block, act_order, damp, max_damp_trie
     prepared = prepare_hessian(hessian, damp, act_order, max_damp_tries=max_damp_tries)
     perm = prepared.perm
     w = prepared.visiting(weight)  # [out, in], visiting order
-    upper = prepared.upper.float()  # [in, in]
+    upper = prepared.take_upper()  # [in, in]
     diag = upper.diagonal().clone()  # [in] U_jj
 
     budget = round(spec.outlier_fraction * out_f * in_f)
