@@ -40,6 +40,7 @@ def quantize(
     resume_dir: str | Path | None = None,
     device: torch.device | str | None = None,
     on_transformed: Callable[[torch.nn.Module], None] | None = None,
+    group: Any = None,
 ) -> torch.nn.Module:
     """Quantize ``model`` in place with ``recipe`` and return it.
 
@@ -73,7 +74,7 @@ def quantize(
     """
     recipe, context = _prepare(
         model, recipe, calibration, filter_fn, overrides, progress, resume_dir, device,
-        on_transformed,
+        on_transformed, group,
     )  # fmt: skip
     with torch.no_grad():
         recipe.apply(model, context)
@@ -86,7 +87,16 @@ def quantize(
 
 
 def _prepare(
-    model, recipe, calibration, filter_fn, overrides, progress, resume_dir, device, on_transformed
+    model,
+    recipe,
+    calibration,
+    filter_fn,
+    overrides,
+    progress,
+    resume_dir,
+    device,
+    on_transformed,
+    group=None,
 ) -> tuple[Recipe, QuantizeContext]:
     """The checks every quantization makes before any work, and the recipe's context."""
     if isinstance(recipe, str):
@@ -104,6 +114,8 @@ def _prepare(
         raise LowbitError(f"recipe {recipe.method!r} needs calibration data (calibration=...)")
     if calibration is not None and (calibration.ndim != 2 or calibration.dtype != torch.long):
         raise LowbitError("calibration must be a [n_samples, seqlen] tensor of token ids")
+    if group is not None:
+        _check_distributes(recipe, calibration, resume_dir, group)
     if calibration is not None and calibration.numel():
         vocab = model.get_input_embeddings().num_embeddings
         low, high = int(calibration.min()), int(calibration.max())
@@ -121,12 +133,25 @@ def _prepare(
         resume_dir=resume_dir,
         device=device,
         on_transformed=on_transformed,
+        group=group,
     )
     for pattern, values in context.overrides.items():
         recipe.for_layer(**values)  # reject unknown settings before any work is done
         if not any(_matches(name, pattern) for name in adapter.linear_names()):
             raise LowbitError(f"override pattern {pattern!r} matches no layer of this model")
     return recipe, context
+
+
+def _check_distributes(recipe: Recipe, calibration, resume_dir, group) -> None:
+    """Refuse, before any work, what several processes cannot calibrate together."""
+    if not recipe.distributes:
+        raise LowbitError(
+            f"recipe {recipe.method!r} cannot share its calibration between processes (only "
+            "gptq can); run it in one process"
+        )
+    if resume_dir is not None:
+        raise LowbitError("a distributed run cannot resume from block checkpoints (--resume-dir)")
+    group.check_samples(0 if calibration is None else calibration.shape[0])
 
 
 def _compute_device(device: torch.device | str | None) -> torch.device | None:
@@ -231,6 +256,7 @@ def quantize_to_directory(
     trust_remote_code: bool = False,
     progress: bool = True,
     force: bool = False,
+    distributed: bool = False,
 ) -> QuantizeResult:
     """Quantize the model ``spec`` names with ``recipe`` and write it to ``out`` (what ``lowbit
     quantize`` and the benchmarks run), whole in memory or streamed block by block.
@@ -256,6 +282,10 @@ def quantize_to_directory(
             holds little; 5 GB in memory, transformers' default).
         trust_remote_code: passed to transformers.
         force: replace a regular file at ``out`` (:func:`lowbit.atomic.check_target`).
+        distributed: this is one of the processes ``torchrun`` started (gloo on the CPU, NCCL
+            when ``device`` is CUDA: each process takes ``cuda:LOCAL_RANK``); they share the
+            calibration (:mod:`lowbit.calibrate.distributed`) and only rank 0 writes ``out``,
+            equal bit for bit to what one process writes. Every rank returns the result.
 
     A run that cannot fit (the in-memory path of a recipe that cannot stream, or the streamed
     path itself) is refused before any work, with the bytes needed and available.
@@ -276,7 +306,17 @@ def quantize_to_directory(
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     target = Path(out).expanduser()
-    check_target(target, "save to", force=force)  # before the long work
+    group = None
+    if distributed:
+        from lowbit.calibrate.distributed import init_from_env
+
+        device = _compute_device(device)
+        group = init_from_env(device)
+        if device is not None and device.type == "cuda":
+            device = torch.device("cuda", group.local_rank)
+    main = group is None or group.is_main
+    if main:
+        check_target(target, "save to", force=force)  # before the long work
     path = None if spec is None else Path(spec).expanduser()
     streamable = (
         path is not None
@@ -307,12 +347,13 @@ def quantize_to_directory(
             calibration = calibration(loaded.tokenizer)
         model = quantize(
             loaded.model, recipe, calibration=calibration, filter_fn=filter_fn,
-            overrides=overrides, progress=progress, packed=True, resume_dir=resume_dir,
-            device=device,
+            overrides=overrides, progress=progress and main, packed=True, resume_dir=resume_dir,
+            device=device, group=group,
         )  # fmt: skip
         dtype = run_dtype(model, dtype)
-        save(model, target, tokenizer=loaded.tokenizer, dtype=dtype,
-             max_shard_size=max_shard_size or "5GB", force=force)  # fmt: skip
+        if main:
+            save(model, target, tokenizer=loaded.tokenizer, dtype=dtype,
+                 max_shard_size=max_shard_size or "5GB", force=force)  # fmt: skip
         seconds = time.perf_counter() - start
         return QuantizeResult(target, recipe, False, seconds, dtype, model=model, memory=estimate)
 
@@ -323,10 +364,17 @@ def quantize_to_directory(
         calibration = calibration(tokenizer)
     model = streamed.model
     recipe, context = _prepare(
-        model, recipe, calibration, filter_fn, overrides, progress, resume_dir, device, None
-    )
+        model, recipe, calibration, filter_fn, overrides, progress and main, resume_dir, device,
+        None, group,
+    )  # fmt: skip
     dtype = run_dtype(model, dtype)
     max_shard_bytes = parse_size(max_shard_size or "1GB")
+    if not main:  # the other ranks calibrate with rank 0 and write nothing
+        quantize_blocks(streamed, recipe, context, lambda tensors: None)
+        return QuantizeResult(
+            target, recipe, True, time.perf_counter() - start, dtype,
+            stages=dict(streamed.seconds), memory=estimate,
+        )  # fmt: skip
     with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
         quantize_blocks(streamed, recipe, context, writer.add)

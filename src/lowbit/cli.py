@@ -374,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the whole model would not fit this machine's available memory",
     )
     quantize_parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="share the calibration between the processes torchrun starts (torchrun "
+        "--nproc-per-node N -m lowbit quantize ... --distributed; gptq; gloo on the CPU, NCCL "
+        "with --device cuda); rank 0 writes --out, equal bit for bit to one process's",
+    )
+    quantize_parser.add_argument(
         "--calib-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -782,8 +789,16 @@ def run_quantize(args) -> None:
         stream=args.stream, calib_dtype=resolve_dtype(args.calib_dtype), device=device,
         dtype=resolve_dtype(args.dtype) or "auto", resume_dir=args.resume_dir,
         max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress, force=args.force,
+        progress=not args.no_progress, force=args.force, distributed=args.distributed,
     )  # fmt: skip
+    if args.distributed:
+        import os
+
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return  # rank 0 wrote and reports
     if result.model is not None:
         # as the saved model runs (what `eval --model OUT` states), not as it sits here in float32
         memory = memory_report(result.model, adapter_for(result.model), float_dtype=result.dtype)

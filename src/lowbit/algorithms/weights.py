@@ -176,6 +176,7 @@ def quantize_linears(
     resume_dir: str | Path | None = None,
     recipe: dict[str, Any] | None = None,
     hooks: BlockHooks | None = None,
+    group=None,
 ) -> WeightQuantReport:
     """Quantize the weights of the selected block linears in place, block by block.
 
@@ -202,6 +203,9 @@ def quantize_linears(
         hooks: where the blocks' weights come from and go (:class:`~lowbit.calibrate.capture.
             BlockHooks`; None: the model is in memory). ``finish(i)`` sees block ``i`` in its
             final form: every selected linear replaced, activation quantizers attached.
+        group: GPTQ only: a :class:`~lowbit.calibrate.distributed.Group` whose processes
+            share the samples, Hessians and solves (:mod:`lowbit.calibrate.distributed`); the
+            result equals one process's bit for bit. None: this process alone.
 
     Returns:
         :class:`WeightQuantReport`.
@@ -228,7 +232,7 @@ def quantize_linears(
     else:
         _quantize_gptq(
             model, adapter, names, specs, calibration, gptq or GPTQSettings(), report, progress,
-            device, offload_device, resume_dir, recipe, hooks,
+            device, offload_device, resume_dir, recipe, hooks, group,
         )  # fmt: skip
     report.seconds = time.perf_counter() - start
     return report
@@ -294,7 +298,7 @@ def _quantize_rtn(model: nn.Module, name: str, spec: WeightSpec | None) -> Layer
 
 def _quantize_gptq(
     model, adapter, names, specs, calibration, settings: GPTQSettings, report, progress, device,
-    offload_device, resume_dir, recipe, hooks: _DriverHooks,
+    offload_device, resume_dir, recipe, hooks: _DriverHooks, group=None,
 ) -> None:  # fmt: skip
     if calibration is None:
         raise LowbitError("GPTQ needs calibration data (calibration=[n_samples, seqlen] ids)")
@@ -336,31 +340,33 @@ def _quantize_gptq(
             )
             return
         finished: list[tuple[LayerChoice, Any]] = []
-        for name, module in block_linears(model, adapter, index).items():
-            if name not in selected:
-                continue
+        linears = {n: m for n, m in block_linears(model, adapter, index).items() if n in selected}
+        owners = {
+            name: getattr(collector.accumulators[name], "owner", 0)
+            for name in linears
+            if specs[name] is not None
+        }
+        solved = {}  # name -> (choice, packed container, dequantized weight)
+        for name in owners:
+            if group is None or owners[name] == group.rank:
+                solve = time.perf_counter()
+                solved[name] = _solve(
+                    linears[name], specs[name], collector.accumulators[name], settings, guard, name
+                )
+                report.solve_seconds += time.perf_counter() - solve
+        if group is not None:
+            solved = group.share(solved, owners)
+        for name, module in linears.items():
             spec = specs[name]
             if spec is None:
                 replace_module(model, name, _replacement(module, module.weight, None, "float"))
                 report.layers.append(LayerChoice(name, "float"))
                 finished.append((report.layers[-1], None))
                 continue
-            solve = time.perf_counter()
-            accumulator = collector.accumulators[name]
-            weight = module.weight.detach().float()
-            packed, dequantized, damp = spec.gptq(weight, accumulator.hessian("train"), settings)
-            choice = LayerChoice(name, "gptq", damp=damp)
-            rtn = spec.guard_candidate(weight) if guard else None
-            if rtn is not None:
-                rtn_weight = rtn.dequantize()
-                heldout_hessian = accumulator.hessian("heldout")
-                choice.gptq_error = _heldout_error(weight - dequantized, heldout_hessian)
-                choice.rtn_error = _heldout_error(weight - rtn_weight, heldout_hessian)
-                if choice.rtn_error <= choice.gptq_error:
-                    choice.algo, packed, dequantized = "rtn", rtn, rtn_weight
-            report.solve_seconds += time.perf_counter() - solve
+            choice, packed, dequantized = solved[name]
             fmt = f"{spec.describe()}, {choice.algo}"
             packed = packed.to(homes[index])
+            dequantized = dequantized.to(module.weight.device)
             replace_module(model, name, _replacement(module, dequantized, packed, fmt))
             report.layers.append(choice)
             finished.append((choice, packed))
@@ -384,7 +390,25 @@ def _quantize_gptq(
         progress=progress,
         skip=None if store is None else store.done,
         hooks=hooks,
+        group=group,
     )
+
+
+def _solve(module, spec, accumulator, settings: GPTQSettings, guard: bool, name: str):
+    """GPTQ on one linear (and the guard's comparison with RTN on the held-out Hessian):
+    ``(choice, packed container, dequantized fp32 weight [out, in])``."""
+    weight = module.weight.detach().float()  # [out, in]
+    packed, dequantized, damp = spec.gptq(weight, accumulator.hessian("train"), settings)
+    choice = LayerChoice(name, "gptq", damp=damp)
+    rtn = spec.guard_candidate(weight) if guard else None
+    if rtn is not None:
+        rtn_weight = rtn.dequantize()
+        heldout_hessian = accumulator.hessian("heldout")
+        choice.gptq_error = _heldout_error(weight - dequantized, heldout_hessian)
+        choice.rtn_error = _heldout_error(weight - rtn_weight, heldout_hessian)
+        if choice.rtn_error <= choice.gptq_error:
+            choice.algo, packed, dequantized = "rtn", rtn, rtn_weight
+    return choice, packed, dequantized
 
 
 def _resume_options(settings: GPTQSettings) -> dict[str, Any]:

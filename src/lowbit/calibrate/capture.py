@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from lowbit.calibrate.hessian import AllInputsSeen, HessianCollector
+from lowbit.calibrate.hessian import AllInputsSeen, HessianAccumulator, HessianCollector
 from lowbit.errors import LowbitError
 
 __all__ = [
@@ -238,6 +238,7 @@ def calibrate_layer_by_layer(
     progress: bool = True,
     skip: Callable[[int], bool] | None = None,
     hooks: BlockHooks | None = None,
+    group=None,
 ) -> BlockInputs | None:
     """Walk the blocks: collect Hessians, call ``process_block``, propagate.
 
@@ -267,6 +268,10 @@ def calibrate_layer_by_layer(
             without running any block.
         hooks: where block weights come from and go (:class:`BlockHooks`; default: in memory).
             Every block gets ``load`` and ``finish``, also those the walk does not run.
+        group: a :class:`~lowbit.calibrate.distributed.Group` sharing the samples and the
+            Hessians between processes (the collector's accumulators are then
+            :class:`~lowbit.calibrate.distributed.GatheredAccumulator`, each held by its owner
+            rank); None: one process. Not with ``skip`` or ``propagate_last``.
 
     Returns:
         the last block's outputs as :class:`BlockInputs` if ``propagate_last``, else None.
@@ -277,6 +282,11 @@ def calibrate_layer_by_layer(
             f"{heldout} held-out samples leave no calibration sample for the Hessians "
             f"(there are {n_samples})"
         )
+    if group is not None:
+        group.check_samples(n_samples)
+        if skip is not None or propagate_last:
+            raise LowbitError("distributed calibration cannot resume or return the last outputs")
+    own = range(n_samples) if group is None else group.own_samples(n_samples)
     blocks = adapter.blocks_module
     hooks = hooks or BlockHooks()
     linears_of = linears_of or (lambda i: block_linears(model, adapter, i))
@@ -308,22 +318,51 @@ def calibrate_layer_by_layer(
                     run_block(block, inputs, device=device, out=spare)
                 process_block(index, None)
             elif wanted[index]:
+                factory = HessianAccumulator if group is None else group.accumulator_factory()
                 with HessianCollector(
-                    wanted[index], device, stop_when_complete=sequential
-                ) as collector:
+                    wanted[index], device, stop_when_complete=sequential,
+                    accumulator_factory=factory,
+                ) as collector:  # fmt: skip
 
                     def route(i: int, collector=collector) -> None:
                         collector.new_sample()
                         collector.split = "heldout" if i >= first_heldout else "train"
 
                     float_out = None if sequential else spare
-                    run_block(block, inputs, device=device, before_sample=route, out=float_out)
+                    if group is None:
+                        run_block(block, inputs, device=device, before_sample=route, out=float_out)
+                    else:
+                        _hessian_steps(
+                            block, inputs, device, route, float_out, group, first_heldout
+                        )
                 process_block(index, collector)
             if index < stop and (sequential or not wanted[index]):
-                run_block(blocks[index], inputs, device=device, out=spare)
+                run_block(blocks[index], inputs, device=device, samples=own, out=spare)
             if index < stop:
                 inputs.hidden, spare = spare, inputs.hidden
         finally:
             blocks[index].to(home)
         hooks.finish(index)
     return inputs if propagate_last else None
+
+
+def _hessian_steps(block, inputs, device, route, out, group, first_heldout: int) -> None:
+    """The Hessian pass of a distributed walk: in step ``t`` rank ``r`` runs sample
+    ``t·W + r`` (a rank past the last sample runs its own last one, whose inputs are not added),
+    so every rank calls the collector's gathers the same number of times."""
+    n_samples = inputs.hidden.shape[0]
+    world = group.world_size
+    last_own = group.own_samples(n_samples)[-1]
+    for step in range(-(-n_samples // world)):
+        first = step * world
+        group.splits = [
+            None if i >= n_samples else "heldout" if i >= first_heldout else "train"
+            for i in range(first, first + world)
+        ]
+        i = first + group.rank
+        real = i < n_samples
+        sample = i if real else last_own
+        run_block(
+            block, inputs, device=device, samples=range(sample, sample + 1),
+            before_sample=route, out=out if real else None,
+        )  # fmt: skip

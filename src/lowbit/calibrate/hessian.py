@@ -74,6 +74,9 @@ class HessianCollector:
         device: where the sums live (default: each module's weight device).
         stop_when_complete: raise :class:`AllInputsSeen` once every linear has seen the
             current sample's input (for passes whose output is not needed).
+        accumulator_factory: ``factory(width, device)`` -> a new accumulator (default:
+            :class:`HessianAccumulator`; distributed calibration gathers inputs to an owner
+            rank, :mod:`lowbit.calibrate.distributed`).
     """
 
     def __init__(
@@ -82,10 +85,12 @@ class HessianCollector:
         device: torch.device | str | None = None,
         *,
         stop_when_complete: bool = False,
+        accumulator_factory=HessianAccumulator,
     ):
         self.linears = dict(linears)
         self.device = device
         self.stop_when_complete = stop_when_complete
+        self.accumulator_factory = accumulator_factory
         self.split = "train"
         self.accumulators: dict[str, HessianAccumulator] = {}
         self._seen: dict[tuple[int, int], tuple[Tensor, HessianAccumulator]] = {}
@@ -106,7 +111,9 @@ class HessianCollector:
             accumulator = self.accumulators.get(name)
             if accumulator is None:
                 device = self.device or self.linears[name].weight.device
-                accumulator = self.accumulators[name] = HessianAccumulator(x.shape[-1], device)
+                accumulator = self.accumulators[name] = self.accumulator_factory(
+                    x.shape[-1], torch.device(device)
+                )
             accumulator.add(x.detach(), self.split)
             self._seen[key] = (source, accumulator)  # holds ``source`` so its id is not reused
         self._recorded.add(name)

@@ -114,6 +114,9 @@ class Recipe:
     #: quantizer, :mod:`lowbit.io.stream`): a method that needs the whole model at once (a
     #: residual rotation, training through every block, a KV cache calibrated end to end) does not
     streams: ClassVar[bool] = False
+    #: whether ``apply`` can share its calibration between processes through
+    #: ``QuantizeContext.group`` (:mod:`lowbit.calibrate.distributed`)
+    distributes: ClassVar[bool] = False
 
     # -- validation and (de)serialisation -----------------------------------------------------
     def validate(self) -> None:
@@ -241,6 +244,8 @@ class QuantizeContext:
         blocks: the :class:`~lowbit.calibrate.capture.BlockHooks` of a streamed model (its
             blocks are read when their turn comes and written when done), handed to the weight
             driver by recipes that :attr:`~Recipe.streams`; None: the model is in memory.
+        group: the :class:`~lowbit.calibrate.distributed.Group` of processes sharing the
+            calibration, for recipes that :attr:`~Recipe.distributes`; None: one process.
     """
 
     adapter: Any
@@ -252,6 +257,7 @@ class QuantizeContext:
     device: torch.device | None = None
     on_transformed: Any = None
     blocks: Any = None
+    group: Any = None
 
     def transformed(self, model: torch.nn.Module) -> None:
         """Say that ``model``'s function-preserving transforms are done (see

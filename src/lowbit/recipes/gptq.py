@@ -40,6 +40,7 @@ class GPTQRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
     needs_calibration = True
     roles = frozenset({"weights", "activations"})
     streams = True
+    distributes = True
     paper = "GPTQ (Frantar et al., 2023)"
 
     gptq_weights = True
@@ -73,4 +74,5 @@ class GPTQRecipe(GPTQRecipeSettings, LinearQuantSettings, Recipe):
             resume_dir=context.resume_dir,
             recipe=context.resume_fingerprint(self),
             device=context.device,
+            group=context.group,
         )
