@@ -142,8 +142,9 @@ def _prepare(
     return recipe, context
 
 
-def _check_distributes(recipe: Recipe, calibration, resume_dir, group) -> None:
-    """Refuse, before any work, what several processes cannot calibrate together."""
+def _check_distributes(recipe: Recipe, calibration, resume_dir, group=None) -> None:
+    """Refuse, before any work, what several processes cannot calibrate together (the samples
+    are counted once they are known, with the group)."""
     if not recipe.distributes:
         raise LowbitError(
             f"recipe {recipe.method!r} cannot share its calibration between processes (only "
@@ -151,7 +152,8 @@ def _check_distributes(recipe: Recipe, calibration, resume_dir, group) -> None:
         )
     if resume_dir is not None:
         raise LowbitError("a distributed run cannot resume from block checkpoints (--resume-dir)")
-    group.check_samples(0 if calibration is None else calibration.shape[0])
+    if group is not None:
+        group.check_samples(0 if calibration is None else calibration.shape[0])
 
 
 def _compute_device(device: torch.device | str | None) -> torch.device | None:
@@ -310,6 +312,7 @@ def quantize_to_directory(
     if distributed:
         from lowbit.calibrate.distributed import init_from_env
 
+        _check_distributes(recipe, None, resume_dir)  # before joining the group
         device = _compute_device(device)
         group = init_from_env(device)
         if device is not None and device.type == "cuda":

@@ -105,3 +105,8 @@ def test_without_torchrun_environment_distributed_is_refused(tmp_path, monkeypat
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(LowbitError, match="needs torchrun's environment"):
         quantize_to_directory(None, "gptq", tmp_path / "out", distributed=True)
+
+
+def test_a_recipe_that_cannot_be_distributed_is_refused_before_joining_a_group(tmp_path):
+    with pytest.raises(LowbitError, match="cannot share its calibration between processes"):
+        quantize_to_directory(None, "rtn", tmp_path / "out", distributed=True)
