@@ -130,3 +130,22 @@ def test_what_cannot_stream_is_one_sentence(saved_tiny, tiny_model_dir, corpus, 
     with pytest.raises(LowbitError, match=r"^streamed evaluation .* quantized KV cache") as err:
         evaluate_recipes(kv, ["fp"], reference=tiny_model_dir, **common)
     assert "\n" not in str(err.value)
+
+
+def test_eval_streams_by_itself_when_both_models_would_not_fit(
+    saved_tiny, tiny_model_dir, corpus, monkeypatch
+):
+    from lowbit.eval.streamed import EvalMemoryEstimate, eval_memory_estimate
+    from lowbit.io import stream as io_stream
+
+    estimate = eval_memory_estimate(tiny_model_dir, saved_tiny, 1, 64)
+    assert 0 < estimate.streamed and 0 < estimate.in_memory
+    monkeypatch.setattr(eval_streamed, "eval_memory_estimate", lambda *a: EvalMemoryEstimate(10, 5))
+    common = dict(reference=tiny_model_dir, dataset=corpus, seqlen=64, windows=1, progress=False)
+    for available, streamed in ((10, False), (9, True)):
+        monkeypatch.setattr(io_stream, "available_memory", lambda a=available: a)
+        (row,) = evaluate_recipes(saved_tiny, ["fp"], **common)
+        assert row["streamed"] is streamed
+    monkeypatch.setattr(io_stream, "available_memory", lambda: 4)
+    with pytest.raises(LowbitError, match=r"^evaluating this model streamed needs about"):
+        evaluate_recipes(saved_tiny, ["fp"], **common)

@@ -64,45 +64,52 @@ class EvalMemoryEstimate:
     streamed: int
 
 
-def _largest_block(weights: FloatWeights, prefixes: list[str]) -> int:
-    """Bytes of the largest block as stored (``prefixes``: each block's key prefix)."""
-    best = 0
-    for prefix in prefixes:
-        total = 0
-        for key in weights.keys():
-            if key.startswith(prefix):
-                size = torch.empty(0, dtype=weights.dtype(key)).itemsize
-                total += math.prod(weights.shape(key)) * size
-        best = max(best, total)
-    return best
+def _run_bytes(weights: FloatWeights, key: str, run: torch.dtype) -> int:
+    """Bytes tensor ``key`` holds once loaded: a float tensor in ``run`` when that is
+    narrower (an fp32 embedding run in bf16 is cast as it loads), any other as stored."""
+    stored = weights.dtype(key)
+    size = torch.empty(0, dtype=stored).itemsize
+    if stored.is_floating_point:
+        size = min(size, torch.empty(0, dtype=run).itemsize)
+    return math.prod(weights.shape(key)) * size
 
 
 def eval_memory_estimate(
     reference: str | os.PathLike, checkpoint: str | os.PathLike, windows: int, seqlen: int
 ) -> EvalMemoryEstimate:
     """The bytes each path needs, from the two directories' headers (nothing else is read)."""
+    from lowbit.io.format import read_config
+
     streamed = open_streamed(reference, torch.float32)
     adapter = streamed.adapter
-    prefixes = [adapter.block_prefix(i) + "." for i in range(adapter.num_layers)]
+    prefixes = tuple(adapter.block_prefix(i) + "." for i in range(adapter.num_layers))
     float_block = max(streamed.weights.numel(p) for p in prefixes) * 4
     head = adapter.vocab_size * adapter.hidden_size * 4  # the float lm_head (or embedding)
     quantized = FloatWeights(checkpoint)
-    quantized_bytes = quantized.file_bytes()
-    quantized_block = _largest_block(quantized, prefixes)
-    quantized_outside = quantized_bytes - sum(_largest_block(quantized, [p]) for p in prefixes)
+    run = getattr(torch, str(read_config(Path(checkpoint)).get("dtype", "bfloat16")), None)
+    run = run if isinstance(run, torch.dtype) else torch.bfloat16
+    blocks = dict.fromkeys(prefixes, 0)
+    outside = 0
+    for key in quantized.keys():
+        size = _run_bytes(quantized, key, run)
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        if prefix is None:
+            outside += size
+        else:
+            blocks[prefix] += size
     hidden = 3 * windows * seqlen * adapter.hidden_size * 4  # inputs, outputs, the float result
     chunk = 6 * HEAD_CHUNK * adapter.vocab_size * 4  # logits and log-probs of both, the KL terms
     working = 4 * seqlen * (adapter.intermediate_size + adapter.num_heads * seqlen) * 4
     streamed_peak = (
-        BASE_BYTES + quantized_outside + quantized_block + hidden
-        + max(3 * float_block + working, head + chunk)
+        BASE_BYTES + outside + max(blocks.values()) + hidden
+        + max(2 * float_block + working, head + chunk)
     )  # fmt: skip
     tokens = windows * (seqlen - 1)
     cached = min(tokens * adapter.vocab_size * 4, 4 << 30)  # FloatReference's cache
     logits = 3 * seqlen * adapter.vocab_size * 4
     in_memory = (
-        BASE_BYTES + streamed.weights.numel() * 4 + int(1.2 * quantized_bytes) + cached + logits
-        + working
+        BASE_BYTES + streamed.weights.numel() * 4 + int(1.2 * (outside + sum(blocks.values())))
+        + cached + logits + working
     )  # fmt: skip
     return EvalMemoryEstimate(int(in_memory), int(streamed_peak))
 
