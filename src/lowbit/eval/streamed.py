@@ -244,8 +244,8 @@ def evaluate_streamed(
         The :class:`~lowbit.eval.evaluate.EvalResult` and the checkpoint's model as loaded
         (memory-mapped), for its memory report.
     """
-    from lowbit.eval.run import use_backend
     from lowbit.io.checkpoint import load
+    from lowbit.nn.packed_linear import set_backend
 
     if chunk < 1:
         raise LowbitError(f"the heads' chunk must be at least 1 token, not {chunk}")
@@ -263,7 +263,7 @@ def evaluate_streamed(
                 f"{streamed.model.config.vocab_size} tokens and {checkpoint} one of "
                 f"{model.config.vocab_size}: they are not the same model"
             )
-        use_backend(model, backend)
+        set_backend(model, backend)  # loaded packed: as lowbit.eval.run.use_backend does
         hidden = final_hidden_states(
             model, ids, _MappedBlocks(model), progress=progress, desc="quantized"
         )  # [N, S, hidden]
