@@ -313,8 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MODEL",
         help="the float model to compare --model with, evaluated as it is: a .gguf file "
-        "(--engine llama.cpp) or a compressed-tensors export, whose transforms lowbit applies "
-        "(default: the embedded model)",
+        "(--engine llama.cpp), a compressed-tensors export, whose transforms lowbit applies, or "
+        "a lowbit checkpoint (default: the embedded model)",
+    )
+    eval_parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --model a lowbit checkpoint and --reference its float model's directory of "
+        "safetensors: run both layer-major, one block in memory at a time, and the heads a "
+        "chunk of tokens at a time (the in-memory numbers to rounding); default: stream when "
+        "both models would not fit this machine's available memory",
     )
     eval_parser.add_argument(
         "--threads", type=int, default=2, help="--engine llama.cpp: llama.cpp's threads (2)"
@@ -719,6 +728,7 @@ def run_eval(args, recipe_names: list[str]) -> list[dict]:
         trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress,
         reference=getattr(args, "reference", None),
+        stream=getattr(args, "stream", None),  # demo has no --stream
     )
 
 
@@ -732,6 +742,8 @@ def run_eval_llama_cpp(args) -> dict:
         raise LowbitError("--engine llama.cpp needs --model FILE.gguf")
     if args.chunk is not None:
         raise LowbitError("--chunk feeds lowbit's KV caches; llama.cpp keeps its own")
+    if args.stream:
+        raise LowbitError("--stream runs lowbit's checkpoints layer-major; llama.cpp runs its own")
     if args.dtype != "auto" or args.backend != "auto":
         raise LowbitError(
             "--dtype and --backend choose how lowbit runs a model; llama.cpp runs the file as "

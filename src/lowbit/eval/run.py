@@ -12,6 +12,7 @@ import copy
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,6 +90,7 @@ def evaluate_recipes(
     trust_remote_code: bool = False,
     progress: bool = True,
     reference: str | os.PathLike | None = None,
+    stream: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Quantize the model with each recipe and evaluate it on the same windows.
 
@@ -121,6 +123,10 @@ def evaluate_recipes(
             compressed-tensors export is the file that ships (lowbit's loader applies its
             transforms), so its row is of that file. An export is compared with the embedded
             model when no reference is given.
+        stream: evaluate a lowbit checkpoint against a float reference directory layer-major,
+            neither model whole in memory (:mod:`lowbit.eval.streamed`): True streams, False
+            loads both, None streams when loading both would not fit this machine's available
+            memory. Only a checkpoint with a safetensors reference directory streams.
 
     Returns:
         One dict per recipe: ``model``, ``recipe`` (its ``to_dict()``), ``label``, ``dataset``,
@@ -155,6 +161,14 @@ def evaluate_recipes(
     if any(r.needs_calibration for _, r in labelled):
         calib_corpus = load_corpus(calib, part="calibration")
 
+    if stream is not False:
+        rows = _evaluate_streamed_if_chosen(
+            model, reference, labelled, stream, corpus=corpus, seqlen=seqlen, windows=windows,
+            chunk=chunk, kv_context=kv_context, backend=backend, device=device, dtype=dtype,
+            progress=progress,
+        )  # fmt: skip
+        if rows is not None:
+            return rows
     loaded = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     base, tokenizer = loaded.model.to(device), loaded.tokenizer  # loaded on the CPU
     adapter = adapter_for(base)
@@ -178,10 +192,9 @@ def evaluate_recipes(
     float_model = None
     if reference is not None or exported:
         what = "a compressed-tensors export" if exported else f"{loaded.name}"
-        if any(recipe.method != "fp" for _, recipe in labelled) or saved is not None:
+        if any(recipe.method != "fp" for _, recipe in labelled):
             raise LowbitError(
-                f"with a float reference, {what} is evaluated as it is; drop --recipe (and "
-                "give --reference only with a model that is not a lowbit checkpoint)"
+                f"with a float reference, {what} is evaluated as it is; drop --recipe"
             )
         float_loaded = load_model(reference, trust_remote_code=trust_remote_code)
         float_model = float_loaded.model.to(device)
@@ -265,7 +278,116 @@ def evaluate_recipes(
                 "train_seconds": 0.0 if training is None else training.seconds,
                 "eval_seconds": result.seconds,
                 "seconds": quantize_seconds + result.seconds,
+                "streamed": False,
             }
         )
         del candidate  # the quantized copy, before the next one is made
     return rows
+
+
+def _streams(model: str | os.PathLike | None, reference: str | os.PathLike | None) -> bool:
+    """Whether ``model`` is a lowbit checkpoint and ``reference`` a float directory of
+    safetensors: the pair streamed evaluation takes."""
+    from lowbit.files import is_dir
+    from lowbit.io.format import is_lowbit_checkpoint
+    from lowbit.models.float_weights import INDEX_FILE, SINGLE_FILE
+
+    if model is None or reference is None:
+        return False
+    path, ref = Path(model).expanduser(), Path(reference).expanduser()
+    return (
+        is_dir(path)
+        and is_lowbit_checkpoint(path)
+        and is_dir(ref)
+        and not is_lowbit_checkpoint(ref)
+        and any((ref / name).is_file() for name in (SINGLE_FILE, INDEX_FILE))
+    )
+
+
+def _evaluate_streamed_if_chosen(
+    model, reference, labelled, stream, *, corpus, seqlen, windows, chunk, kv_context, backend,
+    device, dtype, progress,
+) -> list[dict[str, Any]] | None:  # fmt: skip
+    """The row of a streamed evaluation (:mod:`lowbit.eval.streamed`) when ``stream`` is True,
+    or None and the estimate says both models fit in memory; None when the pair cannot stream
+    and ``stream`` is None (the in-memory path then runs, or refuses)."""
+    from transformers import AutoTokenizer
+
+    from lowbit.data import eval_windows, tokenize
+    from lowbit.eval.memory import KV_CONTEXTS, kv_bytes_per_token, memory_report
+    from lowbit.eval.streamed import check_streamable, eval_memory_estimate, evaluate_streamed
+    from lowbit.io.stream import available_memory
+    from lowbit.models.adapter import adapter_for
+
+    if not _streams(model, reference):
+        if stream:
+            raise LowbitError(
+                "--stream evaluates a lowbit checkpoint (--model DIR) against its float model's "
+                "directory of safetensors (--reference DIR)"
+            )
+        return None
+    if any(recipe.method != "fp" for _, recipe in labelled):
+        raise LowbitError(f"{model} is already quantized; evaluate it without --recipe")
+    if stream:  # refusals of an explicit --stream; an automatic choice falls back instead
+        check_streamable(model)
+        if chunk is not None:
+            raise LowbitError("--chunk feeds a KV cache; streamed evaluation runs whole windows")
+        if torch.device(device).type != "cpu":
+            raise LowbitError("streamed evaluation runs on the CPU; drop --device or --stream")
+    elif chunk is not None or torch.device(device).type != "cpu":
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(Path(model).expanduser())
+    except (OSError, ValueError) as err:
+        raise LowbitError(f"{model} holds a lowbit model but no usable tokenizer ({err})") from err
+    ids = eval_windows(tokenize(tokenizer, corpus.text), seqlen, windows)  # [N, S]
+    estimate = eval_memory_estimate(reference, model, ids.shape[0], seqlen)
+    available = available_memory()
+    if stream is None:
+        if estimate.in_memory <= available:
+            return None
+        try:
+            check_streamable(model)
+        except LowbitError:
+            return None  # a quantized KV cache: in memory, or its own refusal there
+    if estimate.streamed > available:
+        raise LowbitError(
+            f"evaluating this model streamed needs about {estimate.streamed / 1e9:.1f} GB of "
+            f"memory and this machine has {available / 1e9:.1f} GB available"
+        )
+    result, candidate = evaluate_streamed(
+        model, reference, ids, dtype=dtype, backend=backend, progress=progress
+    )
+    candidate_adapter = adapter_for(candidate)
+    memory = memory_report(candidate, candidate_adapter, kv_context=kv_context)
+    saved = candidate.lowbit_recipe
+    return [
+        {
+            "model": str(model),
+            "recipe": saved.to_dict(),
+            "label": f"{saved.method} (saved, streamed)",
+            "dataset": corpus.name,
+            "seqlen": seqlen,
+            "windows": result.windows,
+            "tokens": result.tokens,
+            "ppl": result.ppl,
+            "kl": result.kl,
+            "top1": result.top1,
+            "bits_per_weight": memory.bits_per_weight,
+            "model_bytes": memory.model_bytes,
+            "kv_bytes_per_token": memory.kv_bytes_per_token,
+            "kv_context": memory.kv_context,
+            "kv_bytes_by_context": {
+                str(c): kv_bytes_per_token(candidate, candidate_adapter, c) for c in KV_CONTEXTS
+            },
+            "calibration": None,
+            "chunk": None,
+            "backend": backend,
+            "dtype": str(candidate.dtype).removeprefix("torch."),
+            "quantize_seconds": 0.0,
+            "train_seconds": 0.0,
+            "eval_seconds": result.seconds,
+            "seconds": result.seconds,
+            "streamed": True,
+        }
+    ]

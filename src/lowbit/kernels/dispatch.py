@@ -44,6 +44,7 @@ __all__ = [
     "choose",
     "packed_matmul",
     "prepare_layer",
+    "forget_prepared",
     "register_layer",
     "AUTO_ORDER",
     "BACKENDS",
@@ -225,6 +226,14 @@ def prepare_layer(layer, dtype: torch.dtype) -> None:
     x2d = torch.empty(1, layer.in_features, device=device, dtype=dtype)  # [1, K], never read
     key = (layer.backend, x2d.device, x2d.dtype, 1, layer.storage_key())
     layer.__dict__["_plan"] = _plan(layer, x2d, key)
+
+
+def forget_prepared(layer) -> None:
+    """Drop ``layer``'s cached backend choice and prepared layout (a copy of its weights in the
+    kernel's layout), for a layer run once and not again soon: a layer-major pass over a model
+    larger than memory (:mod:`lowbit.eval.streamed`). The next call prepares them again."""
+    layer.__dict__.pop("_plan", None)
+    layer.__dict__.pop("_prepared", None)
 
 
 #: live packed linears by handle, for the compiled path's custom op
