@@ -138,7 +138,7 @@ def evaluate_recipes(
     from lowbit.api import load_model, quantize
     from lowbit.data import calibration_samples, eval_windows, load_corpus, tokenize
     from lowbit.eval.evaluate import FloatReference, evaluate
-    from lowbit.eval.memory import KV_CONTEXTS, kv_bytes_per_token, memory_report
+    from lowbit.eval.memory import memory_report
     from lowbit.models.adapter import adapter_for
     from lowbit.models.run import prepare_run
 
@@ -258,18 +258,7 @@ def evaluate_recipes(
                 "label": label,
                 "dataset": corpus.name,
                 "seqlen": seqlen,
-                "windows": result.windows,
-                "tokens": result.tokens,
-                "ppl": result.ppl,
-                "kl": result.kl,
-                "top1": result.top1,
-                "bits_per_weight": memory.bits_per_weight,
-                "model_bytes": memory.model_bytes,
-                "kv_bytes_per_token": memory.kv_bytes_per_token,
-                "kv_context": memory.kv_context,
-                "kv_bytes_by_context": {
-                    str(c): kv_bytes_per_token(candidate, candidate_adapter, c) for c in KV_CONTEXTS
-                },
+                **_measured(result, memory, candidate, candidate_adapter),
                 "calibration": used_calibration,
                 "chunk": chunk,
                 "backend": backend,
@@ -314,7 +303,7 @@ def _evaluate_streamed_if_chosen(
     from transformers import AutoTokenizer
 
     from lowbit.data import eval_windows, tokenize
-    from lowbit.eval.memory import KV_CONTEXTS, kv_bytes_per_token, memory_report
+    from lowbit.eval.memory import memory_report
     from lowbit.eval.streamed import check_streamable, eval_memory_estimate, evaluate_streamed
     from lowbit.io.stream import available_memory
     from lowbit.models.adapter import adapter_for
@@ -368,18 +357,7 @@ def _evaluate_streamed_if_chosen(
             "label": f"{saved.method} (saved, streamed)",
             "dataset": corpus.name,
             "seqlen": seqlen,
-            "windows": result.windows,
-            "tokens": result.tokens,
-            "ppl": result.ppl,
-            "kl": result.kl,
-            "top1": result.top1,
-            "bits_per_weight": memory.bits_per_weight,
-            "model_bytes": memory.model_bytes,
-            "kv_bytes_per_token": memory.kv_bytes_per_token,
-            "kv_context": memory.kv_context,
-            "kv_bytes_by_context": {
-                str(c): kv_bytes_per_token(candidate, candidate_adapter, c) for c in KV_CONTEXTS
-            },
+            **_measured(result, memory, candidate, candidate_adapter),
             "calibration": None,
             "chunk": None,
             "backend": backend,
@@ -391,3 +369,23 @@ def _evaluate_streamed_if_chosen(
             "streamed": True,
         }
     ]
+
+
+def _measured(result, memory, candidate, adapter) -> dict:
+    """A row's measured fields: the evaluation's numbers and the candidate's stored bytes."""
+    from lowbit.eval.memory import KV_CONTEXTS, kv_bytes_per_token
+
+    return {
+        "windows": result.windows,
+        "tokens": result.tokens,
+        "ppl": result.ppl,
+        "kl": result.kl,
+        "top1": result.top1,
+        "bits_per_weight": memory.bits_per_weight,
+        "model_bytes": memory.model_bytes,
+        "kv_bytes_per_token": memory.kv_bytes_per_token,
+        "kv_context": memory.kv_context,
+        "kv_bytes_by_context": {
+            str(c): kv_bytes_per_token(candidate, adapter, c) for c in KV_CONTEXTS
+        },
+    }
