@@ -226,6 +226,8 @@ class QuantizeResult:
             ``seconds``: load, forward, solve, pack, write).
         memory: the estimate the choice of path was made on (None for a model spec that is not
             a safetensors directory).
+        written: whether this process wrote ``directory`` (False on the ranks other than 0 of a
+            distributed run).
     """
 
     directory: Path
@@ -238,6 +240,7 @@ class QuantizeResult:
     bytes_written: int | None = None
     stages: dict[str, float] = field(default_factory=dict)
     memory: Any = None
+    written: bool = True
 
 
 def quantize_to_directory(
@@ -358,7 +361,9 @@ def quantize_to_directory(
             save(model, target, tokenizer=loaded.tokenizer, dtype=dtype,
                  max_shard_size=max_shard_size or "5GB", force=force)  # fmt: skip
         seconds = time.perf_counter() - start
-        return QuantizeResult(target, recipe, False, seconds, dtype, model=model, memory=estimate)
+        return QuantizeResult(
+            target, recipe, False, seconds, dtype, model=model, memory=estimate, written=main
+        )
 
     tokenizer = _tokenizer(path)
     if callable(calibration):
@@ -376,7 +381,7 @@ def quantize_to_directory(
         quantize_blocks(streamed, recipe, context, lambda tensors: None)
         return QuantizeResult(
             target, recipe, True, time.perf_counter() - start, dtype,
-            stages=dict(streamed.seconds), memory=estimate,
+            stages=dict(streamed.seconds), memory=estimate, written=False,
         )  # fmt: skip
     with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)

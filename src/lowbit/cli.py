@@ -804,13 +804,11 @@ def run_quantize(args) -> None:
         progress=not args.no_progress, force=args.force, distributed=args.distributed,
     )  # fmt: skip
     if args.distributed:
-        import os
-
         import torch.distributed as dist
 
         dist.destroy_process_group()
-        if int(os.environ.get("RANK", "0")) != 0:
-            return  # rank 0 wrote and reports
+    if not result.written:
+        return  # another rank wrote and reports
     if result.model is not None:
         # as the saved model runs (what `eval --model OUT` states), not as it sits here in float32
         memory = memory_report(result.model, adapter_for(result.model), float_dtype=result.dtype)
