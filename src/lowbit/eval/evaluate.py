@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from lowbit.models.compat import CACHE_KWARG
@@ -108,8 +109,7 @@ def evaluate(
         progress: show a progress bar.
     """
     start = time.perf_counter()
-    total_nll = total_kl = 0.0
-    agree = count = 0
+    totals = Totals()
     with torch.no_grad():
         for window in tqdm(windows, desc=desc, disable=not progress, leave=False):
             if reference is not None and reference.model is model and chunk is None:
@@ -118,19 +118,38 @@ def evaluate(
                 logits = window_logits(model, window, chunk)  # [S, V]
                 logprobs = F.log_softmax(logits[:-1], dim=-1)  # [S-1, V]
             targets = window[1:].to(logprobs.device)  # [S-1]
-            total_nll -= logprobs.gather(1, targets[:, None]).sum().item()
-            count += targets.numel()
+            ref = None
             if reference is not None:
                 ref = reference.logprobs(window).to(logprobs.device)  # [S-1, V]
-                total_kl += F.kl_div(logprobs, ref, log_target=True, reduction="sum").item()
-                agree += (logprobs.argmax(-1) == ref.argmax(-1)).sum().item()
-    nll = total_nll / count
-    return EvalResult(
-        ppl=math.exp(nll),
-        nll=nll,
-        kl=None if reference is None else total_kl / count,
-        top1=None if reference is None else agree / count,
-        windows=windows.shape[0],
-        tokens=windows.numel(),
-        seconds=time.perf_counter() - start,
-    )
+            totals.add(logprobs, targets, ref)
+    return totals.result(windows, start, with_reference=reference is not None)
+
+
+class Totals:
+    """Sums of negative log-likelihood, KL to a reference and top-1 agreements over the tokens
+    seen, chunk by chunk: what :func:`evaluate` and the streamed evaluation both report."""
+
+    def __init__(self) -> None:
+        self.nll = self.kl = 0.0
+        self.agree = self.count = 0
+
+    def add(self, logprobs: Tensor, targets: Tensor, ref: Tensor | None = None) -> None:
+        """``logprobs`` [C, V] of the model, ``targets`` [C], ``ref`` [C, V] or None."""
+        self.nll -= logprobs.gather(1, targets[:, None]).sum().item()
+        self.count += targets.numel()
+        if ref is not None:
+            self.kl += F.kl_div(logprobs, ref, log_target=True, reduction="sum").item()
+            self.agree += (logprobs.argmax(-1) == ref.argmax(-1)).sum().item()
+
+    def result(self, windows: Tensor, start: float, *, with_reference: bool) -> EvalResult:
+        """The :class:`EvalResult` of ``windows`` [N, S], timed from ``start``."""
+        nll = self.nll / self.count
+        return EvalResult(
+            ppl=math.exp(nll),
+            nll=nll,
+            kl=self.kl / self.count if with_reference else None,
+            top1=self.agree / self.count if with_reference else None,
+            windows=windows.shape[0],
+            tokens=windows.numel(),
+            seconds=time.perf_counter() - start,
+        )

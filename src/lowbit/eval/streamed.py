@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from lowbit.calibrate.capture import BlockHooks, capture_first_block_inputs, run_block
 from lowbit.errors import LowbitError
-from lowbit.eval.evaluate import EvalResult
+from lowbit.eval.evaluate import EvalResult, Totals
 from lowbit.io.stream import BASE_BYTES, StreamedModel, _return_freed_memory, open_streamed
 from lowbit.models.adapter import adapter_for
 from lowbit.models.float_weights import FloatWeights
@@ -270,26 +270,12 @@ def evaluate_streamed(
         float_adapter = streamed.adapter
         _load_module(streamed, float_adapter.final_norm)
         _load_module(streamed, float_adapter.lm_head)
-        total_nll = total_kl = 0.0
-        agree = count = 0
+        totals = Totals()
         for window in range(ids.shape[0]):
             for begin in range(0, ids.shape[1] - 1, chunk):
                 end = min(begin + chunk, ids.shape[1] - 1)
                 ref = _head_logprobs(streamed.model, reference_hidden[window, begin:end])
                 logprobs = _head_logprobs(model, hidden[window, begin:end])  # [C, V]
                 targets = ids[window, begin + 1 : end + 1]  # [C]
-                total_nll -= logprobs.gather(1, targets[:, None]).sum().item()
-                total_kl += F.kl_div(logprobs, ref, log_target=True, reduction="sum").item()
-                agree += (logprobs.argmax(-1) == ref.argmax(-1)).sum().item()
-                count += targets.numel()
-    nll = total_nll / count
-    result = EvalResult(
-        ppl=math.exp(nll),
-        nll=nll,
-        kl=total_kl / count,
-        top1=agree / count,
-        windows=ids.shape[0],
-        tokens=ids.numel(),
-        seconds=time.perf_counter() - start,
-    )
-    return result, model
+                totals.add(logprobs, targets, ref)
+    return totals.result(ids, start, with_reference=True), model
