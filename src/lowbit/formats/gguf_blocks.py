@@ -21,6 +21,7 @@ in one go and GPTQ fits a block's grid when it reaches the block, then rounds co
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +79,7 @@ class BlockType:
     def bits_per_weight(self) -> float:
         return self.bytes_per_block * 8 / self.block
 
-    @property
+    @functools.cached_property
     def uniform(self) -> bool:
         """The levels are consecutive integers (every type but IQ4_NL)."""
         return self.levels == tuple(range(self.levels[0], self.levels[0] + len(self.levels)))
@@ -132,20 +133,46 @@ def round_to_grid(x: Tensor, kind: BlockType, scale: Tensor, minimum: Tensor | N
     Returns:
         ``(codes [..., n] int64, values [..., n] fp32)``; ``values`` is what llama.cpp decodes.
     """
-    levels = kind.level_tensor(x.device)  # [L], increasing
+    levels, codes, values = _nearest_levels(x, kind, scale, minimum)
+    if codes is None:
+        codes = (levels - float(kind.levels[0])).long()
+    return codes, values
+
+
+def _nearest_levels(x: Tensor, kind: BlockType, scale: Tensor, minimum: Tensor | None):
+    """:func:`round_to_grid` as ``(levels [..., n] fp32, codes or None, values)``: uniform types
+    find the level arithmetically and give no codes (a fitting loop needs only the levels)."""
     shifted = x - minimum if kind.affine else x
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    ratio = shifted / safe  # [..., n]
+    ratio = shifted / safe  # [..., n], a new tensor: rounded in place below
+    codes = None
     if kind.uniform:  # consecutive integers: the nearest is arithmetic (ties down)
         low = float(kind.levels[0])
-        codes = torch.ceil(ratio - (low + 0.5)).clamp_(0, len(kind.levels) - 1).long()
+        levels = ratio.sub_(low + 0.5).ceil_().clamp_(0, len(kind.levels) - 1).add_(low)
     else:
-        mids = (levels[1:] + levels[:-1]) / 2  # [L - 1]
+        table = _level_tensor(kind, x.device)  # [L], increasing
+        mids = (table[1:] + table[:-1]) / 2  # [L - 1]
         codes = torch.bucketize(ratio.contiguous(), mids)  # [..., n] nearest level (ties down)
-    values = levels[codes] * scale
+        levels = table[codes]
+    values = levels * scale
     if kind.affine:
-        values = values + minimum
-    return codes, values
+        values.add_(minimum)
+    return levels, codes, values
+
+
+@functools.cache
+def _level_tensor(kind: BlockType, device: torch.device) -> Tensor:
+    """[L] fp32 levels in code order, made once per type and device (never written to)."""
+    return kind.level_tensor(device)
+
+
+def _squared_error(values: Tensor, blocks: Tensor, w: Tensor | None) -> Tensor:
+    """``sum(w * (values - blocks)²)`` over the last axis, keepdim; ``values`` is consumed
+    (overwritten); ``w`` None weighs every element 1."""
+    err = values.sub_(blocks).square_()
+    if w is not None:
+        err.mul_(w)
+    return err.sum(-1, keepdim=True)
 
 
 def _symmetric_candidates(blocks: Tensor, kind: BlockType, steps: int) -> Tensor:
@@ -207,61 +234,95 @@ def fit_block_scales(
     Returns:
         ``(scale [..., nb, 1], minimum [..., nb, 1] or None)``, fp32.
     """
-    w = torch.ones_like(blocks) if importance is None else importance
+    n = blocks.shape[-1]
+    flat = blocks.reshape(-1, n)  # [R, n]
+    w = None if importance is None else importance.reshape(-1, n)  # None: every weight 1
     if kind.affine:
-        scales, mins = _affine_candidates(blocks, kind, steps, nonpositive_min)  # [C, ..., nb, 1]
+        scales, mins = _affine_candidates(flat, kind, steps, nonpositive_min)  # [C, R, 1]
     else:
-        scales, mins = _symmetric_candidates(blocks, kind, steps), None
-    best: list = [None, None, None]  # error [..., nb, 1], scale, minimum
+        scales, mins = _symmetric_candidates(flat, kind, steps), None
     rounding = _fp16 if to_fp16 else (lambda x: x)
+    scales = rounding(scales)
+    mins = None if mins is None else rounding(mins)
+    best_scale = torch.empty_like(flat[:, :1])  # [R, 1]
+    best_min = None if mins is None else torch.empty_like(best_scale)
+    rows = max(1, _CANDIDATE_ELEMENTS // (scales.shape[0] * n))  # blocks per batch
+    for r in range(0, flat.shape[0], rows):
+        part = slice(r, r + rows)
+        s, m = _best_candidate(
+            flat[part],
+            None if w is None else w[part],
+            kind,
+            scales[:, part],
+            None if mins is None else mins[:, part],
+            rounding,
+            nonpositive_min,
+        )
+        best_scale[part] = s
+        if best_min is not None:
+            best_min[part] = m
+    shape = (*blocks.shape[:-1], 1)
+    return best_scale.view(shape), None if best_min is None else best_min.view(shape)
 
-    def consider(s: Tensor, m: Tensor | None) -> Tensor:
-        """Keep (s, m) where it rounds a block with less error; the codes it rounds to."""
-        codes, values = round_to_grid(blocks, kind, s, m)
-        err = (w * (values - blocks).square()).sum(-1, keepdim=True)  # [..., nb, 1]
-        if best[0] is None:
-            best[:] = err, s, m
-        else:
-            better = err < best[0]
-            best[0] = torch.where(better, err, best[0])
-            best[1] = torch.where(better, s, best[1])
-            if m is not None:
-                best[2] = torch.where(better, m, best[2])
-        return codes
 
-    for c in range(scales.shape[0]):
-        s = rounding(scales[c])
-        m = None if mins is None else rounding(mins[c])
-        codes = consider(s, m)
-        s2, m2 = _least_squares(blocks, w, kind, codes, s, m, rounding)  # refit for those codes
-        if m2 is not None and nonpositive_min:
-            m2 = m2.clamp_max(0.0)
-        consider(s2, m2)
-    return best[1], best[2]
+#: most elements of one candidate batch: ``C`` candidates x some blocks x ``n`` weights
+_CANDIDATE_ELEMENTS = 1 << 21
+
+
+def _best_candidate(blocks, w, kind: BlockType, scales, mins, rounding, nonpositive_min):
+    """The (scale, minimum) ``[r, 1]`` each block ``[r, n]`` rounds with least error, out of
+    candidates ``[C, r, 1]`` and their least-squares refits, all rounded at once. Ties go to
+    the earlier of the order ``candidate 0, its refit, candidate 1, ...``."""
+    levels, _, values = _nearest_levels(blocks, kind, scales, mins)  # [C, r, n]
+    first = _squared_error(values, blocks, w)  # [C, r, 1]
+    refit, refit_min = _BlockSums(blocks, w).least_squares(levels, kind, scales, mins, rounding)
+    if refit_min is not None and nonpositive_min:
+        refit_min = refit_min.clamp_max(0.0)
+    del levels, values
+    _, _, values = _nearest_levels(blocks, kind, refit, refit_min)
+    second = _squared_error(values, blocks, w)  # [C, r, 1]
+    errors = torch.stack((first, second), 1).flatten(0, 1)  # [2C, r, 1], in that order
+    pick = errors.nan_to_num(nan=float("inf")).argmin(0, keepdim=True)  # [1, r, 1], the first
+    scale = torch.stack((scales, refit), 1).flatten(0, 1).gather(0, pick)[0]  # [r, 1]
+    if mins is None:
+        return scale, None
+    return scale, torch.stack((mins, refit_min), 1).flatten(0, 1).gather(0, pick)[0]
 
 
 def _fp16(x: Tensor) -> Tensor:
     return x.clamp(-65504.0, 65504.0).to(torch.float16).float()
 
 
-def _least_squares(blocks, w, kind: BlockType, codes, s, m, rounding=_fp16):
-    """Scale (and minimum) minimising the weighted error for fixed codes, then ``rounding``."""
-    q = kind.level_tensor(blocks.device)[codes]  # [..., nb, n]
-    if not kind.affine:
-        num = (w * q * blocks).sum(-1, keepdim=True)
-        den = (w * q * q).sum(-1, keepdim=True)
-        return rounding(torch.where(den > 0, num / den.clamp_min(1e-30), s)), None
-    sw = w.sum(-1, keepdim=True)
-    sq = (w * q).sum(-1, keepdim=True)
-    sqq = (w * q * q).sum(-1, keepdim=True)
-    sx = (w * blocks).sum(-1, keepdim=True)
-    sqx = (w * q * blocks).sum(-1, keepdim=True)
-    det = sw * sqq - sq * sq
-    ok = det.abs() > 1e-20 * (sw * sqq).abs().clamp_min(1e-30)
-    safe = torch.where(ok, det, torch.ones_like(det))
-    d = torch.where(ok, (sw * sqx - sq * sx) / safe, s)
-    mn = torch.where(ok, (sqq * sx - sq * sqx) / safe, m)
-    return rounding(d), rounding(mn)
+class _BlockSums:
+    """The sums of a least-squares fit that do not depend on the levels (``sum w``,
+    ``sum w x``), taken once per set of blocks ``[..., nb, n]`` with weights ``w`` (or None)."""
+
+    def __init__(self, blocks: Tensor, w: Tensor | None) -> None:
+        self.blocks, self.w = blocks, w
+        n = blocks.shape[-1]
+        self.sw = (
+            blocks.new_full((*blocks.shape[:-1], 1), float(n))
+            if w is None
+            else w.sum(-1, keepdim=True)
+        )  # [..., nb, 1]
+        self.sx = (blocks if w is None else w * blocks).sum(-1, keepdim=True)
+
+    def least_squares(self, q: Tensor, kind: BlockType, s, m, rounding=_fp16):
+        """Scale (and minimum) minimising the weighted error for fixed levels ``q``
+        ``[..., nb, n]``, then ``rounding``."""
+        wq = q if self.w is None else self.w * q
+        sqq = (wq * q).sum(-1, keepdim=True)
+        sqx = (wq * self.blocks).sum(-1, keepdim=True)
+        if not kind.affine:
+            return rounding(torch.where(sqq > 0, sqx / sqq.clamp_min(1e-30), s)), None
+        sw, sx = self.sw, self.sx
+        sq = wq.sum(-1, keepdim=True)
+        det = sw * sqq - sq * sq
+        ok = det.abs() > 1e-20 * (sw * sqq).abs().clamp_min(1e-30)
+        safe = torch.where(ok, det, torch.ones_like(det))
+        d = torch.where(ok, (sw * sqx - sq * sx) / safe, s)
+        mn = torch.where(ok, (sqq * sx - sq * sqx) / safe, m)
+        return rounding(d), rounding(mn)
 
 
 @dataclass
@@ -350,7 +411,6 @@ def fit_grid(
 def _refine_sub_scales(subs: Tensor, kind: BlockType, grid: GGUFGrid, w) -> GGUFGrid:
     """Move each sub-block's integer scale (and minimum) by -1, 0 or +1, keeping the pair that
     rounds the sub-block with the least error."""
-    weight = torch.ones_like(subs) if w is None else w
     best_err, best = None, (grid.sub_scale, grid.sub_min)
     steps = (-1.0, 0.0, 1.0)
     for ds in steps:
@@ -359,10 +419,10 @@ def _refine_sub_scales(subs: Tensor, kind: BlockType, grid: GGUFGrid, w) -> GGUF
             mn = None if grid.sub_min is None else (grid.sub_min + dm).clamp(*kind.sub_mins)
             trial = GGUFGrid(grid.d, grid.dmin, sc, mn)
             m = trial.minimum()
-            _, values = round_to_grid(
+            _, _, values = _nearest_levels(
                 subs, kind, trial.scale().unsqueeze(-1), None if m is None else m.unsqueeze(-1)
             )
-            err = (weight * (values - subs).square()).sum(-1)  # [..., nb, k]
+            err = _squared_error(values, subs, w)[..., 0]  # [..., nb, k]
             if best_err is None:
                 best_err, best = err, (sc, mn)
                 continue
