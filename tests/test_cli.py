@@ -110,7 +110,11 @@ def test_model_file_that_is_not_gguf(capsys, tmp_path):
 
 
 def test_hub_id_offline_names_the_id(capsys, monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the package reads the variable once, when it is first imported (before this test)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     code, _, err = run(capsys, "info", "--model", "nobody-here/no-such-model")
     assert code == 2 and "'nobody-here/no-such-model'" in err

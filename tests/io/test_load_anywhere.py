@@ -48,10 +48,12 @@ COMPOSITIONS = [
     "rtn+kivi",
     "w4a16-g64+ksort-bfp",
 ]
-#: settings a composition above is built with (default: none); learn-rotate+rtn learns per-layer
-#: activation clips and fine-tunes the weights (learn_weights)
-SETTINGS = {"learn-rotate+rtn": dict(a_bits=4, learn_weights=True)}
 RECIPES = sorted(set(list_recipes()) - {"fp"}) + sorted(PRESETS) + COMPOSITIONS
+#: settings a recipe above is built with (default: none): learned rotations train for 10 steps
+#: (what is saved and loaded does not depend on how long they trained); learn-rotate+rtn learns
+#: per-layer activation clips and fine-tunes the weights (learn_weights)
+SETTINGS = {name: dict(steps=10) for name in RECIPES if name.startswith("learn-rotate")}
+SETTINGS["learn-rotate+rtn"].update(a_bits=4, learn_weights=True)
 WAYS = ("lowbit.load", "from_pretrained", "lowbit.load_model")
 
 CHILD = textwrap.dedent(
