@@ -36,8 +36,10 @@ gguf: $(GGUF_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
 
+# two workers, a file each at a time (module fixtures are built once); tests/conftest.py gives
+# each worker one torch thread
 test: $(GGUF_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

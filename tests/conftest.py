@@ -10,7 +10,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-torch.set_num_threads(2)
+# `make test` runs the suite in two pytest-xdist workers, one file at a time each: a worker's
+# torch (and the processes its tests start) then takes one thread, so that the two workers fill
+# the two cores without their OpenMP threads waiting on each other; alone, the suite takes two
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 # gguf is a dependency of lowbit, but a GPU machine's image may lack it: its modules are not
 # collected there instead of failing the collection
@@ -21,7 +28,13 @@ if importlib.util.find_spec("gguf") is None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests where there is no CUDA device (CI has none)."""
+    """The README's files first (each runs a block of README commands, 5-10 minutes), then the
+    other files with `slow` tests: under pytest-xdist the longest start while the short ones
+    fill the other worker. Skip `gpu` tests where there is no CUDA device (CI has none)."""
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(  # stable: the order within each group kept
+        key=lambda item: (not item.path.name.startswith("test_readme"), item.path not in slow_files)
+    )
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -112,7 +112,9 @@ def test_no_module_imports_itself_through_others():
     assert circles == []
 
 
-@pytest.mark.parametrize("registry", [MODULES, BACKENDS, KV_QUANTIZERS, RECIPES], ids=str)
+@pytest.mark.parametrize(
+    "registry", [MODULES, BACKENDS, KV_QUANTIZERS, RECIPES], ids=lambda registry: registry.kind
+)
 def test_each_builtin_module_registers_exactly_what_the_table_says(registry):
     for module in sorted(set(registry.builtins.values())):
         importlib.import_module(module)
