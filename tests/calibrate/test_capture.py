@@ -204,3 +204,20 @@ def test_accumulator_matches_the_definition():
     torch.testing.assert_close(accumulator.hessian(), 2 * flat.T @ flat / 21)
     with pytest.raises(LowbitError, match="heldout"):
         accumulator.hessian("heldout")
+
+
+def test_the_hessian_is_the_scaled_sum_itself_taken_once():
+    """No copy of a width² matrix beside the sum: the same tensor each time, equal bit for bit to
+    scaling a copy, and no tokens added after it was taken."""
+    x = torch.randn(2, 9, 6)
+    accumulator = HessianAccumulator(6)
+    accumulator.add(x)
+    flat = x.reshape(-1, 6)
+    summed = flat.T @ flat
+    accumulator._sums["train"].copy_(summed)  # the sum addmm_ gave, to compare one scaling
+    first = accumulator.hessian()
+    assert torch.equal(first, summed * (2.0 / 18))
+    assert accumulator.hessian() is first
+    assert torch.equal(accumulator.hessian(), summed * (2.0 / 18))  # not scaled twice
+    with pytest.raises(LowbitError, match="taken already"):
+        accumulator.add(x)
