@@ -251,9 +251,7 @@ def inverse_hessian_factor(
         buffer.diagonal().copy_(diagonal + relative * mean_diag)
         torch.linalg.cholesky_ex(buffer, out=(buffer, info))  # lower L, in place
         if info.item() == 0:
-            # L⁻¹ solved into the identity in place, then reversed: U = P L⁻¹ P
-            upper = torch.eye(n, dtype=torch.float64, device=device).T  # column-major
-            torch.linalg.solve_triangular(buffer, upper, upper=False, out=upper)
+            upper = _lower_inverse(buffer)  # L⁻¹, column-major
             del buffer
             _reverse_in_place(upper.T)
             if bool(torch.isfinite(upper).all()):
@@ -264,6 +262,24 @@ def inverse_hessian_factor(
         f"the Hessian is not positive definite even with dampening {relative / 10:g} x mean "
         "diagonal; the calibration data may be degenerate"
     )
+
+
+def _lower_inverse(lower: Tensor) -> Tensor:
+    """``L⁻¹`` [n, n] float64 column-major of a lower triangular ``L`` (column-major), solved a
+    block of ``_GATHER_ROWS`` columns at a time: columns ``j0:j1`` of ``L⁻¹`` are zero above row
+    ``j0`` and solve ``L[j0:, j0:] X = I[j0:, j0:j1]``, so each solve reads only the trailing
+    part of ``L`` (a third of the work of solving against the whole identity) and the only
+    temporary is one block (one solve against the whole identity, written in place, held a
+    third [n, n] matrix: 1.6 GB at n = 14336)."""
+    n = lower.shape[0]
+    inverse = torch.zeros(n, n, dtype=lower.dtype, device=lower.device).T  # column-major
+    for j0 in range(0, n, _GATHER_ROWS):
+        j1 = min(j0 + _GATHER_ROWS, n)
+        rhs = torch.zeros(j1 - j0, n - j0, dtype=lower.dtype, device=lower.device).T
+        rhs.diagonal().fill_(1.0)  # I[j0:, j0:j1], column-major [n - j0, j1 - j0]
+        torch.linalg.solve_triangular(lower[j0:, j0:], rhs, upper=False, out=rhs)
+        inverse[j0:, j0:j1] = rhs
+    return inverse
 
 
 def _reverse_in_place(matrix: Tensor) -> None:
