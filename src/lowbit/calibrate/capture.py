@@ -336,6 +336,7 @@ def calibrate_layer_by_layer(
                             block, inputs, device, route, float_out, group, first_heldout
                         )
                 process_block(index, collector)
+                del collector, route  # the block's Hessians, gone before the next block loads
             if index < stop and (sequential or not wanted[index]):
                 run_block(blocks[index], inputs, device=device, samples=own, out=spare)
             if index < stop:
