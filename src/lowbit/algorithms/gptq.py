@@ -265,20 +265,21 @@ def inverse_hessian_factor(
 
 
 def _lower_inverse(lower: Tensor) -> Tensor:
-    """``L⁻¹`` [n, n] float64 column-major of a lower triangular ``L`` (column-major), solved a
-    block of ``_GATHER_ROWS`` columns at a time: columns ``j0:j1`` of ``L⁻¹`` are zero above row
-    ``j0`` and solve ``L[j0:, j0:] X = I[j0:, j0:j1]``, so each solve reads only the trailing
-    part of ``L`` (a third of the work of solving against the whole identity) and the only
-    temporary is one block (one solve against the whole identity, written in place, held a
-    third [n, n] matrix: 1.6 GB at n = 14336)."""
+    """``L⁻¹`` [n, n] float64 column-major of a lower triangular ``L`` (column-major, read in
+    place), solved against the identity a block of ``_GATHER_ROWS`` columns at a time: each
+    column is solved alone, so the result is one whole solve's bit for bit, and the only
+    temporary is an [n, block] right-hand side. One solve against the whole identity written in
+    place held a third [n, n] float64 matrix inside ``solve_triangular`` (1.6 GB at n = 14336);
+    a solve against ``L``'s trailing part only would do a third of the work but copies that
+    part, as large."""
     n = lower.shape[0]
-    inverse = torch.zeros(n, n, dtype=lower.dtype, device=lower.device).T  # column-major
+    inverse = torch.empty(n, n, dtype=lower.dtype, device=lower.device).T  # column-major
     for j0 in range(0, n, _GATHER_ROWS):
         j1 = min(j0 + _GATHER_ROWS, n)
-        rhs = torch.zeros(j1 - j0, n - j0, dtype=lower.dtype, device=lower.device).T
-        rhs.diagonal().fill_(1.0)  # I[j0:, j0:j1], column-major [n - j0, j1 - j0]
-        torch.linalg.solve_triangular(lower[j0:, j0:], rhs, upper=False, out=rhs)
-        inverse[j0:, j0:j1] = rhs
+        rhs = torch.zeros(j1 - j0, n, dtype=lower.dtype, device=lower.device).T  # [n, b]
+        rhs[j0:j1].diagonal().fill_(1.0)  # I[:, j0:j1]
+        torch.linalg.solve_triangular(lower, rhs, upper=False, out=rhs)
+        inverse[:, j0:j1] = rhs
     return inverse
 
 
