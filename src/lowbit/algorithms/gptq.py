@@ -251,7 +251,9 @@ def inverse_hessian_factor(
         buffer.diagonal().copy_(diagonal + relative * mean_diag)
         torch.linalg.cholesky_ex(buffer, out=(buffer, info))  # lower L, in place
         if info.item() == 0:
-            upper = _lower_inverse(buffer)  # L⁻¹, column-major
+            # L⁻¹ solved into the identity in place, then reversed: U = P L⁻¹ P
+            upper = torch.eye(n, dtype=torch.float64, device=device).T  # column-major
+            torch.linalg.solve_triangular(buffer, upper, upper=False, out=upper)
             del buffer
             _reverse_in_place(upper.T)
             if bool(torch.isfinite(upper).all()):
@@ -262,25 +264,6 @@ def inverse_hessian_factor(
         f"the Hessian is not positive definite even with dampening {relative / 10:g} x mean "
         "diagonal; the calibration data may be degenerate"
     )
-
-
-def _lower_inverse(lower: Tensor) -> Tensor:
-    """``L⁻¹`` [n, n] float64 column-major of a lower triangular ``L`` (column-major, read in
-    place), solved against the identity a block of ``_GATHER_ROWS`` columns at a time: each
-    column is solved alone, so the result is one whole solve's bit for bit, and the only
-    temporary is an [n, block] right-hand side. One solve against the whole identity written in
-    place held a third [n, n] float64 matrix inside ``solve_triangular`` (1.6 GB at n = 14336);
-    a solve against ``L``'s trailing part only would do a third of the work but copies that
-    part, as large."""
-    n = lower.shape[0]
-    inverse = torch.empty(n, n, dtype=lower.dtype, device=lower.device).T  # column-major
-    for j0 in range(0, n, _GATHER_ROWS):
-        j1 = min(j0 + _GATHER_ROWS, n)
-        rhs = torch.zeros(j1 - j0, n, dtype=lower.dtype, device=lower.device).T  # [n, b]
-        rhs[j0:j1].diagonal().fill_(1.0)  # I[:, j0:j1]
-        torch.linalg.solve_triangular(lower, rhs, upper=False, out=rhs)
-        inverse[:, j0:j1] = rhs
-    return inverse
 
 
 def _reverse_in_place(matrix: Tensor) -> None:
