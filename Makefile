@@ -36,10 +36,11 @@ gguf: $(GGUF_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
 
-# two workers, a file each at a time (module fixtures are built once); tests/conftest.py gives
+# two workers, a file each at a time (module fixtures are built once), in the order
+# tests/conftest.py gives (the longest files first; xdist would reorder by test count); it gives
 # each worker one torch thread
 test: $(GGUF_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
