@@ -290,7 +290,9 @@ def quantize_to_directory(
         distributed: this is one of the processes ``torchrun`` started (gloo on the CPU, NCCL
             when ``device`` is CUDA: each process takes ``cuda:LOCAL_RANK``); they share the
             calibration (:mod:`lowbit.calibrate.distributed`) and only rank 0 writes ``out``,
-            equal bit for bit to what one process writes. Every rank returns the result.
+            equal bit for bit to what one process writes. Every rank returns the result. A
+            process group this call starts is ended before it returns or raises; one the caller
+            started is left running.
 
     A run that cannot fit (the in-memory path of a recipe that cannot stream, or the streamed
     path itself) is refused before any work, with the bytes needed and available.
@@ -320,91 +322,95 @@ def quantize_to_directory(
         group = init_from_env(device)
         if device is not None and device.type == "cuda":
             device = torch.device("cuda", group.local_rank)
-    main = group is None or group.is_main
-    if main:
-        check_target(target, "save to", force=force)  # before the long work
-    path = None if spec is None else Path(spec).expanduser()
-    streamable = (
-        path is not None
-        and path.is_dir()
-        and not is_lowbit_checkpoint(path)
-        and any((path / name).is_file() for name in ("model.safetensors", INDEX_FILE))
-    )
-    if stream and not streamable:
-        raise LowbitError(
-            "streamed quantization reads a directory of safetensors weights; "
-            f"{'the embedded model' if spec is None else spec} is not one"
+    try:  # a process group joined here is left here, however the run ends
+        main = group is None or group.is_main
+        if main:
+            check_target(target, "save to", force=force)  # before the long work
+        path = None if spec is None else Path(spec).expanduser()
+        streamable = (
+            path is not None
+            and path.is_dir()
+            and not is_lowbit_checkpoint(path)
+            and any((path / name).is_file() for name in ("model.safetensors", INDEX_FILE))
         )
-    start = time.perf_counter()
-    streamed = estimate = None
-    if streamable:
-        streamed = open_streamed(path, calib_dtype)  # headers only
-        estimate = memory_estimate(
-            streamed.weights, streamed.adapter, dtype=calib_dtype, tokens=calibration_shape,
-            gptq=_solves_by_gptq(recipe),
-        )  # fmt: skip
-        available = available_memory()
-        if stream is None:
-            stream = estimate.in_memory > available
-        _check_fits(recipe, estimate, available, stream)
-    if not stream:
-        loaded = load_model(spec, dtype=calib_dtype, trust_remote_code=trust_remote_code)
+        if stream and not streamable:
+            raise LowbitError(
+                "streamed quantization reads a directory of safetensors weights; "
+                f"{'the embedded model' if spec is None else spec} is not one"
+            )
+        start = time.perf_counter()
+        streamed = estimate = None
+        if streamable:
+            streamed = open_streamed(path, calib_dtype)  # headers only
+            estimate = memory_estimate(
+                streamed.weights, streamed.adapter, dtype=calib_dtype, tokens=calibration_shape,
+                gptq=_solves_by_gptq(recipe),
+            )  # fmt: skip
+            available = available_memory()
+            if stream is None:
+                stream = estimate.in_memory > available
+            _check_fits(recipe, estimate, available, stream)
+        if not stream:
+            loaded = load_model(spec, dtype=calib_dtype, trust_remote_code=trust_remote_code)
+            if callable(calibration):
+                calibration = calibration(loaded.tokenizer)
+            model = quantize(
+                loaded.model, recipe, calibration=calibration, filter_fn=filter_fn,
+                overrides=overrides, progress=progress and main, packed=True, resume_dir=resume_dir,
+                device=device, group=group,
+            )  # fmt: skip
+            dtype = run_dtype(model, dtype)
+            if main:
+                save(model, target, tokenizer=loaded.tokenizer, dtype=dtype,
+                     max_shard_size=max_shard_size or "5GB", force=force)  # fmt: skip
+            seconds = time.perf_counter() - start
+            return QuantizeResult(
+                target, recipe, False, seconds, dtype, model=model, memory=estimate, written=main
+            )
+
+        tokenizer = _tokenizer(path)
         if callable(calibration):
-            calibration = calibration(loaded.tokenizer)
-        model = quantize(
-            loaded.model, recipe, calibration=calibration, filter_fn=filter_fn,
-            overrides=overrides, progress=progress and main, packed=True, resume_dir=resume_dir,
-            device=device, group=group,
+            if tokenizer is None:
+                raise LowbitError(f"{path} has no tokenizer to tokenize the calibration text with")
+            calibration = calibration(tokenizer)
+        model = streamed.model
+        recipe, context = _prepare(
+            model, recipe, calibration, filter_fn, overrides, progress and main, resume_dir, device,
+            None, group,
         )  # fmt: skip
         dtype = run_dtype(model, dtype)
-        if main:
-            save(model, target, tokenizer=loaded.tokenizer, dtype=dtype,
-                 max_shard_size=max_shard_size or "5GB", force=force)  # fmt: skip
-        seconds = time.perf_counter() - start
-        return QuantizeResult(
-            target, recipe, False, seconds, dtype, model=model, memory=estimate, written=main
-        )
-
-    tokenizer = _tokenizer(path)
-    if callable(calibration):
-        if tokenizer is None:
-            raise LowbitError(f"{path} has no tokenizer to tokenize the calibration text with")
-        calibration = calibration(tokenizer)
-    model = streamed.model
-    recipe, context = _prepare(
-        model, recipe, calibration, filter_fn, overrides, progress and main, resume_dir, device,
-        None, group,
-    )  # fmt: skip
-    dtype = run_dtype(model, dtype)
-    max_shard_bytes = parse_size(max_shard_size or "1GB")
-    if not main:  # the other ranks calibrate with rank 0 and write nothing
-        quantize_blocks(streamed, recipe, context, lambda tensors: None)
+        max_shard_bytes = parse_size(max_shard_size or "1GB")
+        if not main:  # the other ranks calibrate with rank 0 and write nothing
+            quantize_blocks(streamed, recipe, context, lambda tensors: None)
+            return QuantizeResult(
+                target, recipe, True, time.perf_counter() - start, dtype,
+                stages=dict(streamed.seconds), memory=estimate, written=False,
+            )  # fmt: skip
+        with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
+            writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
+            quantize_blocks(streamed, recipe, context, writer.add)
+            qconfig = quantization_config(recipe, streamed.specs)
+            expected = expected_tensors(skeleton(model.config, qconfig))
+            check_rebuilds(
+                expected, {k: torch.empty(s, device="meta") for k, s in streamed.shapes.items()}
+            )
+            tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+            missing = sorted(set(expected) - set(streamed.shapes) - tied)
+            if missing:
+                raise LowbitError(f"the streamed model has no tensor {missing[0]!r}; not saved")
+            checksums = writer.close()
+            finish_checkpoint(
+                tmp, saved_config(model, dtype), qconfig, checksums,
+                generation_config=_generation_config(path, model), tokenizer=tokenizer,
+            )  # fmt: skip
         return QuantizeResult(
             target, recipe, True, time.perf_counter() - start, dtype,
-            stages=dict(streamed.seconds), memory=estimate, written=False,
+            bits_per_weight=streamed.weight_bits / max(streamed.weight_numel, 1),
+            bytes_written=writer.total_bytes, stages=dict(streamed.seconds), memory=estimate,
         )  # fmt: skip
-    with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
-        writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
-        quantize_blocks(streamed, recipe, context, writer.add)
-        qconfig = quantization_config(recipe, streamed.specs)
-        expected = expected_tensors(skeleton(model.config, qconfig))
-        check_rebuilds(
-            expected, {k: torch.empty(s, device="meta") for k, s in streamed.shapes.items()}
-        )
-        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-        missing = sorted(set(expected) - set(streamed.shapes) - tied)
-        if missing:
-            raise LowbitError(f"the streamed model has no tensor {missing[0]!r}; not saved")
-        checksums = writer.close()
-        finish_checkpoint(
-            tmp, saved_config(model, dtype), qconfig, checksums,
-            generation_config=_generation_config(path, model), tokenizer=tokenizer,
-        )  # fmt: skip
-    return QuantizeResult(
-        target, recipe, True, time.perf_counter() - start, dtype,
-        bits_per_weight=streamed.weight_bits / max(streamed.weight_numel, 1),
-        bytes_written=writer.total_bytes, stages=dict(streamed.seconds), memory=estimate,
-    )  # fmt: skip
+    finally:
+        if group is not None:
+            group.leave()
 
 
 GB = 1e9

@@ -803,10 +803,6 @@ def run_quantize(args) -> None:
         max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress, force=args.force, distributed=args.distributed,
     )  # fmt: skip
-    if args.distributed:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
     if not result.written:
         return  # another rank wrote and reports
     if result.model is not None:

@@ -27,7 +27,7 @@ model, out, calib = sys.argv[1], sys.argv[2], torch.load(sys.argv[3])
 recipe = get_recipe("gptq", w_bits=4, w_group=32)
 quantize_to_directory(model, recipe, out, calibration=calib, stream=True, progress=False,
                       distributed=True)
-torch.distributed.destroy_process_group()
+assert not torch.distributed.is_initialized()  # the call ended the group it started
 """
 
 

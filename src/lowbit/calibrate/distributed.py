@@ -46,16 +46,27 @@ class Group:
         local_rank: the rank on this machine (its CUDA device under NCCL).
         splits: during a Hessian step, the split ("train", "heldout") of each rank's sample,
             None for a rank whose spare sample is not added.
+        joined: :func:`init_from_env` started the process group (and :meth:`leave` ends it);
+            False when the caller had started it.
     """
 
     rank: int
     world_size: int
     local_rank: int = 0
     splits: list[str | None] = field(default_factory=list)
+    joined: bool = False
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def leave(self) -> None:
+        """End the process group if :func:`init_from_env` started it."""
+        if self.joined:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.joined = False
 
     def own_samples(self, n_samples: int) -> list[int]:
         """This rank's sample indices."""
@@ -148,6 +159,7 @@ def init_from_env(device: torch.device | None) -> Group:
     cuda = device is not None and device.type == "cuda"
     if cuda:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
+    joined = not dist.is_initialized()
+    if joined:
         dist.init_process_group("nccl" if cuda else "gloo")
-    return Group(dist.get_rank(), dist.get_world_size(), local_rank)
+    return Group(dist.get_rank(), dist.get_world_size(), local_rank, joined=joined)
