@@ -165,6 +165,12 @@ def grow(cache, tokens: int) -> None:
             fixed = sum(t.shape[2] for t in (stream.sink, stream.residual) if t is not None)
             need = tokens - fixed - sum(p.num_tokens for p in stream.chunks)
             source = list(stream.chunks)
+            if not source:  # a stream kept in floating point: repeat its residual
+                if need > 0:
+                    kept = stream.residual.shape[2] + need
+                    reps = -(-kept // stream.residual.shape[2])
+                    stream.residual = stream.residual.repeat(1, 1, reps, 1)[:, :, :kept]
+                continue
             i = 0
             while need > 0:
                 page = source[i % len(source)]

@@ -1,6 +1,8 @@
-"""Chunked attention over the packed cache (lowbit.kv.decode): the same logits as the
-dequantize-everything path on every cache kind and family, pages instead of one growing tensor,
-and a decode step that decodes one chunk at a time, never the whole cache."""
+"""Attention over the packed cache (lowbit.kv.decode): the same logits as the
+dequantize-everything path on every cache kind and family (decode steps through the compiled
+kernels where they read the format, prefill chunks and the rest in torch), pages instead of one
+growing tensor, and a torch decode step that decodes one chunk at a time, never the whole
+cache."""
 
 import copy
 
@@ -9,6 +11,7 @@ import torch
 
 from lowbit.api import quantize
 from lowbit.kv import cache as kv_cache
+from lowbit.kv import native
 from lowbit.kv.attention import KVQuantAttention
 from lowbit.kv.decode import RopeTable
 from lowbit.kv.quantizer import PackedKV
@@ -108,6 +111,8 @@ def test_packed_attention_equals_dequantized_path(small_pages, name, family):
 
 
 def test_decode_step_decodes_one_chunk_at_a_time(small_pages, monkeypatch):
+    """The torch path (no compiled library; tests/kv/test_kv_native.py covers the other)."""
+    monkeypatch.setattr(native, "library", lambda: None)
     model = _quantized("kvquant 3", "llama")
     ids = torch.randint(3, 256, (1, 41), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -226,7 +226,12 @@ class KVQuantAttention(nn.Module):
                     return self._rope(keys, cos_k, sin_k)
 
             out = chunked_attention(
-                q, layer, scaling=self.scaling, mask=attention_mask, key_rope=key_rope
+                q,
+                layer,
+                scaling=self.scaling,
+                mask=attention_mask,
+                key_rope=key_rope,
+                rope_table=self.rope_table if self.lowbit_rope_order is None else None,
             )  # [B, S, H_q, D]
             return self.o_proj(out.reshape(batch, steps, -1)), None
         if layer is None:

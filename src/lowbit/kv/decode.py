@@ -28,15 +28,17 @@ Decisions:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 import lowbit.kv.cache as kv_cache
+from lowbit.kv import native
 from lowbit.kv.cache import QuantizedKVLayer
 
-__all__ = ["chunked_attention", "RopeTable"]
+__all__ = ["chunked_attention", "compiled_decode_attention", "RopeTable"]
 
 #: most score elements of one chunk (4 M fp32: 16 MB) when many queries come at once
 SCORE_ELEMENTS = 1 << 22
@@ -58,18 +60,26 @@ class RopeTable:
         self.limit = max(int(limit), 1)
         self.tables: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
+    def table(self, top: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(cos, sin) ``[P, D]`` of positions ``0..P-1``, ``P >= top`` (past ``limit`` when
+        ``top`` is: the compiled decode path reads positions from the table only)."""
+        key = (dtype, device)
+        cos, sin = self.tables.get(key, (None, None))
+        if cos is None or cos.shape[0] < top:
+            size = min(
+                max(top, 2 * (0 if cos is None else cos.shape[0]), 1024), max(self.limit, top)
+            )
+            grid = torch.arange(size, device=device)[None]  # [1, P]
+            cos, sin = (t[0] for t in self.rope_cos_sin(grid, dtype))  # [P, D]
+            self.tables[key] = (cos, sin)
+        return cos, sin
+
     def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, sin) ``[B, n, D]`` of ``positions`` ``[B, n]``."""
         top = int(positions.max()) + 1 if positions.numel() else 0
         if top > self.limit:
             return self.rope_cos_sin(positions, dtype)
-        key = (dtype, positions.device)
-        cos, sin = self.tables.get(key, (None, None))
-        if cos is None or cos.shape[0] < top:
-            size = min(max(top, 2 * (0 if cos is None else cos.shape[0]), 1024), self.limit)
-            grid = torch.arange(size, device=positions.device)[None]  # [1, P]
-            cos, sin = (t[0] for t in self.rope_cos_sin(grid, dtype))  # [P, D]
-            self.tables[key] = (cos, sin)
+        cos, sin = self.table(top, dtype, positions.device)
         return cos[positions], sin[positions]  # [B, n, D]
 
 
@@ -80,9 +90,13 @@ def chunked_attention(
     scaling: float,
     mask: Tensor | None = None,
     key_rope: Callable[[Tensor, Tensor], Tensor] | None = None,
+    rope_table: RopeTable | None = None,
     max_tokens: int | None = None,
 ) -> Tensor:
     """Attention of queries over every token ``layer`` holds, the new ones included.
+
+    A decode step (one query per row) goes to :func:`compiled_decode_attention` when it can
+    read the layer's pages; everything else is computed here, chunk by chunk, in torch.
 
     Args:
         q: ``[B, H_q, S, D]`` queries, ready for ``q kᵀ`` (RoPE, Hadamard, query quantizer done).
@@ -92,6 +106,8 @@ def chunked_attention(
             None (then causal when ``S > 1``).
         key_rope: ``(keys [B, H_kv, n, D], positions [B, n]) -> rotated keys`` for a cache of
             pre-RoPE keys; None when keys are cached after RoPE.
+        rope_table: the cos/sin tables ``key_rope`` reads, when it is rotate-half RoPE in the
+            natural channel order (the compiled path applies it itself); None: it is not.
         max_tokens: most slots decoded at once (None: a page, ``PAGE_TOKENS``, or fewer so
             that a chunk's scores hold at most ``SCORE_ELEMENTS``: a long prompt's prefill).
 
@@ -99,6 +115,12 @@ def chunked_attention(
         ``[B, S, H_q, D]`` in ``q``'s dtype (the layout ``o_proj`` reads after a reshape).
     """
     b, hq, s, d = q.shape
+    if s == 1 and max_tokens is None and (key_rope is None or rope_table is not None):
+        out = compiled_decode_attention(
+            q, layer, scaling=scaling, mask=mask, key_rope=key_rope, rope_table=rope_table
+        )
+        if out is not None:
+            return out
     total = layer.length
     if max_tokens is None:  # a page, fewer when many queries (prefill) would make big scores
         max_tokens = min(kv_cache.PAGE_TOKENS, max(64, SCORE_ELEMENTS // (b * hq * s)))
@@ -138,6 +160,113 @@ def chunked_attention(
         out = part if out is None else out + part
     out = out / torch.where(l == 0, torch.ones_like(l), l)  # [B, Hkv, G*S, D]
     return out.view(b, hq, s, d).transpose(1, 2).to(q.dtype)  # [B, S, H_q, D]
+
+
+def compiled_decode_attention(
+    q: Tensor,
+    layer: QuantizedKVLayer,
+    *,
+    scaling: float,
+    mask: Tensor | None = None,
+    key_rope: Callable[[Tensor, Tensor], Tensor] | None = None,
+    rope_table: RopeTable | None = None,
+) -> Tensor | None:
+    """One decode step's attention with the compiled kernels (:mod:`lowbit.kv.native`) reading
+    the packed pages; None, before any work, where they cannot: no compiled library, more than
+    one query per row, pinned sink tokens, a page format they do not read, keys in a rotated
+    basis, or pre-RoPE keys without ``rope_table``.
+
+    Two passes over the layer instead of an online softmax: a decode step's scores are
+    ``[B, H_kv, G, T]`` floats (36 MB for 9 query heads at a million tokens), so the kernels
+    write every page's scores into one row, torch takes the softmax over it, and the kernels
+    add every page's ``p_t v_t``. The fp sink and residual are small and go through torch
+    matmuls. Arguments and result as for :func:`chunked_attention`.
+    """
+    lib = native.library()
+    b, hq, s, d = q.shape
+    if lib is None or s != 1 or q.device.type != "cpu":
+        return None
+    if layer.k.pinned is not None or layer.v.pinned is not None:
+        return None
+    regions = {"k": layer.k.regions(), "v": layer.v.regions()}
+    pages: dict[str, list] = {}
+    for name, parts in regions.items():
+        pages[name] = []
+        for _, _, data in parts:
+            if isinstance(data, Tensor):
+                pages[name].append(None)
+                continue
+            if name == "k" and data.rotation is not None:
+                return None
+            described = native.page_descriptor(data)
+            if described is None:
+                return None
+            pages[name].append(described)
+    hkv = regions["k"][0][2].shape[1]
+    groups = hq // hkv
+    if groups > native.MAX_GROUPS or d > native.MAX_DIM:
+        return None
+    total = layer.length
+    rope = None
+    if key_rope is not None:
+        positions = layer.track.positions.contiguous()  # [B, T] int32
+        cos, sin = rope_table.table(int(positions.max()) + 1, torch.float32, q.device)  # [P, D]
+        rope = native.Rope(
+            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0)
+        )
+    threads = torch.get_num_threads()
+
+    qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]
+    scores = torch.empty(b, hkv, groups, total)  # [B, Hkv, G, T]
+    packed = []  # (slot, descriptor) of each key page
+    for (r0, r1, data), page in zip(regions["k"], pages["k"], strict=True):
+        if page is None:  # fp sink or residual
+            k = data.float()
+            if key_rope is not None:
+                k = key_rope(k, layer.positions()[:, r0:r1])
+            scores[..., r0:r1] = torch.matmul(qf, k.transpose(2, 3)) * scaling
+        else:
+            packed.append((r0, page[0]))
+    if packed:
+        descs, starts = native.page_array([desc for _, desc in packed], [r0 for r0, _ in packed])
+        status = lib.lb_scores(descs, starts, len(packed), None if rope is None else ctypes.byref(rope),
+                               qf.data_ptr(), groups, scores.data_ptr(), total, scaling, threads)  # fmt: skip
+        if status:
+            return None
+    if mask is not None:
+        row = mask[:, :, -1, :total].reshape(mask.shape[0], 1, 1, total)  # [B or 1, 1, 1, T]
+        if row.dtype == torch.bool:
+            scores.masked_fill_(~row, float("-inf"))
+        else:
+            scores += row.float()
+    top = scores.amax(-1, keepdim=True)  # [B, Hkv, G, 1]
+    p = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+    l = p.sum(-1, keepdim=True)  # [B, Hkv, G, 1]
+
+    acc: dict[int, Tensor] = {}  # id of the value basis's rotation (0: none) -> [B, Hkv, G, D]
+    rotations: dict[int, Tensor] = {}
+    by_basis: dict[int, list] = {}  # basis -> (slot, descriptor) of its pages
+    for (r0, r1, data), page in zip(regions["v"], pages["v"], strict=True):
+        key = 0 if page is None or data.rotation is None else id(data.rotation)
+        if key not in acc:
+            acc[key] = torch.zeros(b, hkv, groups, d)
+        if page is None:
+            acc[key] += torch.matmul(p[..., r0:r1], data.float())
+        else:
+            rotations[key] = data.rotation
+            by_basis.setdefault(key, []).append((r0, page[0]))
+    for key, group in by_basis.items():
+        descs, starts = native.page_array([desc for _, desc in group], [r0 for r0, _ in group])
+        status = lib.lb_accumulate(descs, starts, len(group), p.data_ptr(), groups, total,
+                                   acc[key].data_ptr(), threads)  # fmt: skip
+        if status:
+            return None
+    out = None
+    for key, part in acc.items():
+        part = part if key == 0 else part @ rotations[key].float().T
+        out = part if out is None else out + part
+    out = out / torch.where(l == 0, torch.ones_like(l), l)  # [B, Hkv, G, D]
+    return out.view(b, hq, 1, d).transpose(1, 2).to(q.dtype)  # [B, 1, H_q, D]
 
 
 def _masked(scores: Tensor, mask: Tensor | None, start: int, stop: int, s: int, total: int):

@@ -1,0 +1,213 @@
+"""The compiled decode attention over packed KV pages (``packed_attention.c``), built at first use.
+
+:func:`library` compiles ``packed_attention.c`` beside this module with the system's C compiler
+(``$CC`` or ``cc``; ``-O3 -march=native -ffp-contract=off``) into lowbit's cache directory
+(``<cache>/native/``, named by a hash of the source, the flags, the compiler and the CPU), once
+per machine; later processes load the cached library. No compiler, a failed build, a platform
+without ``pthread`` or ``LOWBIT_NATIVE=0``: :func:`library` returns None and attention stays on
+the torch path (:func:`lowbit.kv.decode.chunked_attention`), which gives the same numbers.
+
+:func:`page_descriptor` describes one packed page to the kernels: integer pages
+(:class:`~lowbit.kv.int_quant.IntPackedKV`: per token or per channel, any bits, integer zero
+points, fp16 minima or symmetric) and KVQuant pages
+(:class:`~lowbit.kv.kvquant.KVQuantPackedKV`: shared or per-channel codebooks, per-token or
+per-channel ranges, sparse outliers). Other formats (K-sort + BFP) return None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lowbit.kv.int_quant import IntPackedKV
+from lowbit.kv.kvquant import KVQuantPackedKV
+from lowbit.kv.quantizer import PackedKV
+
+__all__ = ["library", "page_descriptor", "page_array", "Page", "Rope", "SOURCE"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("packed_attention.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
+MAX_DIM, MAX_GROUPS = 512, 64  # LB_MAX_DIM, LB_MAX_GROUPS in the source
+
+_NONE, _F16, _F32, _U8 = 0, 1, 2, 3
+_DTYPES = {torch.float16: _F16, torch.float32: _F32, torch.uint8: _U8}
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("stride", ctypes.c_int64 * 4),
+    ]
+
+
+class Page(ctypes.Structure):
+    """``lb_page``: one packed page as the kernels read it (see packed_attention.c)."""
+
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("tokens", ctypes.c_int64),
+        ("dim", ctypes.c_int64),
+        ("codes", ctypes.c_void_p),
+        ("code_stride", ctypes.c_int64 * 3),
+        ("bits", ctypes.c_int32),
+        ("levels_per_channel", ctypes.c_int32),
+        ("levels", ctypes.c_void_p),
+        ("level_bias", ctypes.c_float),
+        ("token_group", ctypes.c_int32),
+        ("channel_group", ctypes.c_int32),
+        ("scale", _Stat),
+        ("zero", _Stat),
+        ("offset", _Stat),
+        ("row_ptr", ctypes.c_void_p),
+        ("col_val", ctypes.c_void_p),
+    ]
+
+
+class Rope(ctypes.Structure):
+    """``lb_rope``: cos/sin tables ``[P, D]`` and the cached tokens' positions ``[B, T]``."""
+
+    _fields_ = [
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("positions_stride", ctypes.c_int64),
+    ]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile the source to ``target`` (through a temporary name, renamed when complete)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None where they cannot be (see module doc)."""
+    if os.environ.get("LOWBIT_NATIVE", "1") == "0" or os.name != "posix":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler found: KV decode attention stays on the torch path")
+        return None
+    from lowbit.models.loader import cache_root
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+                 platform.machine().encode(), _cpu_name().encode()):  # fmt: skip
+        key.update(part + b"\0")
+    target = cache_root() / "native" / f"packed_attention-{key.hexdigest()[:20]}.so"
+    try:
+        if not target.is_file():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.info(
+            "KV decode attention stays on the torch path: building %s failed (%s)", target, err
+        )
+        return None
+    pointer, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.lb_scores.argtypes = [pointer, pointer, i64, pointer, pointer, i64, pointer, i64, f32, c_int]  # fmt: skip
+    lib.lb_accumulate.argtypes = [pointer, pointer, i64, pointer, i64, i64, pointer, c_int]
+    lib.lb_scores.restype = lib.lb_accumulate.restype = c_int
+    return lib
+
+
+def page_array(pages: list[Page], starts: list[int]) -> tuple[ctypes.Array, ctypes.Array]:
+    """``pages`` and the slot of each one's first token as the C arrays the kernels take."""
+    return (Page * len(pages))(*pages), (ctypes.c_int64 * len(starts))(*starts)
+
+
+def _stat(t: Tensor | None, token_group_axis: bool = True) -> _Stat:
+    """A statistic ``[B, H, T/tg, D/cg]`` (or ``[H, D]``: per channel, shared by every token)."""
+    s = _Stat()
+    if t is None:
+        return s
+    s.data, s.dtype = t.data_ptr(), _DTYPES[t.dtype]
+    if t.dim() == 2:  # [H, D]: no batch or token axis
+        s.stride[:] = [0, t.stride(0), 0, t.stride(1)]
+    else:
+        s.stride[:] = list(t.stride())
+    return s
+
+
+def page_descriptor(page: PackedKV) -> tuple[Page, list[Tensor]] | None:
+    """``page`` as the kernels read it, and the tensors that must stay alive while they do;
+    None for a format or layout the kernels do not read (attention then takes the torch path)."""
+    b, h, t, d = page.shape
+    if not isinstance(page, (IntPackedKV, KVQuantPackedKV)):
+        return None
+    if d > MAX_DIM or page.codes is None or page.codes.device.type != "cpu":
+        return None
+    codes = page.codes
+    if codes.stride(-1) != 1:
+        codes = codes.contiguous()
+    keep = [codes]
+    desc = Page(batch=b, heads=h, tokens=t, dim=d, codes=codes.data_ptr())
+    desc.code_stride[:] = list(codes.stride()[:3])
+    if isinstance(page, IntPackedKV):
+        stats = [page.scale, page.zero, page.minimum]
+        if any(s is not None and s.dtype not in _DTYPES for s in stats):
+            return None
+        desc.bits = page.bits
+        desc.level_bias = -float(2 ** (page.bits - 1)) if page.symmetric else 0.0
+        desc.token_group, desc.channel_group = page.token_group, page.channel_group
+        desc.scale, desc.zero, desc.offset = (_stat(s) for s in stats)
+        keep += [s for s in stats if s is not None]
+    else:
+        q = page.quantizer
+        levels = q.codebook.float().contiguous()  # [2**bits] or [H*D, 2**bits]
+        desc.bits, desc.levels = q.bits, levels.data_ptr()
+        desc.levels_per_channel = int(levels.dim() == 2)
+        if page.center is None:  # per-channel ranges [H, D]
+            half, center = q.half_range, q.center
+            desc.token_group, desc.channel_group = 1, 1
+        else:  # per-token ranges [B, H, T, 1]
+            half, center = page.half_range, page.center
+            desc.token_group, desc.channel_group = 1, d
+        if half.dtype not in _DTYPES or center.dtype not in _DTYPES:
+            half, center = half.float(), center.float()
+        desc.scale, desc.offset = _stat(half), _stat(center)
+        keep += [levels, half, center]
+        if page.col_val.numel():
+            row_ptr, col_val = page.row_ptr.contiguous(), page.col_val.contiguous()
+            desc.row_ptr, desc.col_val = row_ptr.data_ptr(), col_val.data_ptr()
+            keep += [row_ptr, col_val]
+    return desc, keep

@@ -1,0 +1,418 @@
+/* Decode attention over packed KV pages, on the CPU (lowbit.kv.native builds and loads this).
+
+   A page holds the codes of B x H_kv x T token rows of D channels, packed per row as a little-endian
+   bit stream (lowbit.formats.packing's plain order), and the statistics that turn a code into a
+   value:
+
+       value = (level[code] - zero) * scale + offset
+
+   level: a table of 2^bits floats (one, or one per channel: KVQuant's codebooks), or the code
+   itself plus a bias (integer formats; the bias is -2^(bits-1) when symmetric). zero, scale and
+   offset are each absent (0, 1, 0) or one value per (batch row, head, token group, channel
+   group), read through strides in fp16, fp32 or uint8. Sparse outliers (KVQuant: CSR rows in
+   token-major order, one per (token, batch row); each word is channel h*D+d << 16 | fp16 bits)
+   replace the values of their channels. Pre-RoPE keys are rotated (rotate-half pairing) at
+   their positions from cos/sin tables after decoding.
+
+   Two passes over a layer's pages: lb_scores writes q . k * scaling for every token into a score
+   row; lb_accumulate adds p_t * v_t into an accumulator. The softmax between them, over the
+   whole layer, is the caller's. Nothing larger than one token row is ever decoded. Arithmetic
+   is float32 and written without fused multiply-adds (built with -ffp-contract=off), so a
+   decoded value and a rotated key equal torch's bit for bit; the dot products' sums come in
+   another order.
+
+   4-bit integer pages without a codebook or outliers (kv-int, QuaRot's cache) take a shorter
+   road: with value = (c - z) * s + o over a channel group g,
+       q . k = s * sum_g(q_d c_d) + ((bias - z) * s + o) * sum_g(q_d),
+   so a key row costs one multiply-add per code (the query's sums per group are computed once),
+   and the values add (p_t s) c_t per code plus one constant per group. The codes are read as
+   two runs, low nibbles (even channels) and high nibbles (odd channels), against the query and
+   accumulator split the same way.
+
+   Threads: a call's tokens, over all its pages, are split into one contiguous range per thread;
+   accumulation gives each thread its own accumulator, summed in thread order. The threads are
+   OpenMP's: loaded into a process that has torch, the library binds to torch's own OpenMP
+   runtime (the same soname), so its threads are torch's pool and the two never compete. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LB_MAX_DIM 512
+#define LB_MAX_THREADS 64
+#define LB_MAX_GROUPS 64
+
+enum { LB_NONE = 0, LB_F16 = 1, LB_F32 = 2, LB_U8 = 3 };
+
+typedef struct {
+    const void *data; /* NULL: absent */
+    int32_t dtype;    /* LB_F16, LB_F32 or LB_U8 */
+    int32_t pad;
+    int64_t stride[4]; /* elements: batch row, head, token group, channel group */
+} lb_stat;
+
+typedef struct {
+    int64_t batch, heads, tokens, dim;
+    const uint8_t *codes;
+    int64_t code_stride[3]; /* bytes: batch row, head, token; a row's bytes are contiguous */
+    int32_t bits;
+    int32_t levels_per_channel; /* levels holds heads * dim tables of 2^bits (else one) */
+    const float *levels;        /* NULL: level = code + level_bias */
+    float level_bias;
+    int32_t token_group, channel_group;
+    lb_stat scale, zero, offset;
+    const int32_t *row_ptr; /* NULL: no outliers; else tokens * batch + 1 entries */
+    const int32_t *col_val;
+} lb_page;
+
+typedef struct {
+    const float *cos, *sin; /* [positions, dim] float32, NULL: keys are cached after RoPE */
+    const int32_t *positions; /* [batch, positions_stride]: the slot's position */
+    int64_t positions_stride;
+} lb_rope;
+
+#ifdef __F16C__
+#include <immintrin.h>
+static float lb_half(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static float lb_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+static float lb_stat_at(const lb_stat *s, int64_t b, int64_t h, int64_t tg, int64_t cg, float absent) {
+    if (!s->data) return absent;
+    int64_t i = b * s->stride[0] + h * s->stride[1] + tg * s->stride[2] + cg * s->stride[3];
+    switch (s->dtype) {
+        case LB_F16: return lb_half(((const uint16_t *)s->data)[i]);
+        case LB_F32: return ((const float *)s->data)[i];
+        default: return (float)((const uint8_t *)s->data)[i];
+    }
+}
+
+/* Row (b, h, t) of the page, decoded into out[dim]. */
+static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, float *out) {
+    const int64_t d = pg->dim;
+    const uint8_t *row = pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
+    uint8_t idx[LB_MAX_DIM];
+    if (pg->bits == 8) {
+        memcpy(idx, row, (size_t)d);
+    } else if (pg->bits == 4) {
+        for (int64_t i = 0; i < d / 2; i++) {
+            idx[2 * i] = row[i] & 15;
+            idx[2 * i + 1] = row[i] >> 4;
+        }
+        if (d & 1) idx[d - 1] = row[d / 2] & 15;
+    } else if (pg->bits == 2) {
+        for (int64_t i = 0; i < d; i++) idx[i] = (row[i >> 2] >> ((i & 3) * 2)) & 3;
+    } else {
+        const int64_t nbytes = (d * pg->bits + 7) / 8;
+        const unsigned mask = (1u << pg->bits) - 1;
+        for (int64_t i = 0; i < d; i++) {
+            int64_t bit = i * pg->bits, byte = bit >> 3;
+            unsigned word = row[byte] | (byte + 1 < nbytes ? (unsigned)row[byte + 1] << 8 : 0u);
+            idx[i] = (uint8_t)((word >> (bit & 7)) & mask);
+        }
+    }
+    if (pg->levels) {
+        const int64_t n = (int64_t)1 << pg->bits;
+        if (pg->levels_per_channel) {
+            const float *table = pg->levels + h * d * n;
+            for (int64_t i = 0; i < d; i++) out[i] = table[i * n + idx[i]];
+        } else {
+            for (int64_t i = 0; i < d; i++) out[i] = pg->levels[idx[i]];
+        }
+    } else {
+        for (int64_t i = 0; i < d; i++) out[i] = (float)idx[i] + pg->level_bias;
+    }
+    const int64_t tg = t / pg->token_group, cg = pg->channel_group;
+    for (int64_t g = 0; g * cg < d; g++) {
+        const float z = lb_stat_at(&pg->zero, b, h, tg, g, 0.0f);
+        const float s = lb_stat_at(&pg->scale, b, h, tg, g, 1.0f);
+        float *o = out + g * cg;
+        if (pg->offset.data) {
+            const float off = lb_stat_at(&pg->offset, b, h, tg, g, 0.0f);
+            if (pg->zero.data) {
+                for (int64_t i = 0; i < cg; i++) o[i] = (o[i] - z) * s + off;
+            } else {
+                for (int64_t i = 0; i < cg; i++) o[i] = o[i] * s + off;
+            }
+        } else if (pg->zero.data) {
+            for (int64_t i = 0; i < cg; i++) o[i] = (o[i] - z) * s;
+        } else if (pg->scale.data) {
+            for (int64_t i = 0; i < cg; i++) o[i] = o[i] * s;
+        }
+    }
+    if (pg->row_ptr) {
+        const int64_t r = t * pg->batch + b, base = pg->row_ptr[0];
+        for (int64_t e = pg->row_ptr[r] - base; e < pg->row_ptr[r + 1] - base; e++) {
+            const uint32_t word = (uint32_t)pg->col_val[e];
+            const int64_t channel = word >> 16;
+            if (channel / d == h) out[channel % d] = lb_half((uint16_t)(word & 0xffff));
+        }
+    }
+}
+
+/* k * cos + rotate_half(k) * sin at the slot's position (torch's order of operations). */
+static void lb_rotate(const lb_rope *rope, int64_t b, int64_t slot, int64_t d, const float *k, float *out) {
+    const int64_t p = rope->positions[b * rope->positions_stride + slot];
+    const float *c = rope->cos + p * d, *s = rope->sin + p * d;
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = k[i] * c[i] + (-k[i + half]) * s[i];
+    for (int64_t i = half; i < d; i++) out[i] = k[i] * c[i] + k[i - half] * s[i];
+}
+
+static float lb_dot(const float *a, const float *b, int64_t d) {
+    float lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += a[i + l] * b[i + l];
+    float sum = 0.0f;
+    for (; i < d; i++) sum += a[i] * b[i];
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
+}
+
+/* The short road applies: 4-bit codes, no codebook, no outliers, an even channel group. */
+static int lb_nibbles(const lb_page *pg) {
+    return pg->bits == 4 && !pg->levels && !pg->row_ptr && pg->channel_group % 2 == 0 && pg->dim % 2 == 0;
+}
+
+typedef struct {
+    const lb_page *pages;
+    const int64_t *starts; /* slot of each page's first token */
+    int64_t n_pages;
+    const lb_rope *rope;
+    const float *q, *p;
+    float *scores, *acc;
+    int64_t groups, total, t0, t1; /* tokens t0..t1 of the pages, counted over all of them */
+    float scaling;
+} lb_job;
+
+/* Calls fn(job, page, local t0, local t1) for the part of each page inside the job's range. */
+static void lb_each_page(const lb_job *job, void (*fn)(const lb_job *, int64_t, int64_t, int64_t)) {
+    int64_t before = 0;
+    for (int64_t i = 0; i < job->n_pages; i++) {
+        const int64_t n = job->pages[i].tokens;
+        int64_t a = job->t0 - before, b = job->t1 - before;
+        if (a < 0) a = 0;
+        if (b > n) b = n;
+        if (a < b) fn(job, i, a, b);
+        before += n;
+    }
+}
+
+static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1) {
+    const lb_page *pg = &job->pages[i];
+    const int64_t d = pg->dim, G = job->groups, start = job->starts[i];
+    const int rope = job->rope && job->rope->cos;
+    float k[LB_MAX_DIM], r[LB_MAX_DIM];
+    float qe[LB_MAX_GROUPS][LB_MAX_DIM / 2], qo[LB_MAX_GROUPS][LB_MAX_DIM / 2], qsum[LB_MAX_GROUPS][LB_MAX_DIM];
+    const int nib = lb_nibbles(pg) && !rope;
+    const int64_t cg = pg->channel_group, ng = d / cg;
+    for (int64_t b = 0; b < pg->batch; b++)
+        for (int64_t h = 0; h < pg->heads; h++) {
+            const float *q = job->q + (b * pg->heads + h) * G * d;
+            float *srow = job->scores + (b * pg->heads + h) * G * job->total + start;
+            if (nib) {
+                for (int64_t g = 0; g < G; g++) {
+                    for (int64_t j = 0; j < d / 2; j++) {
+                        qe[g][j] = q[g * d + 2 * j];
+                        qo[g][j] = q[g * d + 2 * j + 1];
+                    }
+                    for (int64_t c = 0; c < ng; c++) {
+                        float sum = 0.0f;
+                        for (int64_t j = 0; j < cg; j++) sum += q[g * d + c * cg + j];
+                        qsum[g][c] = sum;
+                    }
+                }
+                for (int64_t t = t0; t < t1; t++) {
+                    const uint8_t *row = pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
+                    float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2];
+                    for (int64_t j = 0; j < d / 2; j++) {
+                        lo[j] = (float)(row[j] & 15);
+                        hi[j] = (float)(row[j] >> 4);
+                    }
+                    const int64_t tg = t / pg->token_group;
+                    float scale[LB_MAX_DIM], constant[LB_MAX_DIM];
+                    for (int64_t c = 0; c < ng; c++) {
+                        const float z = lb_stat_at(&pg->zero, b, h, tg, c, 0.0f);
+                        scale[c] = lb_stat_at(&pg->scale, b, h, tg, c, 1.0f);
+                        constant[c] = (pg->level_bias - z) * scale[c] + lb_stat_at(&pg->offset, b, h, tg, c, 0.0f);
+                    }
+                    for (int64_t g = 0; g < G; g++) {
+                        float total = 0.0f;
+                        for (int64_t c = 0; c < ng; c++) {
+                            const int64_t j0 = c * cg / 2, n = cg / 2;
+                            float lanes[8] = {0}, dot = 0.0f;
+                            int64_t j = 0;
+                            for (; j + 8 <= n; j += 8)
+                                for (int l = 0; l < 8; l++)
+                                    lanes[l] += qe[g][j0 + j + l] * lo[j0 + j + l] + qo[g][j0 + j + l] * hi[j0 + j + l];
+                            for (; j < n; j++) dot += qe[g][j0 + j] * lo[j0 + j] + qo[g][j0 + j] * hi[j0 + j];
+                            for (int l = 0; l < 8; l++) dot += lanes[l];
+                            total += scale[c] * dot + constant[c] * qsum[g][c];
+                        }
+                        srow[g * job->total + t] = total * job->scaling;
+                    }
+                }
+                continue;
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                lb_decode_row(pg, b, h, t, k);
+                const float *key = k;
+                if (rope) {
+                    lb_rotate(job->rope, b, start + t, d, k, r);
+                    key = r;
+                }
+                for (int64_t g = 0; g < G; g++) srow[g * job->total + t] = lb_dot(q + g * d, key, d) * job->scaling;
+            }
+        }
+}
+
+static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1) {
+    const lb_page *pg = &job->pages[i];
+    const int64_t d = pg->dim, G = job->groups, start = job->starts[i];
+    float v[LB_MAX_DIM];
+    const int nib = lb_nibbles(pg);
+    const int64_t cg = pg->channel_group, ng = d / cg;
+    for (int64_t b = 0; b < pg->batch; b++)
+        for (int64_t h = 0; h < pg->heads; h++) {
+            const float *prow = job->p + (b * pg->heads + h) * G * job->total + start;
+            float *acc = job->acc + (b * pg->heads + h) * G * d;
+            if (nib) { /* even and odd channels apart, then added in place */
+                float ae[LB_MAX_GROUPS][LB_MAX_DIM / 2] = {{0}}, ao[LB_MAX_GROUPS][LB_MAX_DIM / 2] = {{0}};
+                float add[LB_MAX_GROUPS][LB_MAX_DIM] = {{0}};
+                for (int64_t t = t0; t < t1; t++) {
+                    const uint8_t *row = pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
+                    float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2];
+                    for (int64_t j = 0; j < d / 2; j++) {
+                        lo[j] = (float)(row[j] & 15);
+                        hi[j] = (float)(row[j] >> 4);
+                    }
+                    const int64_t tg = t / pg->token_group;
+                    for (int64_t c = 0; c < ng; c++) {
+                        const float z = lb_stat_at(&pg->zero, b, h, tg, c, 0.0f);
+                        const float s = lb_stat_at(&pg->scale, b, h, tg, c, 1.0f);
+                        const float o = lb_stat_at(&pg->offset, b, h, tg, c, 0.0f);
+                        const float constant = (pg->level_bias - z) * s + o;
+                        const int64_t j0 = c * cg / 2, n = cg / 2;
+                        for (int64_t g = 0; g < G; g++) {
+                            const float w = prow[g * job->total + t], ws = w * s;
+                            for (int64_t j = j0; j < j0 + n; j++) {
+                                ae[g][j] += ws * lo[j];
+                                ao[g][j] += ws * hi[j];
+                            }
+                            add[g][c] += w * constant;
+                        }
+                    }
+                }
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t j = 0; j < d / 2; j++) {
+                        acc[g * d + 2 * j] += ae[g][j] + add[g][2 * j / cg];
+                        acc[g * d + 2 * j + 1] += ao[g][j] + add[g][(2 * j + 1) / cg];
+                    }
+                continue;
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                lb_decode_row(pg, b, h, t, v);
+                for (int64_t g = 0; g < G; g++) {
+                    const float w = prow[g * job->total + t];
+                    float *a = acc + g * d;
+                    for (int64_t j = 0; j < d; j++) a[j] += w * v[j];
+                }
+            }
+        }
+}
+
+static void *lb_scores_job(void *arg) {
+    lb_each_page(arg, lb_scores_page);
+    return NULL;
+}
+
+static void *lb_accumulate_job(void *arg) {
+    lb_each_page(arg, lb_accumulate_page);
+    return NULL;
+}
+
+static int lb_check(const lb_page *pages, const int64_t *starts, int64_t n_pages, int64_t groups, int64_t total) {
+    if (groups <= 0 || groups > LB_MAX_GROUPS) return -1;
+    for (int64_t i = 0; i < n_pages; i++) {
+        const lb_page *pg = &pages[i];
+        if (pg->dim <= 0 || pg->dim > LB_MAX_DIM || pg->bits < 1 || pg->bits > 8) return -1;
+        if (pg->token_group <= 0 || pg->channel_group <= 0 || pg->dim % pg->channel_group) return -1;
+        if (starts[i] < 0 || starts[i] + pg->tokens > total) return -1;
+    }
+    return 0;
+}
+
+/* Split the pages' tokens over `threads` jobs (at least 256 tokens each), run them, join. With
+   `partials`, job i > 0 accumulates into its own zeroed block, added to job 0's at the end. */
+static void lb_run(lb_job *base, int threads, void *(*fn)(void *), float *partials, int64_t acc_size) {
+    int64_t tokens = 0;
+    for (int64_t i = 0; i < base->n_pages; i++) tokens += base->pages[i].tokens;
+    int64_t n = threads < 1 ? 1 : threads;
+    if (n > LB_MAX_THREADS) n = LB_MAX_THREADS;
+    if (n > tokens / 256) n = tokens / 256 > 0 ? tokens / 256 : 1;
+    lb_job jobs[LB_MAX_THREADS];
+    for (int64_t i = 0; i < n; i++) {
+        jobs[i] = *base;
+        jobs[i].t0 = tokens * i / n;
+        jobs[i].t1 = tokens * (i + 1) / n;
+        if (partials && i > 0) {
+            jobs[i].acc = partials + (i - 1) * acc_size;
+            memset(jobs[i].acc, 0, (size_t)acc_size * sizeof(float));
+        }
+    }
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+    for (int64_t i = 0; i < n; i++) fn(&jobs[i]);
+    if (partials)
+        for (int64_t i = 1; i < n; i++)
+            for (int64_t j = 0; j < acc_size; j++) base->acc[j] += jobs[i].acc[j];
+}
+
+/* scores[b, h, g, starts[i] + t] = q[b, h, g] . key(page i; b, h, t) * scaling for every token.
+   q: [batch, heads, groups, dim] float32; scores: [batch, heads, groups, total] float32.
+   Returns -1 (and does nothing) when a page is not one the kernels read. */
+int lb_scores(const lb_page *pages, const int64_t *starts, int64_t n_pages, const lb_rope *rope,
+              const float *q, int64_t groups, float *scores, int64_t total, float scaling, int threads) {
+    if (lb_check(pages, starts, n_pages, groups, total)) return -1;
+    lb_job job = {pages, starts, n_pages, rope, q, NULL, scores, NULL, groups, total, 0, 0, scaling};
+    lb_run(&job, threads, lb_scores_job, NULL, 0);
+    return 0;
+}
+
+/* acc[b, h, g, :] += sum over pages i and tokens t of p[b, h, g, starts[i] + t] * value(i; b, h, t).
+   p: [batch, heads, groups, total] float32; acc: [batch, heads, groups, dim] float32. */
+int lb_accumulate(const lb_page *pages, const int64_t *starts, int64_t n_pages, const float *p,
+                  int64_t groups, int64_t total, float *acc, int threads) {
+    if (lb_check(pages, starts, n_pages, groups, total)) return -1;
+    if (n_pages == 0) return 0;
+    const int64_t acc_size = pages[0].batch * pages[0].heads * groups * pages[0].dim;
+    float *partials = NULL;
+    if (threads > 1) {
+        partials = malloc((size_t)(threads - 1) * (size_t)acc_size * sizeof(float));
+        if (!partials) threads = 1;
+    }
+    lb_job job = {pages, starts, n_pages, NULL, NULL, p, NULL, acc, groups, total, 0, 0, 1.0f};
+    lb_run(&job, threads, lb_accumulate_job, partials, acc_size);
+    free(partials);
+    return 0;
+}

@@ -1,0 +1,188 @@
+"""The compiled decode attention (lowbit.kv.native, packed_attention.c): every page format it
+reads decodes to the torch dequantization bit for bit, its scores and weighted sums match torch
+on the same stored bits, a model's decode steps take it, and without a compiler lowbit falls
+back to the torch path."""
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+from lowbit.api import quantize
+from lowbit.kv import decode, native
+from lowbit.kv.attention import _rope
+from lowbit.kv.int_quant import IntChannelQuantizer, IntTokenQuantizer
+from lowbit.kv.kvquant import KVQuantQuantizer
+from lowbit.kv.quantizer import PackedKV
+from lowbit.models.tiny import tiny_model
+from lowbit.recipes.registry import get_recipe
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+B, H, T, D = 2, 3, 40, 48  # T and D not powers of two; D even so rotate-half pairs
+
+
+def _kvquant(**settings):
+    q = KVQuantQuantizer(num_heads=H, head_dim=D, **settings)
+    g = torch.Generator().manual_seed(3)
+    if q.per_channel:  # calibrated-looking ranges and codebooks, not the defaults
+        q.center.copy_(torch.randn(H, D, generator=g) * 0.3)
+        q.half_range.copy_(torch.rand(H, D, generator=g) + 0.5)
+    levels = torch.sort(torch.rand(q.codebook.shape, generator=g) * 2 - 1, dim=-1).values
+    q.codebook.copy_(levels)
+    return q
+
+
+QUANTIZERS = {
+    "int4 token": lambda: IntTokenQuantizer(4),
+    "int4 token g16": lambda: IntTokenQuantizer(4, group_size=16),
+    "int3 token": lambda: IntTokenQuantizer(3, group_size=24),
+    "int2 symmetric": lambda: IntTokenQuantizer(2, symmetric=True),
+    "int8 token": lambda: IntTokenQuantizer(8),
+    "int5 fp16 min": lambda: IntTokenQuantizer(5, group_size=16, zero="fp16"),
+    "int4 channel": lambda: IntChannelQuantizer(4, token_group=8),
+    "int2 channel fp16 min": lambda: IntChannelQuantizer(2, token_group=8, zero="fp16"),
+    "kvquant3 token outliers": lambda: _kvquant(bits=3, outlier_fraction=0.05),
+    "kvquant4 rotated": lambda: _kvquant(bits=4, outlier_fraction=0.02, rotate=True),
+    "kvquant3 channel codebooks": lambda: _kvquant(
+        bits=3, per_channel=True, channel_codebooks=True, outlier_fraction=0.05
+    ),
+    "kvquant2 channel": lambda: _kvquant(bits=2, per_channel=True, outlier_fraction=0.0),
+}
+
+
+def _pages(name: str, dtype=torch.float32) -> list[PackedKV]:
+    """Two pages of one stream (24 and 16 tokens), quantized from heavy-tailed data."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(B, H, T, D, generator=g) * torch.rand(1, 1, T, D, generator=g) * 3).to(dtype)
+    q = QUANTIZERS[name]()
+    return [q.quantize(x[:, :, :24]), q.quantize(x[:, :, 24:])]
+
+
+def _stored(pages: list[PackedKV]) -> torch.Tensor:
+    """The pages in their stored basis (a rotated format is not rotated back), [B, H, T, D]."""
+    parts = [
+        p.dequantize(torch.float32, rotate_back=False) if p.rotation is not None
+        else p.dequantize(torch.float32)
+        for p in pages
+    ]  # fmt: skip
+    return torch.cat(parts, 2)
+
+
+def _call(fn, pages, *args):
+    described = [native.page_descriptor(p) for p in pages]
+    assert all(d is not None for d in described)
+    descs, starts = native.page_array([d for d, _ in described], [0, pages[0].num_tokens])
+    status = fn(descs, starts, len(pages), *args)
+    assert status == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_decoded_values_equal_torch_bit_for_bit(name, threads):
+    """acc += p v with p one-hot on token t gives the decoded value of token t exactly."""
+    lib = native.library()
+    pages = _pages(name)
+    want = _stored(pages)  # [B, H, T, D]
+    for first in range(0, T, 20):  # 20 query rows, each picking one token
+        tokens = torch.arange(first, min(first + 20, T))
+        p = torch.zeros(B, H, len(tokens), T)
+        p[:, :, torch.arange(len(tokens)), tokens] = 1.0
+        acc = torch.zeros(B, H, len(tokens), D)
+        _call(lib.lb_accumulate, pages, p.data_ptr(), len(tokens), T, acc.data_ptr(), threads)
+        assert torch.equal(acc, want[:, :, tokens]), name
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_scores_and_sums_match_torch(name, pre_rope):
+    lib = native.library()
+    pages = _pages(name)
+    keys = _stored(pages)  # [B, H, T, D]
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, 4, D, generator=g)  # 4 query heads per KV head
+    rope = None
+    if pre_rope:
+        positions = torch.randint(0, 500, (B, T), generator=g, dtype=torch.int32)
+        freq = torch.rand(D // 2, generator=g)
+        angle = torch.arange(500)[:, None].float() * torch.cat([freq, freq])[None]  # [P, D]
+        cos, sin = angle.cos(), angle.sin()
+        rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), T)
+        keys = _rope(keys, cos[positions.long()], sin[positions.long()])
+    scores = torch.empty(B, H, 4, T)
+    _call(lib.lb_scores, pages, None if rope is None else ctypes.byref(rope), q.data_ptr(), 4,
+          scores.data_ptr(), T, 0.125, 2)  # fmt: skip
+    want = q @ keys.transpose(2, 3) * 0.125
+    # float32 sums in another order (the 4-bit integer road factors the scale out of the sum):
+    # measured max |difference| 2.9e-6 on scores of magnitude ~10
+    assert (scores - want).abs().max() < 1e-4 * want.abs().max()
+    p = torch.softmax(want, -1)
+    acc = torch.zeros(B, H, 4, D)
+    _call(lib.lb_accumulate, pages, p.data_ptr(), 4, T, acc.data_ptr(), 2)
+    expected = p @ keys if not pre_rope else p @ _stored(pages)
+    assert (acc - expected).abs().max() < 1e-5 * expected.abs().max() + 1e-6
+
+
+def test_formats_it_cannot_read_are_refused_not_misread():
+    from lowbit.kv.bfp_quant import BFPKVQuantizer
+
+    page = BFPKVQuantizer(num_heads=2, head_dim=64).quantize(torch.randn(1, 2, 8, 64))
+    assert native.page_descriptor(page) is None
+
+
+CALIB = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize(
+    "method, settings, compiled",
+    [
+        ("kv-int", {"bits": 4}, True),
+        ("kv-int", {"bits": 3, "pre_rope": True, "per_channel_keys": True, "key_token_group": 8}, True),
+        ("kivi", {"bits": 2, "group": 8, "residual": 16}, True),
+        ("kvquant", {"bits": 3, "calib_tokens": 128}, True),
+        ("ksort-bfp", {}, False),
+    ],
+)  # fmt: skip
+def test_decode_steps_take_the_compiled_path(monkeypatch, method, settings, compiled):
+    recipe = get_recipe(method, **settings)
+    model = tiny_model("llama", head_dim=32)
+    calibration = CALIB if recipe.needs_calibration else None
+    quantize(model, recipe, calibration=calibration, progress=False)
+    taken = []
+    original = decode.compiled_decode_attention
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode, "compiled_decode_attention", counted)
+    ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    cache = model.lowbit_make_cache()
+    with torch.no_grad():
+        model(ids[:, :27], past_key_values=cache)  # prefill: the torch path, never asked
+        assert taken == []
+        for t in range(27, 30):
+            model(ids[:, t : t + 1], past_key_values=cache)
+    layers = model.config.num_hidden_layers
+    assert taken == [compiled] * (3 * layers)
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        model = quantize(
+            tiny_model("llama", head_dim=32), get_recipe("kv-int", bits=4), progress=False
+        )
+        cache = model.lowbit_make_cache()
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+            logits = model(torch.tensor([[8]]), past_key_values=cache).logits
+        assert torch.isfinite(logits).all()
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.so"))
+    finally:
+        native.library.cache_clear()
