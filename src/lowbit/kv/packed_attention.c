@@ -107,8 +107,27 @@ static float lb_stat_at(const lb_stat *s, int64_t b, int64_t h, int64_t tg, int6
     }
 }
 
+/* The statistics of one (batch row, head, token group), spread over the channels: read once per
+   token group, not once per channel and token (per-channel ranges are read once per page). */
+typedef struct {
+    int64_t b, h, tg; /* whose they are; b = -1: none yet */
+    float zero[LB_MAX_DIM], scale[LB_MAX_DIM], offset[LB_MAX_DIM];
+} lb_stats;
+
+static void lb_load_stats(const lb_page *pg, int64_t b, int64_t h, int64_t tg, lb_stats *st) {
+    if (st->b == b && st->h == h && st->tg == tg) return;
+    st->b = b, st->h = h, st->tg = tg;
+    const int64_t cg = pg->channel_group;
+    for (int64_t g = 0; g * cg < pg->dim; g++) {
+        const float z = lb_stat_at(&pg->zero, b, h, tg, g, 0.0f);
+        const float s = lb_stat_at(&pg->scale, b, h, tg, g, 1.0f);
+        const float o = lb_stat_at(&pg->offset, b, h, tg, g, 0.0f);
+        for (int64_t i = g * cg; i < (g + 1) * cg; i++) st->zero[i] = z, st->scale[i] = s, st->offset[i] = o;
+    }
+}
+
 /* Row (b, h, t) of the page, decoded into out[dim]. */
-static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, float *out) {
+static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, lb_stats *st, float *out) {
     const int64_t d = pg->dim;
     const uint8_t *row = pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
     uint8_t idx[LB_MAX_DIM];
@@ -142,23 +161,18 @@ static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, fl
     } else {
         for (int64_t i = 0; i < d; i++) out[i] = (float)idx[i] + pg->level_bias;
     }
-    const int64_t tg = t / pg->token_group, cg = pg->channel_group;
-    for (int64_t g = 0; g * cg < d; g++) {
-        const float z = lb_stat_at(&pg->zero, b, h, tg, g, 0.0f);
-        const float s = lb_stat_at(&pg->scale, b, h, tg, g, 1.0f);
-        float *o = out + g * cg;
-        if (pg->offset.data) {
-            const float off = lb_stat_at(&pg->offset, b, h, tg, g, 0.0f);
-            if (pg->zero.data) {
-                for (int64_t i = 0; i < cg; i++) o[i] = (o[i] - z) * s + off;
-            } else {
-                for (int64_t i = 0; i < cg; i++) o[i] = o[i] * s + off;
-            }
-        } else if (pg->zero.data) {
-            for (int64_t i = 0; i < cg; i++) o[i] = (o[i] - z) * s;
-        } else if (pg->scale.data) {
-            for (int64_t i = 0; i < cg; i++) o[i] = o[i] * s;
+    lb_load_stats(pg, b, h, t / pg->token_group, st);
+    const float *z = st->zero, *s = st->scale, *o = st->offset;
+    if (pg->offset.data) { /* the same operations as torch, in its order */
+        if (pg->zero.data) {
+            for (int64_t i = 0; i < d; i++) out[i] = (out[i] - z[i]) * s[i] + o[i];
+        } else {
+            for (int64_t i = 0; i < d; i++) out[i] = out[i] * s[i] + o[i];
         }
+    } else if (pg->zero.data) {
+        for (int64_t i = 0; i < d; i++) out[i] = (out[i] - z[i]) * s[i];
+    } else if (pg->scale.data) {
+        for (int64_t i = 0; i < d; i++) out[i] = out[i] * s[i];
     }
     if (pg->row_ptr) {
         const int64_t r = t * pg->batch + b, base = pg->row_ptr[0];
@@ -224,6 +238,7 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
     const int64_t d = pg->dim, G = job->groups, start = job->starts[i];
     const int rope = job->rope && job->rope->cos;
     float k[LB_MAX_DIM], r[LB_MAX_DIM];
+    lb_stats st = {.b = -1};
     float qe[LB_MAX_GROUPS][LB_MAX_DIM / 2], qo[LB_MAX_GROUPS][LB_MAX_DIM / 2], qsum[LB_MAX_GROUPS][LB_MAX_DIM];
     const int nib = lb_nibbles(pg) && !rope;
     const int64_t cg = pg->channel_group, ng = d / cg;
@@ -276,7 +291,7 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
                 continue;
             }
             for (int64_t t = t0; t < t1; t++) {
-                lb_decode_row(pg, b, h, t, k);
+                lb_decode_row(pg, b, h, t, &st, k);
                 const float *key = k;
                 if (rope) {
                     lb_rotate(job->rope, b, start + t, d, k, r);
@@ -291,6 +306,7 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
     const lb_page *pg = &job->pages[i];
     const int64_t d = pg->dim, G = job->groups, start = job->starts[i];
     float v[LB_MAX_DIM];
+    lb_stats st = {.b = -1};
     const int nib = lb_nibbles(pg);
     const int64_t cg = pg->channel_group, ng = d / cg;
     for (int64_t b = 0; b < pg->batch; b++)
@@ -332,7 +348,7 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
                 continue;
             }
             for (int64_t t = t0; t < t1; t++) {
-                lb_decode_row(pg, b, h, t, v);
+                lb_decode_row(pg, b, h, t, &st, v);
                 for (int64_t g = 0; g < G; g++) {
                     const float w = prow[g * job->total + t];
                     float *a = acc + g * d;
