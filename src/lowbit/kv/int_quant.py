@@ -126,6 +126,16 @@ class _IntKVQuantizer(KVQuantizer):
         self.check(d)
         tg, cg = self._groups(d)
         group = cg if self._axis == -1 else tg
+        if self._axis == -1 and not self.symmetric and self.zero == "int":
+            from lowbit.kv.native import quantize_int_tokens  # the compiled store, if built
+
+            compiled = quantize_int_tokens(x, self.bits, cg, self.clip_ratio)
+            if compiled is not None:
+                codes, scale, zero = compiled
+                return IntPackedKV(
+                    shape=x.shape, dtype=x.dtype, codes=codes, scale=scale, zero=zero,
+                    bits=self.bits, symmetric=False, token_group=tg, channel_group=cg,
+                )  # fmt: skip
         if self.symmetric or self.zero == "int":
             scale, zero = int_scale_zero(
                 x, self.bits, symmetric=self.symmetric, axis=self._axis, group_size=group,

@@ -34,7 +34,15 @@ from lowbit.kv.int_quant import IntPackedKV
 from lowbit.kv.kvquant import KVQuantPackedKV
 from lowbit.kv.quantizer import PackedKV
 
-__all__ = ["library", "page_descriptor", "page_array", "Page", "Rope", "SOURCE"]
+__all__ = [
+    "library",
+    "page_descriptor",
+    "page_array",
+    "quantize_int_tokens",
+    "Page",
+    "Rope",
+    "SOURCE",
+]
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +155,36 @@ def library() -> ctypes.CDLL | None:
     lib.lb_scores.argtypes = [pointer, pointer, i64, pointer, pointer, i64, pointer, i64, f32, c_int]  # fmt: skip
     lib.lb_accumulate.argtypes = [pointer, pointer, i64, pointer, i64, i64, pointer, c_int]
     lib.lb_scores.restype = lib.lb_accumulate.restype = c_int
+    lib.lb_quantize_int_rows.argtypes = [pointer, c_int, i64, i64, i64, c_int, f32, pointer, i64, pointer, pointer]  # fmt: skip
+    lib.lb_quantize_int_rows.restype = c_int
     return lib
+
+
+_INPUT_DTYPES = {torch.float32: _F32, torch.float16: _F16, torch.bfloat16: 4}
+
+
+def quantize_int_tokens(
+    x: Tensor, bits: int, group: int, clip: float
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Per-token asymmetric integer codes of ``x`` ``[B, H, T, D]`` in groups of ``group``
+    channels with integer zero points, computed by the compiled library: ``(codes uint8 [B, H,
+    T, ceil(D * bits / 8)], scale fp16 [B, H, T, D / group], zero uint8 [B, H, T, D / group])``,
+    equal bit for bit to :class:`~lowbit.kv.int_quant.IntTokenQuantizer`'s torch path. None
+    where it cannot (no library, not on the CPU, another dtype, a NaN or an infinity)."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype not in _INPUT_DTYPES:
+        return None
+    b, h, t, d = x.shape
+    rows = x.contiguous()
+    row_bytes = -(-d * bits // 8)
+    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8)
+    scale = torch.empty(b, h, t, d // group, dtype=torch.float16)
+    zero = torch.empty(b, h, t, d // group, dtype=torch.uint8)
+    status = lib.lb_quantize_int_rows(
+        rows.data_ptr(), _INPUT_DTYPES[x.dtype], b * h * t, d, group, bits, clip,
+        codes.data_ptr(), row_bytes, scale.data_ptr(), zero.data_ptr(),
+    )  # fmt: skip
+    return None if status else (codes, scale, zero)
 
 
 def page_array(pages: list[Page], starts: list[int]) -> tuple[ctypes.Array, ctypes.Array]:

@@ -36,6 +36,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define LB_MAX_DIM 512
@@ -430,5 +431,69 @@ int lb_accumulate(const lb_page *pages, const int64_t *starts, int64_t n_pages, 
     lb_job job = {pages, starts, n_pages, NULL, NULL, p, NULL, acc, groups, total, 0, 0, 1.0f};
     lb_run(&job, threads, lb_accumulate_job, partials, acc_size);
     free(partials);
+    return 0;
+}
+
+/* Integer codes of new tokens, per token and channel group, asymmetric with an integer zero
+   point: the decode step's store (lowbit.kv.int_quant.IntTokenQuantizer), the same operations
+   as lowbit.formats.intq in the same order, so the codes and statistics equal torch's bit for
+   bit. Per group of `group` values:
+       lo = min(min x, 0) * clip, hi = max(max x, 0) * clip, scale = (hi - lo) / qmax
+       (0 -> 1, below the smallest normal -> the smallest normal),
+       zero = clamp(round(-(lo / scale)), 0, qmax), code = clamp(round(x * (1 / scale)) + zero, 0, qmax)
+   with round half to even. x: [rows, dim] float32 (dtype 2), float16 (1) or bfloat16 (4);
+   codes: [rows, row_bytes] packed as lowbit.formats.packing's plain order; scale: [rows, dim /
+   group] float16 bits; zero: [rows, dim / group] uint8. Returns -1 when x holds a NaN or an
+   infinity (the caller's torch path raises the error). */
+int lb_quantize_int_rows(const void *x, int dtype, int64_t rows, int64_t dim, int64_t group, int bits,
+                         float clip, uint8_t *codes, int64_t row_bytes, uint16_t *scale, uint8_t *zero) {
+    if (dim <= 0 || dim > LB_MAX_DIM || group <= 0 || dim % group || bits < 1 || bits > 8) return -1;
+    const float qmax = (float)((1 << bits) - 1), tiny = 1.17549435e-38f;
+    const int64_t ng = dim / group;
+    for (int64_t r = 0; r < rows; r++) {
+        float v[LB_MAX_DIM];
+        for (int64_t i = 0; i < dim; i++) {
+            const int64_t k = r * dim + i;
+            if (dtype == LB_F32) {
+                v[i] = ((const float *)x)[k];
+            } else if (dtype == LB_F16) {
+                v[i] = lb_half(((const uint16_t *)x)[k]);
+            } else {
+                uint32_t bits32 = (uint32_t)((const uint16_t *)x)[k] << 16;
+                memcpy(&v[i], &bits32, 4);
+            }
+            if (!(v[i] - v[i] == 0.0f)) return -1; /* NaN or infinity */
+        }
+        uint8_t *row = codes + r * row_bytes;
+        memset(row, 0, (size_t)row_bytes);
+        for (int64_t g = 0; g < ng; g++) {
+            const float *xg = v + g * group;
+            float lo = xg[0], hi = xg[0];
+            for (int64_t i = 1; i < group; i++) {
+                lo = xg[i] < lo ? xg[i] : lo;
+                hi = xg[i] > hi ? xg[i] : hi;
+            }
+            lo = lo < 0.0f ? lo : 0.0f;
+            hi = hi > 0.0f ? hi : 0.0f;
+            if (clip != 1.0f) lo = lo * clip, hi = hi * clip;
+            float s = (hi - lo) / qmax;
+            if (!(s - s == 0.0f)) return -1;
+            s = s == 0.0f ? 1.0f : (s < tiny ? tiny : s);
+            float z = nearbyintf(-(lo / s));
+            z = z < 0.0f ? 0.0f : (z > qmax ? qmax : z);
+            const float inv = 1.0f / s;
+            _Float16 s16 = (_Float16)s;
+            memcpy(&scale[r * ng + g], &s16, 2);
+            zero[r * ng + g] = (uint8_t)z;
+            for (int64_t i = 0; i < group; i++) {
+                float q = nearbyintf(xg[i] * inv) + z;
+                q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
+                const unsigned code = (unsigned)q;
+                const int64_t bit = (g * group + i) * bits, byte = bit >> 3;
+                row[byte] |= (uint8_t)(code << (bit & 7));
+                if ((bit & 7) + bits > 8) row[byte + 1] |= (uint8_t)(code >> (8 - (bit & 7)));
+            }
+        }
+    }
     return 0;
 }
