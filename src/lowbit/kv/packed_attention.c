@@ -142,6 +142,13 @@ static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, lb
         if (d & 1) idx[d - 1] = row[d / 2] & 15;
     } else if (pg->bits == 2) {
         for (int64_t i = 0; i < d; i++) idx[i] = (row[i >> 2] >> ((i & 3) * 2)) & 3;
+    } else if (d % 8 == 0) { /* 3, 5, 6, 7 bits: every 8 codes fill `bits` whole bytes */
+        const uint64_t mask = (1u << pg->bits) - 1;
+        for (int64_t c = 0; c < d / 8; c++) {
+            uint64_t word = 0;
+            for (int j = 0; j < pg->bits; j++) word |= (uint64_t)row[c * pg->bits + j] << (8 * j);
+            for (int l = 0; l < 8; l++) idx[c * 8 + l] = (uint8_t)((word >> (l * pg->bits)) & mask);
+        }
     } else {
         const int64_t nbytes = (d * pg->bits + 7) / 8;
         const unsigned mask = (1u << pg->bits) - 1;
