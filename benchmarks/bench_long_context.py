@@ -2,13 +2,19 @@
 
 Rows (``--rows``): the float model with transformers' ``DynamicCache`` and lowbit's KV
 recipes (``kv-int 4``, ``kvquant 4``, ``kvquant 3``, ``kivi 2``, ``ksort-bfp``), each on its
-own copy of the embedded model in ``--dtype``. For every context length (``--contexts``) each
-row's cache is prefilled with that many WikiText-2 test tokens in chunks of ``--chunk``, then
-``--steps`` greedy decode steps are timed, the rows interleaved step by step in one process so
-every row shares the same machine load; a row's figure is the median step. Ratios are to the
-float row of the same run.
+own copy of the embedded model in ``--dtype``. lowbit's decode steps read the packed pages with
+the compiled kernels (:mod:`lowbit.kv.native`) where they read the format (all but
+``ksort-bfp``); the rows ``kv-int 4, torch decode`` and ``kvquant 4, torch decode`` (not run
+unless named) store and attend on the torch path instead, to show the kernels' share.
 
-Columns: decode tokens/s (1 / median step, batch 1), the ratio to the float cache, the cache's
+For every context length (``--contexts``) each row's cache is prefilled with that many
+WikiText-2 test tokens in chunks of ``--chunk``, then ``--steps`` greedy decode steps are
+timed, the rows interleaved step by step in one process so every row shares the same machine
+load; a row's figure is the median step. Ratios are to the first row of the same run (the
+float row by default).
+
+Columns: the median decode step in ms and decode tokens/s (1 / median step, batch 1), the
+ratio to the first row's tokens/s, the cache's
 bytes measured from its stored tensors (lowbit: ``QuantizedKVCache.nbytes``, sinks and fp
 residual in float16; float: every key and value tensor), and the peak resident memory above
 what was resident before the row's prefill (sampled every 20 ms: prefill and its first
@@ -34,6 +40,7 @@ Command (docs/results/long-context.md)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import gc
@@ -56,7 +63,29 @@ ROWS = {
     "kvquant 3": ("kvquant", {"bits": 3}),
     "kivi 2": ("kivi", {"bits": 2}),
     "ksort-bfp": ("ksort-bfp", {}),
+    "kv-int 4, torch decode": ("kv-int", {"bits": 4}),
+    "kvquant 4, torch decode": ("kvquant", {"bits": 4}),
 }
+#: rows whose decode steps store and attend on the torch path (no compiled library) although the
+#: compiled kernels (lowbit.kv.native) read their pages: the kernels' gain, in the same run
+TORCH_DECODE = {name for name in ROWS if name.endswith(", torch decode")}
+DEFAULT_ROWS = [name for name in ROWS if name not in TORCH_DECODE]
+
+
+@contextlib.contextmanager
+def decode_path(name: str):
+    """Inside: ``name``'s decode steps take the path its row names."""
+    from lowbit.kv import native
+
+    if name not in TORCH_DECODE:
+        yield
+        return
+    library = native.library
+    native.library = lambda: None
+    try:
+        yield
+    finally:
+        native.library = library
 
 
 def _trim() -> None:
@@ -144,9 +173,10 @@ def time_rows(models, caches, nxt, steps):
     with torch.no_grad():
         for _ in range(steps):
             for name, model in models.items():
-                start = time.perf_counter()
-                logits = model(nxt[name], past_key_values=caches[name]).logits
-                times[name].append(time.perf_counter() - start)
+                with decode_path(name):
+                    start = time.perf_counter()
+                    logits = model(nxt[name], past_key_values=caches[name]).logits
+                    times[name].append(time.perf_counter() - start)
                 nxt[name] = logits[:, -1:].argmax(-1)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -195,7 +225,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=1024)
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--calib-tokens", type=int, default=2048)
     parser.add_argument(
@@ -208,8 +238,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    lines = [stamp(command_line()), ""]
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    lines = [stamp(command_line()), ""]  # after the threads are set: the stamp names them
     models, tokenizer = build_rows(args.rows, dtype, args.calib_tokens)
     contexts = sorted(args.contexts)
     rows, caches = [], None
@@ -231,12 +261,13 @@ def main() -> None:
         for name in args.rows:
             nbytes = _cache_bytes(caches[name])
             rows.append(
-                [f"{context:,}", contents, name, args.dtype, f"{1 / step[name]:.2f}",
+                [f"{context:,}", contents, name, args.dtype, f"{step[name] * 1e3:,.0f}",
+                 f"{1 / step[name]:.3g}",
                  f"{step[base] / step[name]:.2f}", f"{nbytes / 1e6:.1f}",
                  f"{nbytes / base_bytes:.3f}", measured[name]]
             )  # fmt: skip
             print(rows[-1], flush=True)
-    header = ["context", "contents", "KV cache", "dtype", "decode tok/s", "× float",
+    header = ["context", "contents", "KV cache", "dtype", "ms a step", "decode tok/s", "× float",
               "cache MB", "× float bytes", "prefill peak MB above model"]  # fmt: skip
     lines.append(markdown_table(header, rows))
     text = "\n".join(lines)
