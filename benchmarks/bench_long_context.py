@@ -14,11 +14,10 @@ load; a row's figure is the median step. Ratios are to the first row of the same
 float row by default).
 
 Columns: the median decode step in ms and decode tokens/s (1 / median step, batch 1), the
-ratio to the first row's tokens/s, the cache's
-bytes measured from its stored tensors (lowbit: ``QuantizedKVCache.nbytes``, sinks and fp
-residual in float16; float: every key and value tensor), and the peak resident memory above
-what was resident before the row's prefill (sampled every 20 ms: prefill and its first
-decode step).
+ratio to the first row's tokens/s, the cache's bytes measured from its stored tensors (lowbit:
+``QuantizedKVCache.nbytes``, sinks and fp residual in float16; float: every key and value
+tensor), and the peak resident memory above what was resident before the row's prefill
+(sampled every 20 ms: prefill and its first decode step).
 
 ``kvquant`` rows calibrate on ``--calib-tokens`` tokens of WikiText-2's test text from character
 800,000 on, far past the prompts (speed does not depend on the codebook; accuracy is
