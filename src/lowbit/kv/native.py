@@ -1,17 +1,20 @@
-"""The compiled decode attention over packed KV pages (``packed_attention.c``), built at first use.
+"""The compiled CPU kernels of a quantized KV cache's decode step (``packed_attention.c``).
 
 :func:`library` compiles ``packed_attention.c`` beside this module with the system's C compiler
-(``$CC`` or ``cc``; ``-O3 -march=native -ffp-contract=off``) into lowbit's cache directory
-(``<cache>/native/``, named by a hash of the source, the flags, the compiler and the CPU), once
-per machine; later processes load the cached library. No compiler, a failed build, a platform
-without ``pthread`` or ``LOWBIT_NATIVE=0``: :func:`library` returns None and attention stays on
-the torch path (:func:`lowbit.kv.decode.chunked_attention`), which gives the same numbers.
+(``$CC`` or ``cc``; ``-O3 -march=native -ffp-contract=off -fopenmp``) into lowbit's cache
+directory (``<cache>/native/``, named by a hash of the source, the flags, the compiler and the
+CPU), once per machine; later processes load the cached library. No compiler, a failed build
+(a compiler without ``_Float16`` or OpenMP), a platform that is not POSIX or
+``LOWBIT_NATIVE=0``: :func:`library` returns None and the cache stays on its torch path
+(:func:`lowbit.kv.decode.chunked_attention`, the torch quantizers), which gives the same
+numbers, slower.
 
-:func:`page_descriptor` describes one packed page to the kernels: integer pages
+:func:`page_descriptor` describes one packed page to the attention kernels: integer pages
 (:class:`~lowbit.kv.int_quant.IntPackedKV`: per token or per channel, any bits, integer zero
 points, fp16 minima or symmetric) and KVQuant pages
 (:class:`~lowbit.kv.kvquant.KVQuantPackedKV`: shared or per-channel codebooks, per-token or
 per-channel ranges, sparse outliers). Other formats (K-sort + BFP) return None.
+:func:`quantize_int_tokens` is the store of per-token integer caches (kv-int, QuaRot's).
 """
 
 from __future__ import annotations
@@ -99,13 +102,14 @@ class Rope(ctypes.Structure):
 
 
 def _cpu_name() -> str:
+    """The CPU's model and instruction-set flags (``-march=native`` builds for them)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return f"{model}\n{flags}" if model or flags else platform.processor()
 
 
 def _build(compiler: str, target: Path) -> None:
