@@ -217,7 +217,7 @@ def compiled_decode_attention(
     threads = torch.get_num_threads()
 
     qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]
-    scores = torch.empty(b, hkv, groups, total)  # [B, Hkv, G, T]
+    scores = torch.empty(b, hkv, groups, total, device=q.device)  # [B, Hkv, G, T]
     packed = []  # (slot, descriptor) of each key page
     for (r0, r1, data), page in zip(regions["k"], pages["k"], strict=True):
         if page is None:  # fp sink or residual
@@ -249,7 +249,7 @@ def compiled_decode_attention(
     for (r0, r1, data), page in zip(regions["v"], pages["v"], strict=True):
         key = 0 if page is None or data.rotation is None else id(data.rotation)
         if key not in acc:
-            acc[key] = torch.zeros(b, hkv, groups, d)
+            acc[key] = torch.zeros(b, hkv, groups, d, device=q.device)
         if page is None:
             acc[key] += torch.matmul(p[..., r0:r1], data.float())
         else:

@@ -181,9 +181,9 @@ def quantize_int_tokens(
     b, h, t, d = x.shape
     rows = x.contiguous()
     row_bytes = -(-d * bits // 8)
-    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8)
-    scale = torch.empty(b, h, t, d // group, dtype=torch.float16)
-    zero = torch.empty(b, h, t, d // group, dtype=torch.uint8)
+    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(b, h, t, d // group, dtype=torch.float16, device=x.device)
+    zero = torch.empty(b, h, t, d // group, dtype=torch.uint8, device=x.device)
     status = lib.lb_quantize_int_rows(
         rows.data_ptr(), _INPUT_DTYPES[x.dtype], b * h * t, d, group, bits, clip,
         codes.data_ptr(), row_bytes, scale.data_ptr(), zero.data_ptr(),
