@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lowbit.api import quantize
-from lowbit.kv import decode, native
+from lowbit.kv import decode, native, page_descriptors
 from lowbit.kv.attention import _rope
 from lowbit.kv.int_quant import IntChannelQuantizer, IntTokenQuantizer
 from lowbit.kv.kvquant import KVQuantQuantizer
@@ -72,9 +72,9 @@ def _stored(pages: list[PackedKV]) -> torch.Tensor:
 
 
 def _call(fn, pages, *args):
-    described = [native.page_descriptor(p) for p in pages]
+    described = [page_descriptors.page_descriptor(p) for p in pages]
     assert all(d is not None for d in described)
-    descs, starts = native.page_array([d for d, _ in described], [0, pages[0].num_tokens])
+    descs, starts = page_descriptors.page_array([d for d, _ in described], [0, pages[0].num_tokens])
     status = fn(descs, starts, len(pages), *args)
     assert status == 0
 
@@ -139,7 +139,7 @@ def test_formats_it_cannot_read_are_refused_not_misread():
     from lowbit.kv.bfp_quant import BFPKVQuantizer
 
     page = BFPKVQuantizer(num_heads=2, head_dim=64).quantize(torch.randn(1, 2, 8, 64))
-    assert native.page_descriptor(page) is None
+    assert page_descriptors.page_descriptor(page) is None
 
 
 CALIB = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(5))

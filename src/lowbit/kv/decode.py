@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 import lowbit.kv.cache as kv_cache
-from lowbit.kv import native
+import lowbit.kv.native as native
+import lowbit.kv.page_descriptors as pages_c
 from lowbit.kv.cache import QuantizedKVLayer
 
 __all__ = ["chunked_attention", "compiled_decode_attention", "RopeTable"]
@@ -198,7 +199,7 @@ def compiled_decode_attention(
                 continue
             if name == "k" and data.rotation is not None:
                 return None
-            described = native.page_descriptor(data)
+            described = pages_c.page_descriptor(data)
             if described is None:
                 return None
             pages[name].append(described)
@@ -228,7 +229,7 @@ def compiled_decode_attention(
         else:
             packed.append((r0, page[0]))
     if packed:
-        descs, starts = native.page_array([desc for _, desc in packed], [r0 for r0, _ in packed])
+        descs, starts = pages_c.page_array([desc for _, desc in packed], [r0 for r0, _ in packed])
         status = lib.lb_scores(descs, starts, len(packed), None if rope is None else ctypes.byref(rope),
                                qf.data_ptr(), groups, scores.data_ptr(), total, scaling, threads)  # fmt: skip
         if status:
@@ -256,7 +257,7 @@ def compiled_decode_attention(
             rotations[key] = data.rotation
             by_basis.setdefault(key, []).append((r0, page[0]))
     for key, group in by_basis.items():
-        descs, starts = native.page_array([desc for _, desc in group], [r0 for r0, _ in group])
+        descs, starts = pages_c.page_array([desc for _, desc in group], [r0 for r0, _ in group])
         status = lib.lb_accumulate(descs, starts, len(group), p.data_ptr(), groups, total,
                                    acc[key].data_ptr(), threads)  # fmt: skip
         if status:

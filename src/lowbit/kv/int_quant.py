@@ -27,6 +27,7 @@ from torch import Tensor
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import int_quantize_with, int_scale_zero
 from lowbit.formats.packing import pack_bits, packed_words_per_row, unpack_bits
+from lowbit.kv.native import quantize_int_tokens
 from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
 
 __all__ = ["IntPackedKV", "IntTokenQuantizer", "IntChannelQuantizer"]
@@ -127,8 +128,7 @@ class _IntKVQuantizer(KVQuantizer):
         tg, cg = self._groups(d)
         group = cg if self._axis == -1 else tg
         if self._axis == -1 and not self.symmetric and self.zero == "int":
-            from lowbit.kv.native import quantize_int_tokens  # the compiled store, if built
-
+            # the compiled store where it is built (lowbit.kv.native), else torch below
             compiled = quantize_int_tokens(x, self.bits, cg, self.clip_ratio)
             if compiled is not None:
                 codes, scale, zero = compiled

@@ -9,11 +9,7 @@ CPU), once per machine; later processes load the cached library. No compiler, a 
 (:func:`lowbit.kv.decode.chunked_attention`, the torch quantizers), which gives the same
 numbers, slower.
 
-:func:`page_descriptor` describes one packed page to the attention kernels: integer pages
-(:class:`~lowbit.kv.int_quant.IntPackedKV`: per token or per channel, any bits, integer zero
-points, fp16 minima or symmetric) and KVQuant pages
-(:class:`~lowbit.kv.kvquant.KVQuantPackedKV`: shared or per-channel codebooks, per-token or
-per-channel ranges, sparse outliers). Other formats (K-sort + BFP) return None.
+:mod:`lowbit.kv.page_descriptors` describes packed pages to the attention kernels.
 :func:`quantize_int_tokens` is the store of per-token integer caches (kv-int, QuaRot's).
 """
 
@@ -33,19 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lowbit.kv.int_quant import IntPackedKV
-from lowbit.kv.kvquant import KVQuantPackedKV
-from lowbit.kv.quantizer import PackedKV
-
-__all__ = [
-    "library",
-    "page_descriptor",
-    "page_array",
-    "quantize_int_tokens",
-    "Page",
-    "Rope",
-    "SOURCE",
-]
+__all__ = ["library", "quantize_int_tokens", "Page", "Rope", "Stat", "SOURCE"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +37,15 @@ SOURCE = Path(__file__).with_name("packed_attention.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
 MAX_DIM, MAX_GROUPS = 512, 64  # LB_MAX_DIM, LB_MAX_GROUPS in the source
 
-_NONE, _F16, _F32, _U8 = 0, 1, 2, 3
-_DTYPES = {torch.float16: _F16, torch.float32: _F32, torch.uint8: _U8}
+_F16, _F32, _U8, _BF16 = 1, 2, 3, 4
+#: dtypes of page statistics the kernels read (LB_F16, LB_F32, LB_U8)
+STAT_DTYPES = {torch.float16: _F16, torch.float32: _F32, torch.uint8: _U8}
 
 
-class _Stat(ctypes.Structure):
+class Stat(ctypes.Structure):
+    """``lb_stat``: one statistic of a page (data, dtype, strides of batch, head, token group,
+    channel group)."""
+
     _fields_ = [
         ("data", ctypes.c_void_p),
         ("dtype", ctypes.c_int32),
@@ -82,9 +70,9 @@ class Page(ctypes.Structure):
         ("level_bias", ctypes.c_float),
         ("token_group", ctypes.c_int32),
         ("channel_group", ctypes.c_int32),
-        ("scale", _Stat),
-        ("zero", _Stat),
-        ("offset", _Stat),
+        ("scale", Stat),
+        ("zero", Stat),
+        ("offset", Stat),
         ("row_ptr", ctypes.c_void_p),
         ("col_val", ctypes.c_void_p),
     ]
@@ -164,7 +152,7 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-_INPUT_DTYPES = {torch.float32: _F32, torch.float16: _F16, torch.bfloat16: 4}
+_INPUT_DTYPES = {torch.float32: _F32, torch.float16: _F16, torch.bfloat16: _BF16}
 
 
 def quantize_int_tokens(
@@ -189,66 +177,3 @@ def quantize_int_tokens(
         codes.data_ptr(), row_bytes, scale.data_ptr(), zero.data_ptr(),
     )  # fmt: skip
     return None if status else (codes, scale, zero)
-
-
-def page_array(pages: list[Page], starts: list[int]) -> tuple[ctypes.Array, ctypes.Array]:
-    """``pages`` and the slot of each one's first token as the C arrays the kernels take."""
-    return (Page * len(pages))(*pages), (ctypes.c_int64 * len(starts))(*starts)
-
-
-def _stat(t: Tensor | None, token_group_axis: bool = True) -> _Stat:
-    """A statistic ``[B, H, T/tg, D/cg]`` (or ``[H, D]``: per channel, shared by every token)."""
-    s = _Stat()
-    if t is None:
-        return s
-    s.data, s.dtype = t.data_ptr(), _DTYPES[t.dtype]
-    if t.dim() == 2:  # [H, D]: no batch or token axis
-        s.stride[:] = [0, t.stride(0), 0, t.stride(1)]
-    else:
-        s.stride[:] = list(t.stride())
-    return s
-
-
-def page_descriptor(page: PackedKV) -> tuple[Page, list[Tensor]] | None:
-    """``page`` as the kernels read it, and the tensors that must stay alive while they do;
-    None for a format or layout the kernels do not read (attention then takes the torch path)."""
-    b, h, t, d = page.shape
-    if not isinstance(page, (IntPackedKV, KVQuantPackedKV)):
-        return None
-    if d > MAX_DIM or page.codes is None or page.codes.device.type != "cpu":
-        return None
-    codes = page.codes
-    if codes.stride(-1) != 1:
-        codes = codes.contiguous()
-    keep = [codes]
-    desc = Page(batch=b, heads=h, tokens=t, dim=d, codes=codes.data_ptr())
-    desc.code_stride[:] = list(codes.stride()[:3])
-    if isinstance(page, IntPackedKV):
-        stats = [page.scale, page.zero, page.minimum]
-        if any(s is not None and s.dtype not in _DTYPES for s in stats):
-            return None
-        desc.bits = page.bits
-        desc.level_bias = -float(2 ** (page.bits - 1)) if page.symmetric else 0.0
-        desc.token_group, desc.channel_group = page.token_group, page.channel_group
-        desc.scale, desc.zero, desc.offset = (_stat(s) for s in stats)
-        keep += [s for s in stats if s is not None]
-    else:
-        q = page.quantizer
-        levels = q.codebook.float().contiguous()  # [2**bits] or [H*D, 2**bits]
-        desc.bits, desc.levels = q.bits, levels.data_ptr()
-        desc.levels_per_channel = int(levels.dim() == 2)
-        if page.center is None:  # per-channel ranges [H, D]
-            half, center = q.half_range, q.center
-            desc.token_group, desc.channel_group = 1, 1
-        else:  # per-token ranges [B, H, T, 1]
-            half, center = page.half_range, page.center
-            desc.token_group, desc.channel_group = 1, d
-        if half.dtype not in _DTYPES or center.dtype not in _DTYPES:
-            half, center = half.float(), center.float()
-        desc.scale, desc.offset = _stat(half), _stat(center)
-        keep += [levels, half, center]
-        if page.col_val.numel():
-            row_ptr, col_val = page.row_ptr.contiguous(), page.col_val.contiguous()
-            desc.row_ptr, desc.col_val = row_ptr.data_ptr(), col_val.data_ptr()
-            keep += [row_ptr, col_val]
-    return desc, keep
