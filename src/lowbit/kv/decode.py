@@ -6,7 +6,9 @@ for each chunk the layer yields (a page of packed tokens, the fp sink, the fp re
 ``lowbit.kv.cache.PAGE_TOKENS`` slots) it dequantizes that chunk only, applies RoPE to pre-RoPE keys at their
 true positions, takes the scores, and merges them into a running max, sum and weighted value
 sum (Dao et al.'s online softmax). The work per step is one pass over the stored codes; the
-float memory is one chunk's.
+float memory is one chunk's. A decode step (one query per row) goes first to
+:func:`compiled_decode_attention`, the same computation in compiled C (:mod:`lowbit.kv.native`)
+for the formats it reads.
 
 Decisions:
 
