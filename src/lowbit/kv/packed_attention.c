@@ -108,6 +108,11 @@ static float lb_stat_at(const lb_stat *s, int64_t b, int64_t h, int64_t tg, int6
     }
 }
 
+/* The codes of row (b, h, t) of a page. */
+static const uint8_t *lb_row(const lb_page *pg, int64_t b, int64_t h, int64_t t) {
+    return pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
+}
+
 /* The statistics of one (batch row, head, token group), spread over the channels: read once per
    token group, not once per channel and token (per-channel ranges are read once per page). */
 typedef struct {
@@ -130,7 +135,7 @@ static void lb_load_stats(const lb_page *pg, int64_t b, int64_t h, int64_t tg, l
 /* Row (b, h, t) of the page, decoded into out[dim]. */
 static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, lb_stats *st, float *out) {
     const int64_t d = pg->dim;
-    const uint8_t *row = pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
+    const uint8_t *row = lb_row(pg, b, h, t);
     uint8_t idx[LB_MAX_DIM];
     if (pg->bits == 8) {
         memcpy(idx, row, (size_t)d);
@@ -217,6 +222,23 @@ static int lb_nibbles(const lb_page *pg) {
     return pg->bits == 4 && !pg->levels && !pg->row_ptr && pg->channel_group % 2 == 0 && pg->dim % 2 == 0;
 }
 
+/* A 4-bit row's codes as floats: even channels (low nibbles) in lo, odd ones in hi. */
+static void lb_nibble_row(const uint8_t *row, int64_t d, float *lo, float *hi) {
+    for (int64_t j = 0; j < d / 2; j++) {
+        lo[j] = (float)(row[j] & 15);
+        hi[j] = (float)(row[j] >> 4);
+    }
+}
+
+/* Per channel group c of row (b, h) in token group tg: value = scale[c] * code + constant[c]. */
+static void lb_group_affine(const lb_page *pg, int64_t b, int64_t h, int64_t tg, float *scale, float *constant) {
+    for (int64_t c = 0; c < pg->dim / pg->channel_group; c++) {
+        const float z = lb_stat_at(&pg->zero, b, h, tg, c, 0.0f);
+        scale[c] = lb_stat_at(&pg->scale, b, h, tg, c, 1.0f);
+        constant[c] = (pg->level_bias - z) * scale[c] + lb_stat_at(&pg->offset, b, h, tg, c, 0.0f);
+    }
+}
+
 typedef struct {
     const lb_page *pages;
     const int64_t *starts; /* slot of each page's first token */
@@ -267,19 +289,9 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
                     }
                 }
                 for (int64_t t = t0; t < t1; t++) {
-                    const uint8_t *row = pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
-                    float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2];
-                    for (int64_t j = 0; j < d / 2; j++) {
-                        lo[j] = (float)(row[j] & 15);
-                        hi[j] = (float)(row[j] >> 4);
-                    }
-                    const int64_t tg = t / pg->token_group;
-                    float scale[LB_MAX_DIM], constant[LB_MAX_DIM];
-                    for (int64_t c = 0; c < ng; c++) {
-                        const float z = lb_stat_at(&pg->zero, b, h, tg, c, 0.0f);
-                        scale[c] = lb_stat_at(&pg->scale, b, h, tg, c, 1.0f);
-                        constant[c] = (pg->level_bias - z) * scale[c] + lb_stat_at(&pg->offset, b, h, tg, c, 0.0f);
-                    }
+                    float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2], scale[LB_MAX_DIM], constant[LB_MAX_DIM];
+                    lb_nibble_row(lb_row(pg, b, h, t), d, lo, hi);
+                    lb_group_affine(pg, b, h, t / pg->token_group, scale, constant);
                     for (int64_t g = 0; g < G; g++) {
                         float total = 0.0f;
                         for (int64_t c = 0; c < ng; c++) {
@@ -325,18 +337,11 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
                 float ae[LB_MAX_GROUPS][LB_MAX_DIM / 2] = {{0}}, ao[LB_MAX_GROUPS][LB_MAX_DIM / 2] = {{0}};
                 float add[LB_MAX_GROUPS][LB_MAX_DIM] = {{0}};
                 for (int64_t t = t0; t < t1; t++) {
-                    const uint8_t *row = pg->codes + b * pg->code_stride[0] + h * pg->code_stride[1] + t * pg->code_stride[2];
-                    float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2];
-                    for (int64_t j = 0; j < d / 2; j++) {
-                        lo[j] = (float)(row[j] & 15);
-                        hi[j] = (float)(row[j] >> 4);
-                    }
-                    const int64_t tg = t / pg->token_group;
+                    float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2], scale[LB_MAX_DIM], constant[LB_MAX_DIM];
+                    lb_nibble_row(lb_row(pg, b, h, t), d, lo, hi);
+                    lb_group_affine(pg, b, h, t / pg->token_group, scale, constant);
                     for (int64_t c = 0; c < ng; c++) {
-                        const float z = lb_stat_at(&pg->zero, b, h, tg, c, 0.0f);
-                        const float s = lb_stat_at(&pg->scale, b, h, tg, c, 1.0f);
-                        const float o = lb_stat_at(&pg->offset, b, h, tg, c, 0.0f);
-                        const float constant = (pg->level_bias - z) * s + o;
+                        const float s = scale[c];
                         const int64_t j0 = c * cg / 2, n = cg / 2;
                         for (int64_t g = 0; g < G; g++) {
                             const float w = prow[g * job->total + t], ws = w * s;
@@ -344,7 +349,7 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
                                 ae[g][j] += ws * lo[j];
                                 ao[g][j] += ws * hi[j];
                             }
-                            add[g][c] += w * constant;
+                            add[g][c] += w * constant[c];
                         }
                     }
                 }
