@@ -143,6 +143,22 @@ def test_formats_it_cannot_read_are_refused_not_misread():
     assert page_descriptors.page_descriptor(page) is None
 
 
+
+def test_a_page_is_described_once_while_it_lives():
+    """A decode step describes only pages it has not seen: the same page object gets the same
+    descriptor, a joined page (a new object) a new one, and a dropped page's entry goes."""
+    quantizer = KVQuantQuantizer(num_heads=2, head_dim=64, bits=3, per_channel=True)
+    first = quantizer.quantize(torch.randn(1, 2, 8, 64))
+    described = page_descriptors.page_descriptor(first)
+    assert page_descriptors.page_descriptor(first)[0] is described[0]
+    joined = type(first).concat([first, quantizer.quantize(torch.randn(1, 2, 4, 64))])
+    assert page_descriptors.page_descriptor(joined)[0] is not described[0]
+    assert page_descriptors.page_descriptor(joined)[0].tokens == 12
+    key = id(joined)
+    del joined
+    assert key not in page_descriptors._described
+
+
 CALIB = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(5))
 
 

@@ -42,6 +42,7 @@
 #define LB_MAX_DIM 512
 #define LB_MAX_THREADS 64
 #define LB_MAX_GROUPS 64
+#define LB_TABLE 16384 /* floats: a page's per-channel value table, dim x 2^bits */
 
 enum { LB_NONE = 0, LB_F16 = 1, LB_F32 = 2, LB_U8 = 3 };
 
@@ -114,13 +115,37 @@ static const uint8_t *lb_row(const lb_page *pg, int64_t b, int64_t h, int64_t t)
 }
 
 /* The statistics of one (batch row, head, token group), spread over the channels: read once per
-   token group, not once per channel and token (per-channel ranges are read once per page). */
+   token group, not once per channel and token (per-channel ranges once per head of a page, and
+   then turned into a table of every channel's values). */
 typedef struct {
     int64_t b, h, tg; /* whose they are; b = -1: none yet */
     float zero[LB_MAX_DIM], scale[LB_MAX_DIM], offset[LB_MAX_DIM];
+    int table_ready;        /* statistics shared by every token: value = table[channel][code] */
+    float table[LB_TABLE]; /* [dim][2^bits] */
 } lb_stats;
 
+/* v = (v - zero) * scale + offset over d channels, each part only where the page has it (torch's
+   operations, each rounded to float32). */
+static void lb_affine(const lb_page *pg, float *v, const float *z, const float *s, const float *o, int64_t d) {
+    if (pg->zero.data)
+        for (int64_t i = 0; i < d; i++) v[i] -= z[i];
+    if (pg->scale.data || pg->zero.data)
+        for (int64_t i = 0; i < d; i++) v[i] *= s[i];
+    if (pg->offset.data)
+        for (int64_t i = 0; i < d; i++) v[i] += o[i];
+}
+
+/* Level of `code` in channel i of head h. */
+static inline float lb_level(const lb_page *pg, int64_t h, int64_t i, int code) {
+    if (!pg->levels) return (float)code + pg->level_bias;
+    return pg->levels_per_channel ? pg->levels[(h * pg->dim + i) * ((int64_t)1 << pg->bits) + code] : pg->levels[code];
+}
+
 static void lb_load_stats(const lb_page *pg, int64_t b, int64_t h, int64_t tg, lb_stats *st) {
+    /* statistics without a token (or batch) axis, per-channel ranges, are read once a head */
+    const int shared = !(pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2]);
+    if (shared) tg = 0;
+    if (!(pg->scale.stride[0] || pg->zero.stride[0] || pg->offset.stride[0])) b = 0;
     if (st->b == b && st->h == h && st->tg == tg) return;
     st->b = b, st->h = h, st->tg = tg;
     const int64_t cg = pg->channel_group;
@@ -129,6 +154,16 @@ static void lb_load_stats(const lb_page *pg, int64_t b, int64_t h, int64_t tg, l
         const float s = lb_stat_at(&pg->scale, b, h, tg, g, 1.0f);
         const float o = lb_stat_at(&pg->offset, b, h, tg, g, 0.0f);
         for (int64_t i = g * cg; i < (g + 1) * cg; i++) st->zero[i] = z, st->scale[i] = s, st->offset[i] = o;
+    }
+    /* shared by every token: each channel's 2^bits values once, then a row is table lookups */
+    const int64_t n = (int64_t)1 << pg->bits;
+    st->table_ready = shared && pg->dim * n <= LB_TABLE;
+    if (!st->table_ready) return;
+    float v[LB_MAX_DIM];
+    for (int64_t c = 0; c < n; c++) {
+        for (int64_t i = 0; i < pg->dim; i++) v[i] = lb_level(pg, h, i, (int)c);
+        lb_affine(pg, v, st->zero, st->scale, st->offset, pg->dim);
+        for (int64_t i = 0; i < pg->dim; i++) st->table[i * n + c] = v[i];
     }
 }
 
@@ -163,36 +198,20 @@ static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, lb
             idx[i] = (uint8_t)((word >> (bit & 7)) & mask);
         }
     }
-    if (pg->levels) {
-        const int64_t n = (int64_t)1 << pg->bits;
-        if (pg->levels_per_channel) {
-            const float *table = pg->levels + h * d * n;
-            for (int64_t i = 0; i < d; i++) out[i] = table[i * n + idx[i]];
-        } else {
-            for (int64_t i = 0; i < d; i++) out[i] = pg->levels[idx[i]];
-        }
-    } else {
-        for (int64_t i = 0; i < d; i++) out[i] = (float)idx[i] + pg->level_bias;
-    }
     lb_load_stats(pg, b, h, t / pg->token_group, st);
-    const float *z = st->zero, *s = st->scale, *o = st->offset;
-    if (pg->offset.data) { /* the same operations as torch, in its order */
-        if (pg->zero.data) {
-            for (int64_t i = 0; i < d; i++) out[i] = (out[i] - z[i]) * s[i] + o[i];
-        } else {
-            for (int64_t i = 0; i < d; i++) out[i] = out[i] * s[i] + o[i];
-        }
-    } else if (pg->zero.data) {
-        for (int64_t i = 0; i < d; i++) out[i] = (out[i] - z[i]) * s[i];
-    } else if (pg->scale.data) {
-        for (int64_t i = 0; i < d; i++) out[i] = out[i] * s[i];
+    if (st->table_ready) {
+        const int64_t n = (int64_t)1 << pg->bits;
+        for (int64_t i = 0; i < d; i++) out[i] = st->table[i * n + idx[i]];
+    } else {
+        for (int64_t i = 0; i < d; i++) out[i] = lb_level(pg, h, i, idx[i]);
+        lb_affine(pg, out, st->zero, st->scale, st->offset, d);
     }
     if (pg->row_ptr) {
-        const int64_t r = t * pg->batch + b, base = pg->row_ptr[0];
+        const int64_t r = t * pg->batch + b, base = pg->row_ptr[0], first = h * d;
         for (int64_t e = pg->row_ptr[r] - base; e < pg->row_ptr[r + 1] - base; e++) {
             const uint32_t word = (uint32_t)pg->col_val[e];
-            const int64_t channel = word >> 16;
-            if (channel / d == h) out[channel % d] = lb_half((uint16_t)(word & 0xffff));
+            const int64_t channel = (int64_t)(word >> 16) - first; /* this head's: 0 <= channel < d */
+            if (channel >= 0 && channel < d) out[channel] = lb_half((uint16_t)(word & 0xffff));
         }
     }
 }
@@ -268,7 +287,8 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
     const int64_t d = pg->dim, G = job->groups, start = job->starts[i];
     const int rope = job->rope && job->rope->cos;
     float k[LB_MAX_DIM], r[LB_MAX_DIM];
-    lb_stats st = {.b = -1};
+    lb_stats st; /* not zeroed: its 64 KB table is written before it is read */
+    st.b = -1;
     float qe[LB_MAX_GROUPS][LB_MAX_DIM / 2], qo[LB_MAX_GROUPS][LB_MAX_DIM / 2], qsum[LB_MAX_GROUPS][LB_MAX_DIM];
     const int nib = lb_nibbles(pg) && !rope;
     const int64_t cg = pg->channel_group, ng = d / cg;
@@ -326,7 +346,8 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
     const lb_page *pg = &job->pages[i];
     const int64_t d = pg->dim, G = job->groups, start = job->starts[i];
     float v[LB_MAX_DIM];
-    lb_stats st = {.b = -1};
+    lb_stats st; /* not zeroed: its 64 KB table is written before it is read */
+    st.b = -1;
     const int nib = lb_nibbles(pg);
     const int64_t cg = pg->channel_group, ng = d / cg;
     for (int64_t b = 0; b < pg->batch; b++)

@@ -6,11 +6,16 @@ token or per channel, any bits, integer zero points, fp16 minima or symmetric) a
 per-channel ranges, sparse outliers); other formats (K-sort + BFP) return None, and attention
 then takes the torch path. A descriptor points into the page's tensors: keep them (returned
 beside it) alive while the kernels run.
+
+Descriptors are kept per page object for as long as the page lives: a page is never changed in
+place (a join, a cut or a batch selection makes a new one), so a decode step describes only the
+page that changed since the last (its open page), not every page of the cache.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 from torch import Tensor
 
@@ -35,9 +40,29 @@ def _stat(t: Tensor | None) -> native.Stat:
     return s
 
 
+#: id of a described page -> (weak reference to it, its descriptor, the tensors it points into)
+_described: dict[int, tuple[weakref.ref, native.Page, list[Tensor]]] = {}
+
+
 def page_descriptor(page: PackedKV) -> tuple[native.Page, list[Tensor]] | None:
     """``page`` as the kernels read it, and the tensors that must stay alive while they do;
     None for a format or layout the kernels do not read (attention then takes the torch path)."""
+    key = id(page)
+    entry = _described.get(key)
+    if entry is not None and entry[0]() is page:
+        return entry[1], entry[2]
+    described = _describe(page)
+    if described is not None:
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if _described.get(key, (None,))[0] is ref:
+                del _described[key]
+
+        _described[key] = (weakref.ref(page, forget), *described)
+    return described
+
+
+def _describe(page: PackedKV) -> tuple[native.Page, list[Tensor]] | None:
     b, h, t, d = page.shape
     if not isinstance(page, (IntPackedKV, KVQuantPackedKV)):
         return None
