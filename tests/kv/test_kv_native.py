@@ -45,6 +45,7 @@ QUANTIZERS = {
     "int5 fp16 min": lambda: IntTokenQuantizer(5, group_size=16, zero="fp16"),
     "int4 channel": lambda: IntChannelQuantizer(4, token_group=8),
     "int2 channel fp16 min": lambda: IntChannelQuantizer(2, token_group=8, zero="fp16"),
+    "int3 channel": lambda: IntChannelQuantizer(3, token_group=8),  # 8 levels, 8 rows: a table
     "kvquant3 token outliers": lambda: _kvquant(bits=3, outlier_fraction=0.05),
     "kvquant4 rotated": lambda: _kvquant(bits=4, outlier_fraction=0.02, rotate=True),
     "kvquant3 channel codebooks": lambda: _kvquant(

@@ -12,7 +12,9 @@
    group), read through strides in fp16, fp32 or uint8. Sparse outliers (KVQuant: CSR rows in
    token-major order, one per (token, batch row); each word is channel h*D+d << 16 | fp16 bits)
    replace the values of their channels. Pre-RoPE keys are rotated (rotate-half pairing) at
-   their positions from cos/sin tables after decoding.
+   their positions from cos/sin tables after decoding. A codebook page with per-channel ranges
+   (KVQuant's keys) has each channel's 2^bits values tabulated once a head, and a row is decoded
+   by table lookups.
 
    Two passes over a layer's pages: lb_scores writes q . k * scaling for every token into a score
    row; lb_accumulate adds p_t * v_t into an accumulator. The softmax between them, over the
@@ -115,12 +117,11 @@ static const uint8_t *lb_row(const lb_page *pg, int64_t b, int64_t h, int64_t t)
 }
 
 /* The statistics of one (batch row, head, token group), spread over the channels: read once per
-   token group, not once per channel and token (per-channel ranges once per head of a page, and
-   then turned into a table of every channel's values). */
+   token group, not once per channel and token (per-channel ranges once per head of a page). */
 typedef struct {
     int64_t b, h, tg; /* whose they are; b = -1: none yet */
     float zero[LB_MAX_DIM], scale[LB_MAX_DIM], offset[LB_MAX_DIM];
-    int table_ready;        /* statistics shared by every token: value = table[channel][code] */
+    int table_ready;       /* value = table[channel][code] */
     float table[LB_TABLE]; /* [dim][2^bits] */
 } lb_stats;
 
@@ -155,9 +156,10 @@ static void lb_load_stats(const lb_page *pg, int64_t b, int64_t h, int64_t tg, l
         const float o = lb_stat_at(&pg->offset, b, h, tg, g, 0.0f);
         for (int64_t i = g * cg; i < (g + 1) * cg; i++) st->zero[i] = z, st->scale[i] = s, st->offset[i] = o;
     }
-    /* shared by every token: each channel's 2^bits values once, then a row is table lookups */
+    /* a codebook's levels shared by every token: each channel's 2^bits values once, then a row
+       is table lookups (integer levels stay arithmetic: vector code, no gathers) */
     const int64_t n = (int64_t)1 << pg->bits;
-    st->table_ready = shared && pg->dim * n <= LB_TABLE;
+    st->table_ready = pg->levels && shared && pg->dim * n <= LB_TABLE;
     if (!st->table_ready) return;
     float v[LB_MAX_DIM];
     for (int64_t c = 0; c < n; c++) {
