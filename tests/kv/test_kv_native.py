@@ -45,7 +45,7 @@ QUANTIZERS = {
     "int5 fp16 min": lambda: IntTokenQuantizer(5, group_size=16, zero="fp16"),
     "int4 channel": lambda: IntChannelQuantizer(4, token_group=8),
     "int2 channel fp16 min": lambda: IntChannelQuantizer(2, token_group=8, zero="fp16"),
-    "int3 channel": lambda: IntChannelQuantizer(3, token_group=8),  # 8 levels, 8 rows: a table
+    "int3 channel": lambda: IntChannelQuantizer(3, token_group=8),
     "kvquant3 token outliers": lambda: _kvquant(bits=3, outlier_fraction=0.05),
     "kvquant4 rotated": lambda: _kvquant(bits=4, outlier_fraction=0.02, rotate=True),
     "kvquant3 channel codebooks": lambda: _kvquant(
@@ -142,7 +142,6 @@ def test_formats_it_cannot_read_are_refused_not_misread():
 
     page = BFPKVQuantizer(num_heads=2, head_dim=64).quantize(torch.randn(1, 2, 8, 64))
     assert page_descriptors.page_descriptor(page) is None
-
 
 
 def test_a_page_is_described_once_while_it_lives():
@@ -254,8 +253,8 @@ def test_compiled_decode_on_embedded_at_2k(embedded, wikitext_path, monkeypatch)
         for i in range(3):
             model(steps[:, i : i + 1], past_key_values=cache)
     assert len(differences) == 3 * 30
-    # float32 sums in another order over 2,049-2,051 tokens: measured max 3.8e-6 (one thread)
-    # on attention outputs of magnitude 0.3-5.7
+    # float32 sums in another order over 2,049-2,051 tokens: measured max 4.1e-6 (one thread)
+    # on attention outputs of magnitude 0.3-6.3
     assert max(differences) < 1e-4
 
 
