@@ -232,7 +232,7 @@ def test_compiled_decode_on_embedded_at_2k(embedded, wikitext_path, monkeypatch)
     assert tokens.numel() > 2051 + 512
     calibration = tokens[-256:].view(1, 256)  # past the prompt
     model = copy.deepcopy(embedded.model)
-    recipe = get_recipe("kvquant", bits=3, calib_tokens=256)
+    recipe = get_recipe("kvquant", bits=3, calib_tokens=256, outlier_allocation="even")
     quantize(model, recipe, calibration=calibration, progress=False)
     compiled_attention = decode.compiled_decode_attention
     differences = []
@@ -253,8 +253,8 @@ def test_compiled_decode_on_embedded_at_2k(embedded, wikitext_path, monkeypatch)
         for i in range(3):
             model(steps[:, i : i + 1], past_key_values=cache)
     assert len(differences) == 3 * 30
-    # float32 sums in another order over 2,049-2,051 tokens: measured max 4.1e-6 (one thread)
-    # on attention outputs of magnitude 0.3-6.3
+    # float32 sums in another order over 2,049-2,051 tokens: measured max 3.6e-6 (one thread)
+    # on attention outputs of magnitude 0.3-5.5
     assert max(differences) < 1e-4
 
 
