@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lowbit.api import quantize
+from lowbit.errors import LowbitError
 from lowbit.kv import cache as kv_cache
 from lowbit.kv import decode, native, page_descriptors
 from lowbit.kv.attention import _rope
@@ -283,3 +284,43 @@ def test_compiled_store_leaves_non_finite_input_to_torch():
     x = torch.randn(1, 2, 3, D)
     x[0, 1, 2, 5] = float("nan")
     assert native.quantize_int_tokens(x, 4, D, 1.0) is None
+
+
+KVQUANT_STORES = {
+    **{name: QUANTIZERS[name] for name in QUANTIZERS if name.startswith("kvquant")},
+    "kvquant8 token": lambda: _kvquant(bits=8, outlier_fraction=0.01),
+    "kvquant4 channel outliers": lambda: _kvquant(bits=4, per_channel=True, outlier_fraction=0.1),
+    "kvquant2 token no outliers": lambda: _kvquant(bits=2, outlier_fraction=0.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, T])
+@pytest.mark.parametrize("name", list(KVQUANT_STORES))
+def test_compiled_kvquant_store_equals_torch_quantizer(monkeypatch, name, tokens, dtype):
+    """KVQuant's store (outliers, ranges, nearest levels, CSR): compiled and torch, bit for bit
+    (bfloat16 data has equal magnitudes within a token: both take the lower channel first)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(B, H, tokens, D, generator=g) * torch.rand(1, 1, tokens, D, generator=g) * 4
+    x[0, 1, 0] = 0.25  # a constant head vector: a zero half range is stored as 1
+    x = x.to(dtype)
+    quantizer = KVQUANT_STORES[name]()
+    compiled = quantizer.quantize(x)
+    xf = x.float() @ quantizer.rotation.float() if quantizer.rotate else x.float()
+    assert native.quantize_kvquant_tokens(xf, quantizer) is not None  # it ran
+    monkeypatch.setattr(native, "library", lambda: None)
+    reference = quantizer.quantize(x)
+    assert reference.col_val.numel() > 0 or quantizer.outlier_fraction == 0
+    for field, tensor in reference.stored_tensors().items():
+        assert torch.equal(compiled.stored_tensors()[field], tensor), field
+
+
+def test_compiled_kvquant_store_leaves_what_fp16_cannot_hold_to_torch():
+    quantizer = _kvquant(bits=4, outlier_fraction=0.05)
+    x = torch.randn(1, H, 2, D)
+    x[0, 2, 1, 7] = 1e6  # an outlier beyond fp16's range: torch's sentence
+    assert native.quantize_kvquant_tokens(x, quantizer) is None
+    with pytest.raises(LowbitError, match="fp16 range"):
+        quantizer.quantize(x)
+    x[0, 2, 1, 7] = float("nan")
+    assert native.quantize_kvquant_tokens(x, quantizer) is None

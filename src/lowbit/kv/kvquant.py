@@ -65,6 +65,7 @@ from lowbit.formats.accounting import kvquant_bits
 from lowbit.formats.nuq import fit_codebook, nuq_dequantize, nuq_quantize
 from lowbit.formats.packing import pack_bits, packed_words_per_row, unpack_bits
 from lowbit.formats.sparse import pack_index_value, unpack_index_value
+from lowbit.kv.native import quantize_kvquant_tokens
 from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
 from lowbit.transforms.hadamard import random_hadamard_matrix
 
@@ -268,12 +269,15 @@ def _csr(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _top_magnitudes(x: Tensor, k: int) -> Tensor:
-    """Mask of the ``k`` largest ``|x|`` of each token over all heads: x [B, H, T, D]."""
+    """Mask of the ``k`` largest ``|x|`` of each token over all heads: x [B, H, T, D]. Equal
+    magnitudes are taken lower channel first (a stable sort: ``topk`` leaves their order open),
+    so the selection is defined and the compiled store makes the same one."""
     b, h, t, d = x.shape
     mask = torch.zeros(b, t, h * d, dtype=torch.bool, device=x.device)
     if k > 0:
         flat = x.abs().permute(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*D]
-        mask.scatter_(2, flat.topk(k, dim=2).indices, True)
+        order = flat.sort(dim=2, descending=True, stable=True).indices  # [B, T, H*D]
+        mask.scatter_(2, order[..., :k], True)
     return mask.view(b, t, h, d).permute(0, 2, 1, 3)  # [B, H, T, D]
 
 
@@ -546,6 +550,13 @@ class KVQuantQuantizer(KVQuantizer):
         xf = x.float().contiguous()
         if self.rotate:
             xf = xf @ self.rotation.float()  # [B, H, T, D], each token's head vector rotated
+        compiled = quantize_kvquant_tokens(xf, self)  # the compiled store where it is built
+        if compiled is not None:
+            codes, center16, half16, row_ptr, col_val = compiled
+            return KVQuantPackedKV(
+                shape=x.shape, dtype=x.dtype, codes=codes, center=center16, half_range=half16,
+                row_ptr=row_ptr, col_val=col_val, quantizer=self,
+            )  # fmt: skip
         outliers = self._outlier_mask(xf)  # [B, H, T, D] bool
         if self.per_channel:
             center16 = half16 = None

@@ -10,7 +10,8 @@ CPU), once per machine; later processes load the cached library. No compiler, a 
 numbers, slower.
 
 :mod:`lowbit.kv.page_descriptors` describes packed pages to the attention kernels.
-:func:`quantize_int_tokens` is the store of per-token integer caches (kv-int, QuaRot's).
+:func:`quantize_int_tokens` is the store of per-token integer caches (kv-int, QuaRot's),
+:func:`quantize_kvquant_tokens` KVQuant's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["library", "quantize_int_tokens", "Page", "Rope", "Stat", "SOURCE"]
+__all__ = ["library", "quantize_int_tokens", "quantize_kvquant_tokens", "Page", "Rope", "Stat", "SOURCE"]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,8 @@ def library() -> ctypes.CDLL | None:
     lib.lb_scores.restype = lib.lb_accumulate.restype = c_int
     lib.lb_quantize_int_rows.argtypes = [pointer, c_int, i64, i64, i64, c_int, f32, pointer, i64, pointer, pointer]  # fmt: skip
     lib.lb_quantize_int_rows.restype = c_int
+    lib.lb_quantize_kvquant.argtypes = [pointer, i64, i64, i64, i64, c_int, pointer, c_int, pointer, pointer, c_int, i64, pointer, i64, pointer, pointer, pointer, pointer, i64, pointer]  # fmt: skip
+    lib.lb_quantize_kvquant.restype = c_int
     return lib
 
 
@@ -177,3 +180,44 @@ def quantize_int_tokens(
         codes.data_ptr(), row_bytes, scale.data_ptr(), zero.data_ptr(),
     )  # fmt: skip
     return None if status else (codes, scale, zero)
+
+
+def quantize_kvquant_tokens(
+    x: Tensor, quantizer
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor] | None:
+    """KVQuant codes of ``x`` ``[B, H, T, D]`` float32 (in the quantizer's rotated basis where it
+    rotates) by the compiled library: ``(codes uint8 [B, H, T, row bytes], center fp16 [B, H, T,
+    1] or None, half_range (same), row_ptr int32 [T * B + 1], col_val int32 [nnz])``, equal bit
+    for bit to :meth:`~lowbit.kv.kvquant.KVQuantQuantizer.quantize`'s torch path. None where it cannot (no library, not on the CPU, a NaN or infinity, an outlier beyond fp16).
+    """
+    lib = library()
+    q = quantizer
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    if q.per_channel and q.center.dtype != torch.float16:
+        return None
+    b, h, t, d = x.shape
+    rows = x.contiguous()
+    row_bytes = -(-d * q.bits // 8)
+    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8)
+    per_token = not q.per_channel
+    center = torch.empty(b, h, t, 1, dtype=torch.float16) if per_token else None
+    half = torch.empty(b, h, t, 1, dtype=torch.float16) if per_token else None
+    row_ptr = torch.empty(t * b + 1, dtype=torch.int32)
+    capacity = b * h * t * d if q.per_channel else b * t * q.outliers_per_token
+    col_val = torch.empty(capacity, dtype=torch.int32)
+    nnz = ctypes.c_int64(0)
+    codebook = q.codebook.float().contiguous()
+    stats = (q.center.contiguous(), q.half_range.contiguous()) if q.per_channel else None
+    status = lib.lb_quantize_kvquant(
+        rows.data_ptr(), b, h, t, d, q.bits, codebook.data_ptr(), int(q.channel_codebooks),
+        stats[0].data_ptr() if stats else None, stats[1].data_ptr() if stats else None,
+        int(q.outlier_fraction > 0), 0 if q.per_channel else q.outliers_per_token,
+        codes.data_ptr(), row_bytes, None if center is None else center.data_ptr(),
+        None if half is None else half.data_ptr(), row_ptr.data_ptr(), col_val.data_ptr(),
+        capacity, ctypes.byref(nnz),
+    )  # fmt: skip
+    if status:
+        return None
+    n = nnz.value
+    return codes, center, half, row_ptr, col_val[:n].clone() if n < capacity else col_val

@@ -480,6 +480,20 @@ int lb_accumulate(const lb_page *pages, const int64_t *starts, int64_t n_pages, 
    codes: [rows, row_bytes] packed as lowbit.formats.packing's plain order; scale: [rows, dim /
    group] float16 bits; zero: [rows, dim / group] uint8. Returns -1 when x holds a NaN or an
    infinity (the caller's torch path raises the error). */
+/* Code ``code`` of channel i into a zeroed row's little-endian bit stream. */
+static void lb_put_code(uint8_t *row, int64_t i, int bits, unsigned code) {
+    const int64_t bit = i * bits, byte = bit >> 3;
+    row[byte] |= (uint8_t)(code << (bit & 7));
+    if ((bit & 7) + bits > 8) row[byte + 1] |= (uint8_t)(code >> (8 - (bit & 7)));
+}
+
+static uint16_t lb_to_half(float v) {
+    _Float16 h = (_Float16)v;
+    uint16_t out;
+    memcpy(&out, &h, 2);
+    return out;
+}
+
 int lb_quantize_int_rows(const void *x, int dtype, int64_t rows, int64_t dim, int64_t group, int bits,
                          float clip, uint8_t *codes, int64_t row_bytes, uint16_t *scale, uint8_t *zero) {
     if (dim <= 0 || dim > LB_MAX_DIM || group <= 0 || dim % group || bits < 1 || bits > 8) return -1;
@@ -517,18 +531,129 @@ int lb_quantize_int_rows(const void *x, int dtype, int64_t rows, int64_t dim, in
             float z = nearbyintf(-(lo / s));
             z = z < 0.0f ? 0.0f : (z > qmax ? qmax : z);
             const float inv = 1.0f / s;
-            _Float16 s16 = (_Float16)s;
-            memcpy(&scale[r * ng + g], &s16, 2);
+            scale[r * ng + g] = lb_to_half(s);
             zero[r * ng + g] = (uint8_t)z;
             for (int64_t i = 0; i < group; i++) {
                 float q = nearbyintf(xg[i] * inv) + z;
                 q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
-                const unsigned code = (unsigned)q;
-                const int64_t bit = (g * group + i) * bits, byte = bit >> 3;
-                row[byte] |= (uint8_t)(code << (bit & 7));
-                if ((bit & 7) + bits > 8) row[byte + 1] |= (uint8_t)(code >> (8 - (bit & 7)));
+                lb_put_code(row, g * group + i, bits, (unsigned)q);
             }
         }
     }
     return 0;
+}
+
+/* The number of midpoints (level[j] + level[j+1]) / 2 of an ascending codebook of K levels below
+   v: the index of the nearest level, ties to the lower (torch.bucketize over the midpoints). */
+static unsigned lb_nearest(const float *level, int64_t K, float v) {
+    int64_t lo = 0, hi = K - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if ((level[mid + 1] + level[mid]) / 2.0f < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return (unsigned)lo;
+}
+
+/* KVQuant's store of new tokens x [B, H, T, D] float32 (already in the rotated basis where the
+   quantizer rotates), bit for bit lowbit.kv.kvquant.KVQuantQuantizer.quantize's torch path:
+
+   outliers: per channel (channel_center/half given, fp16 [H, D]), the elements with
+   |x - center| > half when channel_outliers; per token, the k largest |x| over the token's H x D
+   elements (ties to the lower channel). Per token,
+   the non-outliers' (max + min) / 2 and (max - min) / 2 rounded to fp16 (a zero half range as
+   1) into token_center/half [B, H, T]. Codes: the nearest of the codebook's 2^bits levels (one
+   [K] or one per channel [H * D, K]; ties to the lower) of ((x - center) / half) clamped to
+   [-1, 1], packed into rows of row_bytes. Outliers: CSR rows (one per token and batch row,
+   token-major), words channel << 16 | fp16 bits, at most col_capacity of them; *nnz their count.
+   Returns nonzero, having written nothing to trust, for a NaN or infinity, an outlier beyond
+   fp16's range, or settings out of range. */
+int lb_quantize_kvquant(const float *x, int64_t B, int64_t H, int64_t T, int64_t D, int bits,
+                        const float *codebook, int channel_codebooks, const uint16_t *channel_center,
+                        const uint16_t *channel_half, int channel_outliers, int64_t k,
+                        uint8_t *codes, int64_t row_bytes, uint16_t *token_center,
+                        uint16_t *token_half, int32_t *row_ptr, int32_t *col_val,
+                        int64_t col_capacity, int64_t *nnz) {
+    const int64_t n = H * D, K = (int64_t)1 << bits;
+    if (D <= 0 || D > LB_MAX_DIM || bits < 1 || bits > 8 || n > 65536 || k < 0 || k > n) return -1;
+    uint8_t *outlier = malloc((size_t)n);
+    float *mag = malloc((size_t)n * sizeof(float));
+    if (!outlier || !mag) {
+        free(outlier), free(mag);
+        return -1;
+    }
+    const float fmax = 3.40282347e+38f;
+    int64_t count = 0;
+    int status = 0;
+    row_ptr[0] = 0;
+    for (int64_t t = 0; t < T && !status; t++) {
+        for (int64_t b = 0; b < B && !status; b++) {
+            /* x[b, h, t, :] of every head: element (h, d) at ((b * H + h) * T + t) * D + d */
+            for (int64_t h = 0; h < H; h++) {
+                const float *xr = x + ((b * H + h) * T + t) * D;
+                for (int64_t d = 0; d < D; d++) {
+                    if (!(xr[d] - xr[d] == 0.0f)) status = -1;
+                    mag[h * D + d] = fabsf(xr[d]);
+                }
+            }
+            if (status) break;
+            memset(outlier, 0, (size_t)n);
+            if (channel_center) {
+                if (channel_outliers)
+                    for (int64_t h = 0; h < H; h++) {
+                        const float *xr = x + ((b * H + h) * T + t) * D;
+                        for (int64_t d = 0; d < D; d++)
+                            outlier[h * D + d] = fabsf(xr[d] - lb_half(channel_center[h * D + d])) >
+                                                 lb_half(channel_half[h * D + d]);
+                    }
+            } else {
+                for (int64_t j = 0; j < k; j++) { /* k is a few: a scan for each */
+                    int64_t best = -1;
+                    for (int64_t c = 0; c < n; c++)
+                        if (!outlier[c] && (best < 0 || mag[c] > mag[best])) best = c;
+                    if (best >= 0) outlier[best] = 1;
+                }
+            }
+            for (int64_t h = 0; h < H; h++) {
+                const float *xr = x + ((b * H + h) * T + t) * D;
+                float center = 0.0f, half = 1.0f;
+                const int64_t slot = (b * H + h) * T + t;
+                if (!channel_center) {
+                    float hi = -fmax, lo = fmax;
+                    for (int64_t d = 0; d < D; d++) {
+                        if (outlier[h * D + d]) continue;
+                        hi = xr[d] > hi ? xr[d] : hi;
+                        lo = xr[d] < lo ? xr[d] : lo;
+                    }
+                    token_center[slot] = lb_to_half((hi + lo) / 2.0f);
+                    token_half[slot] = lb_to_half((hi - lo) / 2.0f);
+                    if (lb_half(token_half[slot]) == 0.0f) token_half[slot] = lb_to_half(1.0f);
+                    center = lb_half(token_center[slot]);
+                    half = lb_half(token_half[slot]);
+                }
+                uint8_t *row = codes + slot * row_bytes;
+                memset(row, 0, (size_t)row_bytes);
+                for (int64_t d = 0; d < D; d++) {
+                    const int64_t c = h * D + d;
+                    if (channel_center) center = lb_half(channel_center[c]), half = lb_half(channel_half[c]);
+                    float v = (xr[d] - center) / half;
+                    v = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
+                    lb_put_code(row, d, bits, lb_nearest(codebook + (channel_codebooks ? c * K : 0), K, v));
+                }
+            }
+            for (int64_t c = 0; c < n && !status; c++) { /* token-major, channels ascending */
+                if (!outlier[c]) continue;
+                const float v = x[((b * H + c / D) * T + t) * D + c % D];
+                if (fabsf(v) > 65504.0f || count >= col_capacity) {
+                    status = -1;
+                    break;
+                }
+                col_val[count++] = (int32_t)(((uint32_t)c << 16) | lb_to_half(v));
+            }
+            row_ptr[t * B + b + 1] = (int32_t)count;
+        }
+    }
+    *nnz = count;
+    free(outlier), free(mag);
+    return status;
 }
