@@ -30,7 +30,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["library", "quantize_int_tokens", "quantize_kvquant_tokens", "Page", "Rope", "Stat", "SOURCE"]
+__all__ = [
+    "library",
+    "quantize_int_tokens",
+    "quantize_kvquant_tokens",
+    "Page",
+    "Rope",
+    "Stat",
+    "SOURCE",
+]
 
 log = logging.getLogger(__name__)
 
