@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lowbit.algorithms import gptq_native
 from lowbit.algorithms.gptq import GPTQSettings, one_thread_on_cpu, prepare_hessian
 from lowbit.errors import LowbitError
 from lowbit.formats.gguf_blocks import (
@@ -116,29 +117,44 @@ class GGUFWeightSpec:
             for b in range(n // block):
                 keep(b, _select(whole, b))
         original = perm.tolist() if perm is not None else list(range(n))
-        codes_t = torch.empty(n, out, dtype=torch.long, device=weight.device)  # visiting order
+        rows_of = torch.tensor(original, dtype=torch.int64) // sub  # [in] grid row of each column
+        codes_t = torch.empty(n, out, device=weight.device)  # [in, out] codes, visiting order
         values_t = torch.empty(n, out, device=weight.device)  # [in, out], visiting order
+        low, top = float(kind.levels[0]), float(len(kind.levels) - 1)
         size = settings.block_size
         for start in range(0, n, size):
             end = min(start + size, n)
             cols = wt[start:end]  # [b, out], updated in place
             errors = torch.empty_like(cols)  # [b, out]
             cols_u = upper[start:end, start:end]  # [b, b]
-            for i in range(end - start):
+            i = 0
+            while i < end - start:
                 col = start + i
+                stop = end - start  # the columns up to the next block's grid fit share theirs
+                if perm is None:
+                    stop = min(stop, col - col % block + block - start)
                 if perm is None and col % block == 0:
                     # this block's grid, from its weights as updated so far: [out, 1, block]
                     importance = diagonal[col : col + block].reshape(1, 1, -1).expand(out, 1, -1)
                     blocks = wt[col : col + block].T.unsqueeze(1)
                     keep(col // block, fit_grid(blocks, kind, importance))
-                g = original[col] // sub
-                x = cols[i]  # [out]
-                q, dq = round_to_grid(x, kind, scale_t[g], None if min_t is None else min_t[g])
-                codes_t[col], values_t[col] = q, dq
-                err = (x - dq) / cols_u[i, i]  # [out]
-                cols[i:].addr_(cols_u[i, i:], err, alpha=-1.0)  # rank-1 update [b - i, out]
-                errors[i] = err
+                compiled = kind.uniform and gptq_native.quantize_columns(
+                    cols, cols_u, i, stop, errors, codes_t[start:end], values_t[start:end],
+                    rows_of[start:end], gptq_native.GRID_LEVELS, None, scale_t, min_t, low, top,
+                )  # fmt: skip
+                if not compiled:  # the torch loop: the same steps, a column at a time
+                    for j in range(i, stop):
+                        g = original[start + j] // sub
+                        x = cols[j]  # [out]
+                        grid_min = None if min_t is None else min_t[g]
+                        q, dq = round_to_grid(x, kind, scale_t[g], grid_min)
+                        codes_t[start + j], values_t[start + j] = q.float(), dq
+                        err = (x - dq) / cols_u[j, j]  # [out]
+                        cols[j:].addr_(cols_u[j, j:], err, alpha=-1.0)  # rank-1 update
+                        errors[j] = err
+                i = stop
             wt[end:] -= upper[start:end, end:].T @ errors  # lazy update [in - end, out]
+        codes_t = codes_t.long()
         if perm is not None:
             inverse = torch.argsort(perm)
             codes_t, values_t = codes_t[inverse], values_t[inverse]

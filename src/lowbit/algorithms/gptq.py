@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lowbit.algorithms import gptq_native
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized, int_qrange, int_scale_zero
 from lowbit.formats.packing import pack_bits
@@ -422,30 +423,45 @@ def _quantize_columns(
     (and the statistics of dynamic groups) in place."""
     in_features = wt.shape[0]
     qmin, qmax = int_qrange(spec.bits, spec.symmetric)
+    dynamic = group is not None and not static
+    rows_of = torch.tensor(group_of, dtype=torch.int64)  # [in] stats row of each column
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)
         block = wt[start:end]  # [b, out], updated in place
         errors = torch.empty_like(block)  # [b, out]
         block_u = upper[start:end, start:end]  # [b, b]
-        for i in range(end - start):
+        i = 0
+        while i < end - start:
             col = start + i
-            g = group_of[col]
-            if group is not None and not static and col % group == 0:
+            stop = end - start  # the columns up to the next dynamic group share their grid
+            if dynamic:
+                stop = min(stop, col - col % group + group - start)
+            if dynamic and col % group == 0:
                 # dynamic group: statistics of this group's weights as updated so far
                 s, s16, z = _stats(wt[col : col + group].T, spec, None)  # [out, 1] each
+                g = group_of[col]
                 scale16_t[g], inv_scale_t[g] = s16[:, 0], torch.reciprocal(s[:, 0])
                 if zero_t is not None:
                     zero_t[g] = z[:, 0]
-            x = block[i]  # [out]
-            q = torch.round(x * inv_scale_t[g])
-            if zero_t is not None:
-                q += zero_t[g]
-            q.clamp_(qmin, qmax)
-            dq = (q - zero_t[g]) * scale16_t[g] if zero_t is not None else q * scale16_t[g]
-            codes_t[col], values_t[col] = q, dq
-            err = (x - dq) / block_u[i, i]  # [out]
-            block[i:].addr_(block_u[i, i:], err, alpha=-1.0)  # rank-1 update [b - i, out]
-            errors[i] = err
+            compiled = gptq_native.quantize_columns(
+                block, block_u, i, stop, errors, codes_t[start:end], values_t[start:end],
+                rows_of[start:end], gptq_native.GRID_INT, inv_scale_t, scale16_t, zero_t,
+                qmin, qmax,
+            )  # fmt: skip
+            if not compiled:  # the torch loop: the same steps, a column at a time
+                for j in range(i, stop):
+                    g = group_of[start + j]
+                    x = block[j]  # [out]
+                    q = torch.round(x * inv_scale_t[g])
+                    if zero_t is not None:
+                        q += zero_t[g]
+                    q.clamp_(qmin, qmax)
+                    dq = (q - zero_t[g]) * scale16_t[g] if zero_t is not None else q * scale16_t[g]
+                    codes_t[start + j], values_t[start + j] = q, dq
+                    err = (x - dq) / block_u[j, j]  # [out]
+                    block[j:].addr_(block_u[j, j:], err, alpha=-1.0)  # rank-1 update [b - j, out]
+                    errors[j] = err
+            i = stop
         wt[end:] -= (
             upper[start:end, end:].T @ errors
         )  # lazy update of later columns [in - end, out]

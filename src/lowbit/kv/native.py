@@ -1,13 +1,9 @@
 """The compiled CPU kernels of a quantized KV cache's decode step (``packed_attention.c``).
 
-:func:`library` compiles ``packed_attention.c`` beside this module with the system's C compiler
-(``$CC`` or ``cc``; ``-O3 -march=native -ffp-contract=off -fopenmp``) into lowbit's cache
-directory (``<cache>/native/``, named by a hash of the source, the flags, the compiler and the
-CPU), once per machine; later processes load the cached library. No compiler, a failed build
-(a compiler without ``_Float16`` or OpenMP), a platform that is not POSIX or
-``LOWBIT_NATIVE=0``: :func:`library` returns None and the cache stays on its torch path
-(:func:`lowbit.kv.decode.chunked_attention`, the torch quantizers), which gives the same
-numbers, slower.
+:func:`library` is ``packed_attention.c`` beside this module built by
+:func:`lowbit.native.compile_library`; where it cannot be built it is None and the cache stays
+on its torch path (:func:`lowbit.kv.decode.chunked_attention`, the torch quantizers), which
+gives the same numbers, slower.
 
 :mod:`lowbit.kv.page_descriptors` describes packed pages to the attention kernels.
 :func:`quantize_int_tokens` is the store of per-token integer caches (kv-int, QuaRot's),
@@ -18,17 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from lowbit.native import compile_library
 
 __all__ = [
     "library",
@@ -40,10 +31,8 @@ __all__ = [
     "SOURCE",
 ]
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_attention.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"]
 MAX_DIM, MAX_GROUPS = 512, 64  # LB_MAX_DIM, LB_MAX_GROUPS in the source
 
 _F16, _F32, _U8, _BF16 = 1, 2, 3, 4
@@ -98,59 +87,11 @@ class Rope(ctypes.Structure):
     ]
 
 
-def _cpu_name() -> str:
-    """The CPU's model and instruction-set flags (``-march=native`` builds for them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    model = next((line for line in lines if line.startswith("model name")), "")
-    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    return f"{model}\n{flags}" if model or flags else platform.processor()
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile the source to ``target`` (through a temporary name, renamed when complete)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be (see module doc)."""
-    if os.environ.get("LOWBIT_NATIVE", "1") == "0" or os.name != "posix":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("no C compiler found: KV decode attention stays on the torch path")
-        return None
-    from lowbit.models.loader import cache_root
-
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                 platform.machine().encode(), _cpu_name().encode()):  # fmt: skip
-        key.update(part + b"\0")
-    target = cache_root() / "native" / f"packed_attention-{key.hexdigest()[:20]}.so"
-    try:
-        if not target.is_file():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as err:
-        log.info(
-            "KV decode attention stays on the torch path: building %s failed (%s)", target, err
-        )
+    lib = compile_library(SOURCE)
+    if lib is None:
         return None
     pointer, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.lb_scores.argtypes = [pointer, pointer, i64, pointer, pointer, i64, pointer, i64, f32, c_int]  # fmt: skip
