@@ -200,8 +200,22 @@ static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, lb
             idx[i] = (uint8_t)((word >> (bit & 7)) & mask);
         }
     }
-    lb_load_stats(pg, b, h, t / pg->token_group, st);
-    if (st->table_ready) {
+    if (pg->channel_group == d && pg->levels && !pg->levels_per_channel &&
+        (pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2])) {
+        /* one group of statistics a token over a shared codebook (KVQuant's per-token values):
+           three scalars instead of a row of each, lb_affine's operations in its order */
+        const int64_t tg = t / pg->token_group;
+        const float z = lb_stat_at(&pg->zero, b, h, tg, 0, 0.0f), sc = lb_stat_at(&pg->scale, b, h, tg, 0, 1.0f);
+        const float o = lb_stat_at(&pg->offset, b, h, tg, 0, 0.0f);
+        const int has_z = pg->zero.data != NULL, has_s = has_z || pg->scale.data, has_o = pg->offset.data != NULL;
+        for (int64_t i = 0; i < d; i++) {
+            float v = pg->levels[idx[i]];
+            if (has_z) v -= z;
+            if (has_s) v *= sc;
+            if (has_o) v += o;
+            out[i] = v;
+        }
+    } else if (lb_load_stats(pg, b, h, t / pg->token_group, st), st->table_ready) {
         const int64_t n = (int64_t)1 << pg->bits;
         for (int64_t i = 0; i < d; i++) out[i] = st->table[i * n + idx[i]];
     } else {
