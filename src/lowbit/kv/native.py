@@ -145,16 +145,18 @@ def quantize_kvquant_tokens(
         return None
     if q.per_channel and q.center.dtype != torch.float16:
         return None
+    if any(t.device.type != "cpu" for t in (q.codebook, q.center, q.half_range)):
+        return None  # the quantizer's state elsewhere (meta while a model is built): torch's
     b, h, t, d = x.shape
     rows = x.contiguous()
     row_bytes = -(-d * q.bits // 8)
-    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8)
+    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8, device=x.device)
     per_token = not q.per_channel
-    center = torch.empty(b, h, t, 1, dtype=torch.float16) if per_token else None
-    half = torch.empty(b, h, t, 1, dtype=torch.float16) if per_token else None
-    row_ptr = torch.empty(t * b + 1, dtype=torch.int32)
+    center = torch.empty(b, h, t, 1, dtype=torch.float16, device=x.device) if per_token else None
+    half = torch.empty(b, h, t, 1, dtype=torch.float16, device=x.device) if per_token else None
+    row_ptr = torch.empty(t * b + 1, dtype=torch.int32, device=x.device)
     capacity = b * h * t * d if q.per_channel else b * t * q.outliers_per_token
-    col_val = torch.empty(capacity, dtype=torch.int32)
+    col_val = torch.empty(capacity, dtype=torch.int32, device=x.device)
     nnz = ctypes.c_int64(0)
     codebook = q.codebook.float().contiguous()
     stats = (q.center.contiguous(), q.half_range.contiguous()) if q.per_channel else None
