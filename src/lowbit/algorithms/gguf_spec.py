@@ -117,9 +117,8 @@ class GGUFWeightSpec:
             for b in range(n // block):
                 keep(b, _select(whole, b))
         original = perm.tolist() if perm is not None else list(range(n))
-        rows_of = (
-            torch.tensor(original, dtype=torch.int64, device=weight.device) // sub
-        )  # [in] grid row of each column
+        # [in] the grid row (sub-block) of each column, in visiting order
+        rows_of = torch.tensor(original, dtype=torch.int64, device=weight.device) // sub
         codes_t = torch.empty(n, out, device=weight.device)  # [in, out] codes, visiting order
         values_t = torch.empty(n, out, device=weight.device)  # [in, out], visiting order
         low, top = float(kind.levels[0]), float(len(kind.levels) - 1)

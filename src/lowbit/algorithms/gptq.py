@@ -424,9 +424,7 @@ def _quantize_columns(
     in_features = wt.shape[0]
     qmin, qmax = int_qrange(spec.bits, spec.symmetric)
     dynamic = group is not None and not static
-    rows_of = torch.tensor(
-        group_of, dtype=torch.int64, device=wt.device
-    )  # [in] stats row of each column
+    rows_of = torch.tensor(group_of, dtype=torch.int64, device=wt.device)  # [in] stats rows
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)
         block = wt[start:end]  # [b, out], updated in place

@@ -137,8 +137,8 @@ def quantize_kvquant_tokens(
     """KVQuant codes of ``x`` ``[B, H, T, D]`` float32 (in the quantizer's rotated basis where it
     rotates) by the compiled library: ``(codes uint8 [B, H, T, row bytes], center fp16 [B, H, T,
     1] or None, half_range (same), row_ptr int32 [T * B + 1], col_val int32 [nnz])``, equal bit
-    for bit to :meth:`~lowbit.kv.kvquant.KVQuantQuantizer.quantize`'s torch path. None where it cannot (no library, not on the CPU, a NaN or infinity, an outlier beyond fp16).
-    """
+    for bit to :meth:`~lowbit.kv.kvquant.KVQuantQuantizer.quantize`'s torch path. None where it
+    cannot (no library, not on the CPU, a NaN or infinity, an outlier beyond fp16)."""
     lib = library()
     q = quantizer
     if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:

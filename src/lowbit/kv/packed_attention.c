@@ -483,17 +483,6 @@ int lb_accumulate(const lb_page *pages, const int64_t *starts, int64_t n_pages, 
     return 0;
 }
 
-/* Integer codes of new tokens, per token and channel group, asymmetric with an integer zero
-   point: the decode step's store (lowbit.kv.int_quant.IntTokenQuantizer), the same operations
-   as lowbit.formats.intq in the same order, so the codes and statistics equal torch's bit for
-   bit. Per group of `group` values:
-       lo = min(min x, 0) * clip, hi = max(max x, 0) * clip, scale = (hi - lo) / qmax
-       (0 -> 1, below the smallest normal -> the smallest normal),
-       zero = clamp(round(-(lo / scale)), 0, qmax), code = clamp(round(x * (1 / scale)) + zero, 0, qmax)
-   with round half to even. x: [rows, dim] float32 (dtype 2), float16 (1) or bfloat16 (4);
-   codes: [rows, row_bytes] packed as lowbit.formats.packing's plain order; scale: [rows, dim /
-   group] float16 bits; zero: [rows, dim / group] uint8. Returns -1 when x holds a NaN or an
-   infinity (the caller's torch path raises the error). */
 /* Code ``code`` of channel i into a zeroed row's little-endian bit stream. */
 static void lb_put_code(uint8_t *row, int64_t i, int bits, unsigned code) {
     const int64_t bit = i * bits, byte = bit >> 3;
@@ -508,6 +497,17 @@ static uint16_t lb_to_half(float v) {
     return out;
 }
 
+/* Integer codes of new tokens, per token and channel group, asymmetric with an integer zero
+   point: the decode step's store (lowbit.kv.int_quant.IntTokenQuantizer), the same operations
+   as lowbit.formats.intq in the same order, so the codes and statistics equal torch's bit for
+   bit. Per group of `group` values:
+       lo = min(min x, 0) * clip, hi = max(max x, 0) * clip, scale = (hi - lo) / qmax
+       (0 -> 1, below the smallest normal -> the smallest normal),
+       zero = clamp(round(-(lo / scale)), 0, qmax), code = clamp(round(x * (1 / scale)) + zero, 0, qmax)
+   with round half to even. x: [rows, dim] float32 (dtype 2), float16 (1) or bfloat16 (4);
+   codes: [rows, row_bytes] packed as lowbit.formats.packing's plain order; scale: [rows, dim /
+   group] float16 bits; zero: [rows, dim / group] uint8. Returns -1 when x holds a NaN or an
+   infinity (the caller's torch path raises the error). */
 int lb_quantize_int_rows(const void *x, int dtype, int64_t rows, int64_t dim, int64_t group, int bits,
                          float clip, uint8_t *codes, int64_t row_bytes, uint16_t *scale, uint8_t *zero) {
     if (dim <= 0 || dim > LB_MAX_DIM || group <= 0 || dim % group || bits < 1 || bits > 8) return -1;
