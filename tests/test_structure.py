@@ -23,7 +23,17 @@ SRC = Path(lowbit.__file__).parent
 
 #: lowest first; a module may import its own layer and the layers below it
 LAYERS = [
-    {"errors", "version", "registry", "settings", "atomic", "files", "checksum", "mapped"},
+    {
+        "errors",
+        "version",
+        "registry",
+        "settings",
+        "atomic",
+        "files",
+        "checksum",
+        "mapped",
+        "native",
+    },
     {"formats"},
     {"kernels"},
     {"nn"},

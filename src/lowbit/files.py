@@ -4,7 +4,8 @@ Every file lowbit reads (a checkpoint's ``config.json`` and weights, a corpus, a
 GGUF file's header) is opened here, so a file this user may not read, a directory where a file
 was expected, or an I/O error is a :class:`~lowbit.errors.LowbitError` naming the path, never a
 ``PermissionError`` traceback from deep inside a check. It lives at the lowest layer, beside
-``lowbit.checksum`` (which reads through it), because loaders and writers of every layer read.
+``lowbit.checksum`` (which reads through it), because loaders and writers of every layer read. Where lowbit keeps what it caches (converted
+GGUF models, compiled C libraries) is decided here too: ``cache_root``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import BinaryIO
 from lowbit.atomic import os_error_reason
 from lowbit.errors import LowbitError
 
-__all__ = ["read_error", "opened", "read_bytes", "read_text", "is_file", "is_dir"]
+__all__ = ["cache_root", "read_error", "opened", "read_bytes", "read_text", "is_file", "is_dir"]
 
 
 def read_error(path: str | os.PathLike, err: OSError, what: str = "") -> LowbitError:
@@ -89,3 +90,11 @@ def is_dir(path: str | os.PathLike, what: str = "") -> bool:
 
     found = _stat(Path(path), what)
     return found is not None and stat.S_ISDIR(found.st_mode)
+
+
+def cache_root() -> Path:
+    """lowbit's cache directory: ``$LOWBIT_CACHE`` or ``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``."""
+    if os.environ.get("LOWBIT_CACHE"):
+        return Path(os.environ["LOWBIT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "lowbit"

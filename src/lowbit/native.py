@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from lowbit.files import cache_root
+
 __all__ = ["compile_library", "FLAGS"]
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,6 @@ def compile_library(source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler found: %s stays on its torch path", source.stem)
         return None
-    from lowbit.models.loader import cache_root
-
     key = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
                  platform.machine().encode(), _cpu_name().encode()):  # fmt: skip

