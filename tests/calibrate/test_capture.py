@@ -221,3 +221,36 @@ def test_the_hessian_is_the_scaled_sum_itself_taken_once():
     assert torch.equal(accumulator.hessian(), summed * (2.0 / 18))  # not scaled twice
     with pytest.raises(LowbitError, match="taken already"):
         accumulator.add(x)
+
+
+def test_the_heldout_split_keeps_rows_until_they_outgrow_the_sum():
+    """Below ``width`` tokens the held-out split holds its rows (no width² sum), and its output
+    errors equal ``tr(ΔW H ΔWᵀ) / 2`` over the same tokens; past ``width`` tokens it is a sum."""
+    torch.manual_seed(0)
+    width = 40
+    x = torch.randn(3, 9, width)  # 27 tokens: fewer than width
+    delta = torch.randn(7, width)  # ΔW [out, in]
+    accumulator = HessianAccumulator(width)
+    accumulator.add(x[:1], "heldout")
+    accumulator.add(x[1:], "heldout")
+    assert "heldout" not in accumulator._sums
+    flat = x.reshape(-1, width).double()
+    hessian = 2 * flat.T @ flat / 27
+    expected = 0.5 * float(((delta.double() @ hessian) * delta.double()).sum())
+    # float32 products over 40 inputs against the float64 reference: ~1e-7 relative
+    assert accumulator.output_error(delta) == pytest.approx(expected, rel=1e-5)
+    # the Hessian asked for afterwards is the same sum, built from the rows
+    torch.testing.assert_close(accumulator.hessian("heldout"), hessian.float())
+    assert "heldout" not in accumulator._rows
+
+    grown = HessianAccumulator(width)
+    samples = torch.randn(5, 9, width)
+    for sample in samples:  # 45 tokens: the fifth sample passes width
+        grown.add(sample, "heldout")
+    assert "heldout" in grown._sums and "heldout" not in grown._rows
+    assert grown.tokens("heldout") == 45
+    flat = samples.reshape(-1, width).double()
+    expected = float((flat @ delta.double().T).square().sum()) / 45
+    assert grown.output_error(delta) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(LowbitError, match="'train'"):
+        grown.output_error(delta, "train")

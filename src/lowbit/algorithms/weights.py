@@ -24,7 +24,8 @@ Choices:
 * Guard (``GPTQSettings.guard``): the last ``heldout_fraction`` of the calibration samples (at
   least one) are kept out of the Hessians; per layer, GPTQ's and the spec's
   ``guard_candidate``'s (RTN's, for integers) output errors ``‖X Wᵀ − X Ŵᵀ‖²`` on those
-  samples (``tr(ΔW H_heldout ΔWᵀ)``) are compared and the smaller one's weight is kept.
+  samples (:meth:`~lowbit.calibrate.hessian.HessianAccumulator.output_error`) are compared
+  and the smaller one's weight is kept.
 * Resuming (GPTQ, ``resume_dir``): each finished block's packed weights and choices are written
   to a :class:`~lowbit.calibrate.resume.BlockCheckpoints` directory. A run started again with
   the same inputs restores the finished blocks instead of calibrating them; the walk still runs
@@ -143,11 +144,6 @@ class WeightQuantReport:
             for kind, c in self.wins_by_kind().items()
         )
         return f"{self.algo}: {self.wins()} in {self.seconds:.1f} s ({kinds})"
-
-
-def _heldout_error(delta: Tensor, hessian: Tensor) -> float:
-    """``tr(ΔW H ΔWᵀ) / 2`` = mean over held-out tokens of ``‖ΔW x‖²`` (H = 2/N Σ x xᵀ)."""
-    return 0.5 * float(((delta @ hessian) * delta).sum())  # [out, in] · [in, in]
 
 
 def _replacement(linear: nn.Module, weight: Tensor, packed: Any, fmt: str) -> FakeQuantLinear:
@@ -403,9 +399,8 @@ def _solve(module, spec, accumulator, settings: GPTQSettings, guard: bool, name:
     rtn = spec.guard_candidate(weight) if guard else None
     if rtn is not None:
         rtn_weight = rtn.dequantize()
-        heldout_hessian = accumulator.hessian("heldout")
-        choice.gptq_error = _heldout_error(weight - dequantized, heldout_hessian)
-        choice.rtn_error = _heldout_error(weight - rtn_weight, heldout_hessian)
+        choice.gptq_error = accumulator.output_error(weight - dequantized, "heldout")
+        choice.rtn_error = accumulator.output_error(weight - rtn_weight, "heldout")
         if choice.rtn_error <= choice.gptq_error:
             choice.algo, packed, dequantized = "rtn", rtn, rtn_weight
     return choice, packed, dequantized

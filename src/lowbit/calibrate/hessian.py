@@ -29,15 +29,23 @@ class AllInputsSeen(Exception):
 class HessianAccumulator:
     """Running ``Σ x xᵀ`` and token count, kept apart per split ("train", "heldout").
 
+    The held-out split is only ever used for output errors (:meth:`output_error`), so it keeps
+    its input rows [T, width] while they are smaller than a width² sum (T < width) and turns
+    them into the sum after that: one 512-token sample of a 14336-wide down_proj is 29 MB of
+    rows where its sum would be 822 MB.
+
     Args:
         width: input features.
         device: where the sums live (the compute device).
     """
 
+    ROW_SPLITS = ("heldout",)
+
     def __init__(self, width: int, device: torch.device | str = "cpu"):
         self.width = width
         self.device = torch.device(device)
         self._sums: dict[str, Tensor] = {}
+        self._rows: dict[str, list[Tensor]] = {}  # row splits, while T < width: [T_i, width] each
         self._tokens: dict[str, int] = {}
         self._scaled: set[str] = set()  # splits whose sum is now the Hessian (see hessian)
 
@@ -46,14 +54,15 @@ class HessianAccumulator:
         if split in self._scaled:
             raise LowbitError(f"the {split!r} Hessian was taken already; no tokens can be added")
         rows = x.reshape(-1, self.width).float()  # [T, width]
+        tokens = self._tokens.get(split, 0) + rows.shape[0]
+        self._tokens[split] = tokens
+        if split in self.ROW_SPLITS and split not in self._sums and tokens < self.width:
+            self._rows.setdefault(split, []).append(rows.to(self.device, copy=True))
+            return
         total = self._sums.get(split)
         if total is None:
-            total = self._sums[split] = torch.zeros(
-                self.width, self.width, device=self.device, dtype=torch.float32
-            )
-            self._tokens[split] = 0
+            total = self._sums[split] = self._sum_of_rows(split)
         total.addmm_(rows.T, rows)  # [width, width]
-        self._tokens[split] += rows.shape[0]
 
     def tokens(self, split: str = "train") -> int:
         return self._tokens.get(split, 0)
@@ -64,12 +73,35 @@ class HessianAccumulator:
         and returned as it is after that: the sum and a copy side by side would hold two
         ``width²`` matrices (822 MB each for a 14336-wide down_proj), and no more tokens are
         taken for that split."""
-        if not self._tokens.get(split):
-            raise LowbitError(f"no calibration tokens were seen for the {split!r} split")
+        self._check_tokens(split)
+        if split in self._rows:
+            self._sums[split] = self._sum_of_rows(split)
         if split not in self._scaled:
             self._sums[split].mul_(2.0 / self._tokens[split])
             self._scaled.add(split)
         return self._sums[split]
+
+    def output_error(self, delta: Tensor, split: str = "heldout") -> float:
+        """Mean over the split's tokens of ``‖ΔW x‖²`` for ``delta`` = ΔW [out, in]: from the
+        rows where the split holds them, else ``tr(ΔW H ΔWᵀ) / 2`` (H = 2/N Σ x xᵀ)."""
+        self._check_tokens(split)
+        rows = self._rows.get(split)
+        if rows is None:
+            hessian = self.hessian(split)
+            return 0.5 * float(((delta @ hessian) * delta).sum())  # [out, in] · [in, in]
+        total = sum(float(torch.mm(held, delta.T).square().sum()) for held in rows)  # [T_i, out]
+        return total / self._tokens[split]
+
+    def _check_tokens(self, split: str) -> None:
+        if not self._tokens.get(split):
+            raise LowbitError(f"no calibration tokens were seen for the {split!r} split")
+
+    def _sum_of_rows(self, split: str) -> Tensor:
+        """``Σ x xᵀ`` [width, width] over the rows the split held (none: zeros); they are let go."""
+        total = torch.zeros(self.width, self.width, device=self.device, dtype=torch.float32)
+        for held in self._rows.pop(split, []):
+            total.addmm_(held.T, held)
+        return total
 
 
 class HessianCollector:
