@@ -198,11 +198,12 @@ def test_prologue_zeroes_dead_inputs_and_orders_by_energy():
     assert natural.perm is None and torch.equal(natural.visiting(weight)[:, 4], torch.zeros(3))
 
 
-@pytest.mark.parametrize("n", [1, 2, 255, 256, 513, 700])  # around the 256-row gather block
-def test_the_in_place_factorisation_equals_the_copying_one_bit_for_bit(n):
-    # The factor is computed in two float64 buffers, gathered and reversed a block of rows at a
-    # time; the same matrices formed by copies (a gather, a flip, cholesky and a solve against
-    # the identity, each into a new tensor) must give the same bits.
+@pytest.mark.parametrize("n", [1, 2, 255, 256, 513, 700])  # around the 256-row block
+def test_the_in_place_factorisation_equals_the_copying_one(n):
+    # The factor is computed in one float64 buffer: gathered and reversed a block of rows at a
+    # time, inverted a block column at a time. The same matrices formed by copies (a gather, a
+    # flip, cholesky and a solve against the identity, each into a new tensor) agree to float64
+    # rounding: the block inverse sums in another order (measured: max |Δ| / max |U| ~1e-15).
     x = correlated_inputs(2 * n + 8, n, seed=n)
     hessian = hessian_of(x)
     hessian[:, n // 2] = hessian[n // 2, :] = 0.0  # a dead input
@@ -213,6 +214,9 @@ def test_the_in_place_factorisation_equals_the_copying_one_bit_for_bit(n):
     eye = torch.eye(n, dtype=torch.float64)
     lower = torch.linalg.cholesky(h.flip(0, 1) + 0.01 * h.diagonal().mean().item() * eye)
     expected = torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
-    assert torch.equal(prepared.upper, expected)
+    scale = float(expected.abs().max())
+    assert float((prepared.upper - expected).abs().max()) <= 1e-12 * scale
+    assert torch.equal(prepared.upper.tril(-1), torch.zeros(n, n, dtype=torch.float64))
+    expected = prepared.upper.float()
     upper32 = prepared.take_upper()
-    assert torch.equal(upper32, expected.float()) and prepared.upper is None
+    assert torch.equal(upper32, expected) and prepared.upper is None

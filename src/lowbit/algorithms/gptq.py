@@ -207,9 +207,9 @@ def inverse_hessian_factor(
 
     With P the order reversal and P H P = L Lᵀ: H⁻¹ = (P L⁻¹ P)ᵀ (P L⁻¹ P), and P L⁻¹ P is
     upper triangular with a positive diagonal, so it is U: one factorisation and one triangular
-    solve (torch.cholesky_inverse is ~20x slower on CPU at n = 1536). Both run in place on
-    column-major float64 buffers, so at most two [n, n] float64 matrices are held besides the
-    input (3.3 GB at Llama-3-8B's n = 14336).
+    inverse (torch.cholesky_inverse is ~20x slower on CPU at n = 1536). Both run in place on one
+    column-major float64 buffer, so one [n, n] float64 matrix is held besides the input (1.6 GB
+    at Llama-3-8B's n = 14336) with temporaries of [n, 256].
 
     Args:
         hessian: [n, n] symmetric positive semi-definite, any float dtype (not modified).
@@ -252,19 +252,42 @@ def inverse_hessian_factor(
         buffer.diagonal().copy_(diagonal + relative * mean_diag)
         torch.linalg.cholesky_ex(buffer, out=(buffer, info))  # lower L, in place
         if info.item() == 0:
-            # L⁻¹ solved into the identity in place, then reversed: U = P L⁻¹ P
-            upper = torch.eye(n, dtype=torch.float64, device=device).T  # column-major
-            torch.linalg.solve_triangular(buffer, upper, upper=False, out=upper)
-            del buffer
-            _reverse_in_place(upper.T)
-            if bool(torch.isfinite(upper).all()):
-                return upper, relative
-            buffer = torch.empty(n, n, dtype=torch.float64, device=device).T
+            _invert_lower_in_place(buffer)  # L⁻¹
+            _reverse_in_place(buffer.T)  # U = P L⁻¹ P
+            if _all_finite(buffer.T):
+                return buffer, relative
         relative *= 10.0
     raise LowbitError(
         f"the Hessian is not positive definite even with dampening {relative / 10:g} x mean "
         "diagonal; the calibration data may be degenerate"
     )
+
+
+def _all_finite(matrix: Tensor) -> bool:
+    """``torch.isfinite(matrix).all()`` for a contiguous [n, n] matrix, a block of rows at a
+    time: ``isfinite`` of a float64 matrix takes its absolute value, a whole copy."""
+    return all(
+        bool(torch.isfinite(matrix[lo : lo + _GATHER_ROWS]).all())
+        for lo in range(0, matrix.shape[0], _GATHER_ROWS)
+    )
+
+
+def _invert_lower_in_place(lower: Tensor) -> None:
+    """``lower`` [n, n] lower triangular (zeros above) replaced by its inverse, one block column
+    of ``_GATHER_ROWS`` at a time from the last: with the trailing block T already inverted,
+    ``[[A, 0], [B, T]]⁻¹ = [[A⁻¹, 0], [-T⁻¹ B A⁻¹, T⁻¹]]``. Temporaries are [n, block]: a solve
+    against the identity (what torch offers) needs a second [n, n] matrix."""
+    n = lower.shape[0]
+    step = _GATHER_ROWS
+    for start in range((n - 1) // step * step, -1, -step):
+        end = min(start + step, n)
+        block = lower[start:end, start:end]  # A [b, b]
+        eye = torch.eye(end - start, dtype=lower.dtype, device=lower.device)
+        block_inverse = torch.linalg.solve_triangular(block, eye, upper=False)  # A⁻¹ [b, b]
+        below = lower[end:, start:end]  # B [n - end, b]
+        if below.numel():
+            below.copy_(torch.mm(lower[end:, end:], below).neg_().mm(block_inverse))
+        block.copy_(block_inverse)
 
 
 def _reverse_in_place(matrix: Tensor) -> None:
