@@ -38,6 +38,12 @@ CASES = {
         dict(w_algo="rtn", w_bits=4, w_group=32, a_bits=8, kv_bits=16),
         dict(hidden_size=64, num_attention_heads=4, intermediate_size=128),
     ),
+    # learned R1 and R2 fused into the weights, QuaRot's online Hadamards beside them
+    "learn-rotate+gptq-w4a16": (
+        "learn-rotate+gptq",
+        dict(a_bits=16, v_bits=16, train_w_bits=4, steps=3),
+        {},
+    ),
 }
 
 LOAD_IN_A_NEW_PROCESS = """
@@ -62,7 +68,8 @@ def _no_grad():
         yield
 
 
-def _quantized(family: str, case: str):
+def _quantized(label: str, case: str):
+    family = label.split("-")[0]
     method, settings, shape = CASES[case]
     model = tiny_model(family, head_dim=16, **shape)
     recipe = get_recipe(method, **settings)
@@ -84,25 +91,26 @@ def _transform_config(directory) -> dict:
 
 
 # one case per family (each case's shapes and schemes on a different family): every family and
-# every case once, in one quantization each
+# every case once, in one quantization each; keys are "family" or "family-what"
 EXPORTS = {
     "llama": "quarot-w4a16-g32",
     "mistral": "rotate+gptq-w4",
     "qwen2": "quarot-w8a8",
     "qwen3": "quarot-w4a8-factorized",
+    "llama-learned": "learn-rotate+gptq-w4a16",
 }
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """family -> (case, lowbit's model, its export directory)."""
+    """label -> (case, lowbit's model, its export directory)."""
     root = tmp_path_factory.mktemp("exports")
     out = {}
-    with torch.no_grad():
-        for family, case in EXPORTS.items():
-            model = _quantized(family, case)
-            export_compressed_tensors(model, root / family)
-            out[family] = (case, model, root / family)
+    for label, case in EXPORTS.items():
+        model = _quantized(label, case)  # with gradients: learn-rotate trains
+        with torch.no_grad():
+            export_compressed_tensors(model, root / label)
+        out[label] = (case, model, root / label)
     return out
 
 
@@ -117,8 +125,8 @@ def test_rotated_exports_of_every_family_give_lowbits_logits_in_another_process(
             assert difference < 0.05, (family, case, difference)
         else:
             # the same weights; the online transform is a dense fp32 product there and lowbit's
-            # fp32 butterfly here: measured max abs difference 3.6e-7 (llama) and 6.0e-7
-            # (mistral), |logits| up to 1.7
+            # fp32 butterfly here: measured max abs difference 3.6e-7 (llama), 6.0e-7
+            # (mistral) and 3.9e-7 (llama, learned rotations), |logits| up to 1.7
             assert difference < 1e-5, (family, case, difference)
 
 
