@@ -401,10 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     export_parser = commands.add_parser(
         "export",
-        help="write a quantized model in a format other engines load (compressed-tensors)",
+        help="write a quantized model in a format other engines load (compressed-tensors, gguf)",
         description="Export a quantized model to --format: compressed-tensors (what vLLM and "
-        "transformers load). --model is a model lowbit saved, or a float model quantized first "
-        "with --recipe. What the format cannot express (online Hadamards, codebooks, BFP, "
+        "transformers load; rotations fused into the weights, online Hadamards as its "
+        "transforms) or gguf (llama.cpp). --model is a model lowbit saved, or a float model "
+        "quantized first with --recipe. What the format cannot express (codebooks, BFP, "
         "quantized KV caches, ...) is refused with a sentence naming the layer.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -391,7 +391,7 @@ def _quantize_gptq(
 
 
 def _solve(module, spec, accumulator, settings: GPTQSettings, guard: bool, name: str):
-    """GPTQ on one linear (and the guard's comparison with RTN on the held-out Hessian):
+    """GPTQ on one linear (and the guard's comparison with RTN on the held-out samples):
     ``(choice, packed container, dequantized fp32 weight [out, in])``."""
     weight = module.weight.detach().float()  # [out, in]
     packed, dequantized, damp = spec.gptq(weight, accumulator.hessian("train"), settings)
