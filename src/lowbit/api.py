@@ -381,14 +381,14 @@ def quantize_to_directory(
         dtype = run_dtype(model, dtype)
         max_shard_bytes = parse_size(max_shard_size or "1GB")
         if not main:  # the other ranks calibrate with rank 0 and write nothing
-            quantize_blocks(streamed, recipe, context, lambda tensors: None)
+            quantize_blocks(streamed, recipe, context, lambda tensors: None, dtype)
             return QuantizeResult(
                 target, recipe, True, time.perf_counter() - start, dtype,
                 stages=dict(streamed.seconds), memory=estimate, written=False,
             )  # fmt: skip
         with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
             writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
-            quantize_blocks(streamed, recipe, context, writer.add)
+            quantize_blocks(streamed, recipe, context, writer.add, dtype)
             qconfig = quantization_config(recipe, streamed.specs)
             expected = expected_tensors(skeleton(model.config, qconfig))
             check_rebuilds(

@@ -15,7 +15,7 @@ import lowbit
 from lowbit.api import _prepare, quantize, quantize_to_directory
 from lowbit.errors import LowbitError
 from lowbit.io import stream as io_stream
-from lowbit.io.checkpoint import checkpoint_tensors, describe
+from lowbit.io.checkpoint import checkpoint_tensors, describe, stored_form
 from lowbit.io.stream import open_streamed, quantize_blocks
 from lowbit.models.tiny import tiny_model
 from lowbit.recipes.registry import get_recipe
@@ -39,8 +39,8 @@ def model_dirs(tmp_path_factory):
     return {f: _save(tmp_path_factory.mktemp(f), f) for f in FAMILIES}
 
 
-def _both_paths(directory: Path, recipe, calibration=CALIB):
-    """(in-memory checkpoint tensors and specs, the streamed ones)."""
+def _both_paths(directory: Path, recipe, calibration=CALIB, run=torch.bfloat16):
+    """(in-memory checkpoint tensors and specs, the streamed ones), saved to run in ``run``."""
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     model = quantize(model, copy.deepcopy(recipe), calibration=calibration, packed=True,
                      progress=False)  # fmt: skip
@@ -64,9 +64,12 @@ def _both_paths(directory: Path, recipe, calibration=CALIB):
         load(index)
 
     streamed.load = load_one
-    quantize_blocks(streamed, prepared, context, add)
+    quantize_blocks(streamed, prepared, context, add, run)
     assert loaded == list(range(streamed.adapter.num_layers))
-    return (checkpoint_tensors(model), describe(model)["modules"]), (written, streamed.specs)
+    return (checkpoint_tensors(model, run=run), describe(model)["modules"]), (
+        written,
+        streamed.specs,
+    )
 
 
 def _assert_identical(expected, got):
@@ -96,7 +99,33 @@ def test_other_weight_formats_stream_to_the_same_bits(tmp_path, method, settings
 
 def test_a_bf16_source_calibrated_in_float32_streams_to_the_same_bits(tmp_path):
     directory = _save(tmp_path / "m", "qwen3", dtype=torch.bfloat16, num_hidden_layers=1)
-    _assert_identical(*_both_paths(directory, get_recipe("gptq", w_group=32)))
+    expected, got = _both_paths(directory, get_recipe("gptq", w_group=32))
+    _assert_identical(expected, got)
+    # its untouched float parameters are stored in bf16, the dtype it runs in (exactly its
+    # source's numbers), not in the float32 they were calibrated in
+    source = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    for key in ("model.embed_tokens.weight", "model.norm.weight",
+                "model.layers.0.input_layernorm.weight"):  # fmt: skip
+        assert got[0][key].dtype == torch.bfloat16, key
+        assert torch.equal(got[0][key], source.state_dict()[key]), key
+    # saved to run in float32, every float tensor stays float32
+    expected, got = _both_paths(directory, get_recipe("gptq", w_group=32), run=torch.float32)
+    _assert_identical(expected, got)
+    assert got[0]["model.embed_tokens.weight"].dtype == torch.float32
+
+
+def test_a_float_parameter_is_stored_in_the_run_dtype_only_where_that_loses_nothing():
+    exact = torch.randn(5, 7).bfloat16().float()  # float32 holding bf16 values
+    assert stored_form(exact, torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(stored_form(exact, torch.bfloat16).float(), exact)
+    inexact = exact.clone()
+    inexact[4, 6] += 2**-20  # one value bf16 cannot hold
+    assert stored_form(inexact, torch.bfloat16) is inexact
+    assert stored_form(exact, torch.float32) is exact and stored_form(exact, None) is exact
+    assert stored_form(exact.bfloat16(), torch.float16).dtype == torch.bfloat16  # not float32
+    big = torch.full((1 << 23,), 1.5)  # compared in chunks of 4M values; the last one is off
+    big[-1] = 1.0 + 2**-20
+    assert stored_form(big, torch.bfloat16) is big
 
 
 def test_a_sharded_source_reads_as_the_single_file(tmp_path):

@@ -59,6 +59,7 @@ __all__ = [
     "quantization_config",
     "checkpoint_tensors",
     "checkpoint_tensor_groups",
+    "stored_form",
     "saved_config",
     "run_dtype",
 ]
@@ -106,13 +107,33 @@ def quantization_config(
     }
 
 
-def checkpoint_tensor_groups(model: nn.Module, prefix: str = "") -> Iterator[dict[str, Tensor]]:
+def stored_form(tensor: Tensor, run: torch.dtype | None) -> Tensor:
+    """A float parameter as a checkpoint stores it: in ``run``, the dtype the model runs in, when
+    it is float32 and ``run`` holds every one of its values exactly (a bf16 source's embeddings,
+    norms and head that no recipe changed), else as it is. The file then holds what the model
+    runs and ``load(..., dtype=torch.float32)`` still gives the float32 numbers back."""
+    if run is None or run == torch.float32 or tensor.dtype != torch.float32:
+        return tensor
+    narrowed = tensor.to(run)
+    flat, flat_narrowed = tensor.reshape(-1), narrowed.reshape(-1)  # [n] views
+    step = 1 << 22  # compared 4M values at a time: no whole float32 copy beside the tensor
+    for lo in range(0, flat.numel(), step):
+        if not torch.equal(flat_narrowed[lo : lo + step].float(), flat[lo : lo + step]):
+            return tensor
+    return narrowed
+
+
+def checkpoint_tensor_groups(
+    model: nn.Module, prefix: str = "", run: torch.dtype | None = None
+) -> Iterator[dict[str, Tensor]]:
     """Every tensor to store, by state-dict key, a module's worth at a time: simulated quantized
     linears as their packed buffers, packed one at a time as their turn comes (the float weight is
-    not stored), shared tensors (tied embeddings) once. Tensors may be on any device; the
+    not stored), shared tensors (tied embeddings) once, float parameters in their
+    :func:`stored_form` for ``run`` (None: as they are). Tensors may be on any device; the
     writer (:class:`lowbit.io.shards.ShardWriter`) stores them on CPU. ``prefix``: the name of
     ``model`` inside the whole model, for one block (``"model.layers.3"``)."""
     state = model.state_dict(prefix=f"{prefix}." if prefix else "")
+    parameters = {key for key, _ in model.named_parameters(prefix=prefix, remove_duplicate=False)}
     simulated = {
         f"{fqn}.weight": module
         for fqn, module in model.named_modules(prefix=prefix)
@@ -136,14 +157,16 @@ def checkpoint_tensor_groups(model: nn.Module, prefix: str = "") -> Iterator[dic
         if storage in seen and tensor.numel():
             continue  # a tied copy: transformers ties it again from the config on load
         seen.add(storage)
-        yield {key: tensor.detach()}
+        yield {key: stored_form(tensor.detach(), run) if key in parameters else tensor.detach()}
 
 
-def checkpoint_tensors(model: nn.Module, prefix: str = "") -> dict[str, Tensor]:
+def checkpoint_tensors(
+    model: nn.Module, prefix: str = "", run: torch.dtype | None = None
+) -> dict[str, Tensor]:
     """Every tensor to store, by state-dict key, on CPU (:func:`checkpoint_tensor_groups` in one
     dict)."""
     tensors: dict[str, Tensor] = {}
-    for group in checkpoint_tensor_groups(model, prefix):
+    for group in checkpoint_tensor_groups(model, prefix, run):
         tensors.update({key: t.to("cpu").contiguous() for key, t in group.items()})
     return tensors
 
@@ -193,8 +216,9 @@ def save(
         directory: where to write; must not exist or be empty.
         tokenizer: saved beside the model when given.
         dtype: the dtype the model runs in when loaded (:func:`run_dtype`; ``"auto"``: bf16
-            for a float32 model). The float tensors are stored as they are, so ``load(...,
-            dtype=torch.float32)`` still gives the exact float32 model.
+            for a float32 model). A float parameter is stored in it only where that loses
+            nothing (:func:`stored_form`), so ``load(..., dtype=torch.float32)`` still gives the
+            exact float32 model.
         max_shard_size: the most tensor bytes one weights file holds, as a number or a string
             such as ``"2GB"`` (:func:`lowbit.io.shards.parse_size`); a larger model is written
             as Hugging Face's shards and index. The default, 5 GB, is transformers' own.
@@ -211,7 +235,7 @@ def save(
     expected = expected_tensors(skeleton(model.config, qconfig))
     with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
-        for tensors in checkpoint_tensor_groups(model):
+        for tensors in checkpoint_tensor_groups(model, run=dtype):
             check_rebuilds(expected, tensors)  # a refusal here removes the temporary directory
             writer.add(tensors)
         finish_checkpoint(

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lowbit.calibrate.capture import BlockHooks, block_linears
 from lowbit.errors import LowbitError
-from lowbit.io.checkpoint import checkpoint_tensors, module_specs
+from lowbit.io.checkpoint import checkpoint_tensors, module_specs, stored_form
 from lowbit.models.adapter import adapter_for
 from lowbit.models.float_weights import FloatWeights
 from lowbit.nn.packed_linear import PackedLinearBase, pack_model
@@ -146,6 +146,8 @@ class StreamedModel(BlockHooks):
         weights: its weight files.
         dtype: the calibration dtype every float tensor is read in.
         add: ``add({key: tensor})``: takes each block's checkpoint tensors, then the rest's.
+        run: the dtype the saved model runs in; float parameters are written in their
+            :func:`~lowbit.io.checkpoint.stored_form` for it, as in memory.
         specs: ``{fqn: spec}`` of the lowbit modules written so far.
         shapes: ``{key: shape}`` of the tensors written so far.
         weight_bits, weight_numel: storage bits and elements of the quantized block linears
@@ -159,6 +161,7 @@ class StreamedModel(BlockHooks):
     weights: FloatWeights
     dtype: torch.dtype
     add: Callable[[dict[str, Tensor]], None] | None = None
+    run: torch.dtype | None = None
     specs: dict[str, dict] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     weight_bits: int = 0
@@ -263,7 +266,7 @@ class StreamedModel(BlockHooks):
                 self.weight_bits += module.weight.numel() * module.weight.element_size() * 8
                 self.weight_numel += module.weight.numel()
         self.specs.update(module_specs(block, prefix))
-        tensors = checkpoint_tensors(block, prefix)
+        tensors = checkpoint_tensors(block, prefix, self.run)
         self._tick("pack")
         self._write(tensors)
         block.to("meta")
@@ -278,12 +281,16 @@ class StreamedModel(BlockHooks):
         self._tick("write")
 
     def write_outside(self) -> None:
-        """Write the tensors outside the blocks, one at a time, in the calibration dtype."""
+        """Write the tensors outside the blocks, one at a time, as the in-memory path stores
+        them: read in the calibration dtype, in their stored form for the run dtype. One stored
+        in the run dtype is read as it is (the same numbers, without a float32 copy)."""
         self._tick("forward")
         for key in self.outside:
-            tensor = self.weights.get(self.source_key(key), dtype=self.dtype)
+            source = self.source_key(key)
+            as_stored = self.weights.dtype(source) == self.run and self.dtype == torch.float32
+            tensor = self.weights.get(source, dtype=None if as_stored else self.dtype)
             self._tick("load")
-            self._write({key: tensor})
+            self._write({key: stored_form(tensor, self.run)})
             del tensor
 
 
@@ -324,15 +331,18 @@ def open_streamed(directory: str | os.PathLike, dtype: torch.dtype) -> StreamedM
     return StreamedModel(skeleton_from_directory(path, dtype), weights, dtype)
 
 
-def quantize_blocks(streamed: StreamedModel, recipe, context, add) -> None:
+def quantize_blocks(
+    streamed: StreamedModel, recipe, context, add, run: torch.dtype | None = None
+) -> None:
     """Apply ``recipe`` (one that :attr:`~lowbit.recipes.base.Recipe.streams`) to the streamed
     model with ``context``, handing every checkpoint tensor to ``add`` as it is ready: each
-    block's when it is done, then those outside the blocks."""
+    block's when it is done, then those outside the blocks; ``run``: the dtype the saved model
+    runs in (see :attr:`StreamedModel.run`)."""
     import dataclasses
 
     if not recipe.streams:
         raise LowbitError(f"recipe {recipe.method!r} cannot quantize block by block")
-    streamed.add = add
+    streamed.add, streamed.run = add, run
     device = context.device if context.device is not None else torch.device("cpu")
     context = dataclasses.replace(context, blocks=streamed, device=device)
     streamed._tick("forward")
