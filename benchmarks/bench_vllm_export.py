@@ -13,8 +13,9 @@ Steps, each printed as it happens (not a CI test: it installs vLLM, ~1.5 GB):
    and lowbit's own greedy continuation of the prompts (transformers ``generate``);
 3. in a child process of the vLLM environment: ``vllm.LLM(export, dtype=<the model's>)`` and
    greedy ``generate`` of the same prompts; prints the linear kernel vLLM chose, load time,
-   tokens/s, the texts and how many leading tokens equal lowbit's; a failure prints its root
-   cause (vLLM's full log is kept beside the export).
+   tokens/s, the texts and how many leading tokens equal lowbit's, and how far vLLM's log p of
+   256 pydoc tokens is from lowbit's (each after the tokens before it, one pass); a failure
+   prints its root cause (vLLM's full log is kept beside the export).
 
 Exits 1 when a row did not generate.
 
@@ -35,10 +36,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import torch
+
 VENV = Path("/tmp/lowbit-vllm-venv")
 VLLM_VERSION = "0.32.0"
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 NEW_TOKENS = 24
+SCORED_TOKENS = 256
 
 # row -> lowbit recipe settings (method rtn unless the row names one); the task's row first
 ROWS = {
@@ -56,7 +60,15 @@ ROWS = {
 
 CHILD = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
+
+    if os.environ.get("LOWBIT_PATCH_VLLM_CPU_TRANSFORMS") == "1":  # --patch-cpu-transforms
+        # vLLM's CPU build gives its unquantized linears `cpu_linear = F.linear` when their
+        # weights load, but not its HadamardTransform modules, whose dense path calls it: the
+        # same function, given here (at import, so that vLLM's spawned workers have it too)
+        import torch
+        from vllm.model_executor.layers.quantization.compressed_tensors.transform import module
+        module.HadamardTransform.cpu_linear = staticmethod(torch.nn.functional.linear)
 
     def main(args):
         import vllm
@@ -69,6 +81,14 @@ CHILD = textwrap.dedent(
         start = time.perf_counter()
         outs = llm.generate(args["prompts"], params)
         gen_s = time.perf_counter() - start
+        # log p of each scored token after the ones before it (vLLM's prompt log-probs)
+        from vllm.inputs import TokensPrompt
+
+        ids = args["score_ids"]
+        scored = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)],
+            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+        )[0].prompt_logprobs
         print("RESULT " + json.dumps({
             "vllm": vllm.__version__,
             "quantization": str(llm.llm_engine.model_config.quantization),
@@ -76,6 +96,7 @@ CHILD = textwrap.dedent(
             "gen_s": gen_s,
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "texts": [o.outputs[0].text for o in outs],
+            "logprobs": [scored[i][ids[i]].logprob for i in range(1, len(ids))],
         }), flush=True)
 
     if __name__ == "__main__":  # vLLM spawns workers that import this file
@@ -130,11 +151,18 @@ def _drop_broken_vision_packages(python: Path) -> None:
          timeout=300)  # fmt: skip
 
 
-def export(row: str, out: Path) -> tuple[list[list[int]], list[str], str]:
-    """Quantize SmolLM2 as ``row`` says and export it; returns lowbit's greedy tokens and texts
-    per prompt, and the model's dtype."""
-    import torch
+def score_ids(tokenizer) -> list[int]:
+    """The scored text: the first ``SCORED_TOKENS`` tokens of pydoc's page for ``str``."""
+    import pydoc
 
+    text = pydoc.render_doc(str, renderer=pydoc.plaintext)
+    return tokenizer(text).input_ids[:SCORED_TOKENS]
+
+
+def export(row: str, out: Path) -> tuple[list[list[int]], list[str], str, list[int], torch.Tensor]:
+    """Quantize SmolLM2 as ``row`` says and export it; returns lowbit's greedy tokens and texts
+    per prompt, the model's dtype, the scored tokens and lowbit's log p of each after the
+    ones before it [len(ids) - 1] float64."""
     from lowbit.api import load_model, quantize
     from lowbit.io.compressed_tensors import export_compressed_tensors
     from lowbit.recipes.registry import get_recipe
@@ -151,8 +179,11 @@ def export(row: str, out: Path) -> tuple[list[list[int]], list[str], str]:
             ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids  # [1, S]
             gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)  # [1, S + T]
             tokens.append(gen[0, ids.shape[1] :].tolist())
+        ids = score_ids(loaded.tokenizer)
+        logits = model(torch.tensor([ids])).logits[0].double()  # [S, V]
+        logp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     texts = [loaded.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
-    return tokens, texts, str(model.dtype).removeprefix("torch.")
+    return tokens, texts, str(model.dtype).removeprefix("torch."), ids, logp
 
 
 def _root_cause(log: str) -> str:
@@ -165,15 +196,23 @@ def _root_cause(log: str) -> str:
     return errors[-1] if errors else _tail(log, 15)
 
 
-def serve(row: str, python: Path, workdir: Path, timeout: int) -> bool:
+def serve(row: str, python: Path, workdir: Path, timeout: int, patch: bool) -> bool:
     """Export ``row``, run it in vLLM, print what happened; True when vLLM generated."""
-    print(f"\n== {row}", flush=True)
+    patched = " (vLLM patched: HadamardTransform.cpu_linear)" if patch else ""
+    print(f"\n== {row}{patched}", flush=True)
     out = workdir / row
-    reference, reference_texts, dtype = export(row, out)
+    reference, reference_texts, dtype, ids, logp = export(row, out)
     child = workdir / "vllm_child.py"
     child.write_text(CHILD)
-    child_args = {"model": str(out), "dtype": dtype, "prompts": PROMPTS, "new_tokens": NEW_TOKENS}
+    child_args = {
+        "model": str(out),
+        "dtype": dtype,
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+        "score_ids": ids,
+    }
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1")
+    env["LOWBIT_PATCH_VLLM_CPU_TRANSFORMS"] = "1" if patch else "0"
     try:
         run = _run([python, child, json.dumps(child_args)], timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -208,6 +247,10 @@ def serve(row: str, python: Path, workdir: Path, timeout: int) -> bool:
         same = min(len(got), len(ref)) if same is None else same
         print(f"  {prompt!r}\n    vLLM:   {text!r}\n    lowbit: {ref_text!r}\n"
               f"    first {same} tokens equal (vLLM {len(got)}, lowbit {len(ref)} tokens)")  # fmt: skip
+    theirs = torch.tensor(result["logprobs"], dtype=torch.float64)  # [len(ids) - 1]
+    gap = (theirs - logp).abs()
+    print(f"  log p of {len(ids) - 1} pydoc tokens: mean |vLLM - lowbit| {gap.mean():.4f}, "
+          f"max {gap.max():.4f}; mean log p vLLM {theirs.mean():.4f}, lowbit {logp.mean():.4f}")  # fmt: skip
     return True
 
 
@@ -218,6 +261,12 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", default=["w4a16-g64", "w8a8"], choices=list(ROWS))
     parser.add_argument("--workdir", default=None, metavar="DIR", help="exports and logs (temp)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for vLLM's load+run")
+    parser.add_argument(
+        "--patch-cpu-transforms",
+        action="store_true",
+        help="give vLLM's HadamardTransform the cpu_linear its CPU build leaves out (vllm-cpu "
+        "0.32.0 fails on every dense online transform without it)",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     try:
@@ -228,7 +277,9 @@ def main() -> int:
     print(f"vLLM environment ready ({time.perf_counter() - started:.0f} s)", flush=True)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="lowbit-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    served = [serve(row, python, workdir, args.timeout) for row in args.rows]
+    served = [
+        serve(row, python, workdir, args.timeout, args.patch_cpu_transforms) for row in args.rows
+    ]
     return 0 if all(served) else 1
 
 
