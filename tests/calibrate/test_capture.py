@@ -254,3 +254,30 @@ def test_the_heldout_split_keeps_rows_until_they_outgrow_the_sum():
     assert grown.output_error(delta) == pytest.approx(expected, rel=1e-5)
     with pytest.raises(LowbitError, match="'train'"):
         grown.output_error(delta, "train")
+
+
+def test_a_replaced_blocks_linears_are_let_go_when_its_turn_ends():
+    """A callback that replaces a block's linears (as GPTQ does) must leave the walk holding no
+    reference to the old ones: streamed, each kept an 8B block's float32 weights (0.87 GB)
+    resident until the walk ended."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    adapter = adapter_for(model)
+    replaced: list[list[weakref.ref]] = []
+    alive_at_next_block = []
+
+    def replace(index, collector):
+        gc.collect()
+        if replaced:
+            alive_at_next_block.append(sum(ref() is not None for ref in replaced[-1]))
+        refs = []
+        for name, module in collector.linears.items():
+            replace_module(model, name, nn.Linear(module.in_features, module.out_features))
+            refs.append(weakref.ref(module))
+        replaced.append(refs)
+
+    calibrate_layer_by_layer(model, adapter, calibration_tokens(), replace, progress=False)
+    assert len(replaced) == adapter.num_layers == 2 and len(replaced[0]) == 7
+    assert alive_at_next_block == [0]

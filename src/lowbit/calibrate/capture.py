@@ -303,6 +303,9 @@ def calibrate_layer_by_layer(
     calibrated = [index for index, linears in wanted.items() if linears and index not in skipped]
     stop = adapter.num_layers if propagate_last else (calibrated[-1] if calibrated else -1)
     for index in tqdm(range(adapter.num_layers), desc="calibrate", disable=not progress):
+        # taken out of ``wanted``: the modules a callback replaces (GPTQ's float linears, with
+        # their weights) must not outlive their block's turn
+        linears = wanted.pop(index)
         hooks.load(index)
         if index > stop:  # nothing after this block needs its inputs
             if index in skipped:
@@ -317,10 +320,10 @@ def calibrate_layer_by_layer(
                 if not sequential and index < stop:  # the float block's outputs propagate
                     run_block(block, inputs, device=device, out=spare)
                 process_block(index, None)
-            elif wanted[index]:
+            elif linears:
                 factory = HessianAccumulator if group is None else group.accumulator_factory()
                 with HessianCollector(
-                    wanted[index], device, stop_when_complete=sequential,
+                    linears, device, stop_when_complete=sequential,
                     accumulator_factory=factory,
                 ) as collector:  # fmt: skip
 
@@ -337,12 +340,13 @@ def calibrate_layer_by_layer(
                         )
                 process_block(index, collector)
                 del collector, route  # the block's Hessians, gone before the next block loads
-            if index < stop and (sequential or not wanted[index]):
+            if index < stop and (sequential or not linears):
                 run_block(blocks[index], inputs, device=device, samples=own, out=spare)
             if index < stop:
                 inputs.hidden, spare = spare, inputs.hidden
         finally:
             blocks[index].to(home)
+        del linears
         hooks.finish(index)
     return inputs if propagate_last else None
 
