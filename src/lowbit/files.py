@@ -4,8 +4,9 @@ Every file lowbit reads (a checkpoint's ``config.json`` and weights, a corpus, a
 GGUF file's header) is opened here, so a file this user may not read, a directory where a file
 was expected, or an I/O error is a :class:`~lowbit.errors.LowbitError` naming the path, never a
 ``PermissionError`` traceback from deep inside a check. It lives at the lowest layer, beside
-``lowbit.checksum`` (which reads through it), because loaders and writers of every layer read. Where lowbit keeps what it caches (converted
-GGUF models, compiled C libraries) is decided here too: ``cache_root``.
+``lowbit.checksum`` (which reads through it), because loaders and writers of every layer read.
+Where lowbit keeps what it caches (converted GGUF models, compiled C libraries) is decided here
+too: ``cache_root``.
 """
 
 from __future__ import annotations
