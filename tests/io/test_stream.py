@@ -17,6 +17,7 @@ from lowbit.errors import LowbitError
 from lowbit.io import stream as io_stream
 from lowbit.io.checkpoint import checkpoint_tensors, describe, stored_form
 from lowbit.io.stream import open_streamed, quantize_blocks
+from lowbit.models.float_weights import FloatWeights
 from lowbit.models.tiny import tiny_model
 from lowbit.recipes.registry import get_recipe
 
@@ -196,10 +197,14 @@ def test_streams_by_itself_when_the_model_would_not_fit_in_memory(
     assert lowbit.load(tmp_path / "out").lowbit_recipe.to_dict() == result.recipe.to_dict()
 
 
-def test_a_streamed_checkpoint_loads_in_another_process_as_the_in_memory_model(tmp_path):
+@pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16])
+def test_a_streamed_checkpoint_loads_in_another_process_as_the_in_memory_model(
+    tmp_path, source_dtype
+):
     """`lowbit quantize --stream` in one process (shards forced), `lowbit.load` in this one: the
-    logits of the in-memory quantized model, exactly."""
-    directory = _save(tmp_path / "m", "qwen2")
+    logits of the in-memory quantized model, exactly (a bf16 source's float tensors are stored
+    in bf16 and read back as the same float32 numbers)."""
+    directory = _save(tmp_path / "m", "qwen2", dtype=source_dtype)
     out = tmp_path / "streamed"
     run = subprocess.run(
         [sys.executable, "-m", "lowbit", "quantize", "--model", str(directory), "--recipe",
@@ -214,6 +219,8 @@ def test_a_streamed_checkpoint_loads_in_another_process_as_the_in_memory_model(t
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     lowbit.quantize(model, get_recipe("rtn", w_group=32, a_bits=8), progress=False)
     assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    stored = FloatWeights(out).dtype("model.embed_tokens.weight")
+    assert stored == (torch.bfloat16 if source_dtype == torch.bfloat16 else torch.float32)
 
 
 def test_an_interrupted_streamed_gptq_run_resumes_to_the_same_bytes(
