@@ -252,3 +252,60 @@ def test_a_float_model_is_written_in_f32_with_the_same_logits_in_llama_cpp(token
     llm.eval(ids.tolist())
     # F32 weights: llama.cpp's matmuls and attention differ from torch's by rounding only
     assert np.abs(np.asarray(llm.scores[:16]) - expected).max() < 1e-3
+
+
+def test_the_output_matrix_rounded_a_slab_of_rows_at_a_time_is_the_same_bytes(
+    tokenizer, tmp_path, monkeypatch
+):
+    import lowbit.io.gguf as gguf_io
+
+    model = _quantized("llama", tokenizer, gguf_type="Q4_0", w_algo="rtn")
+    export_gguf(model, tmp_path / "whole.gguf", tokenizer=tokenizer)
+    vocab = model.lm_head.weight.shape[0]
+    monkeypatch.setattr(gguf_io, "_RTN_ROWS", 7)  # slabs that end mid-way, a short last one
+    assert vocab % 7
+    export_gguf(model, tmp_path / "slabs.gguf", tokenizer=tokenizer)
+    assert (tmp_path / "whole.gguf").read_bytes() == (tmp_path / "slabs.gguf").read_bytes()
+
+
+def test_the_file_written_a_tensor_at_a_time_is_what_ggufs_own_writer_writes(tokenizer, tmp_path):
+    """The export declares every tensor's shape and bytes before it makes any; gguf's
+    writer, given all the arrays at once, must write the same file."""
+    from lowbit.io.gguf import _hf_tokenizer_fields, _metadata, gguf_tensors
+
+    model = _quantized("qwen2", tokenizer, gguf_type="Q4_K_M", w_algo="rtn", shape=SHAPE_256)
+    export_gguf(model, tmp_path / "lowbit.gguf", tokenizer=tokenizer)
+    ftype, tensors = gguf_tensors(model)
+    writer = gguf.GGUFWriter(tmp_path / "reference.gguf", "qwen2")
+    _metadata(writer, model, ftype, "lowbit")
+    _hf_tokenizer_fields(writer, tokenizer, "default", len(tokenizer))
+    for t in tensors:
+        data = t.data()
+        qtype = None if t.type_name in ("F32", "F16") else gguf.GGMLQuantizationType[t.type_name]
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert any(t.type_name not in ("F32", "F16") for t in tensors)
+    assert (tmp_path / "lowbit.gguf").read_bytes() == (tmp_path / "reference.gguf").read_bytes()
+
+
+def test_an_embedding_with_more_rows_than_the_tokenizer_has_tokens_loads_in_llama_cpp(
+    tokenizer, tmp_path
+):
+    """Padded vocabularies (a multiple of 64 or 128 rows) and the shaped benchmark models:
+    llama.cpp sizes the vocabulary by the token list, so the list is padded to the rows."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    rows = len(tokenizer) + 13
+    model = tiny_model("llama", vocab_size=rows, **SHAPE)
+    export_gguf(model, tmp_path / "f.gguf", tokenizer=tokenizer)
+    tokens = gguf.GGUFReader(tmp_path / "f.gguf").fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == rows
+    ids = torch.randint(3, len(tokenizer), (8,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0].numpy()  # [8, rows]
+    llm = llama_cpp.Llama(str(tmp_path / "f.gguf"), n_ctx=16, n_threads=1, logits_all=True,
+                          verbose=False)  # fmt: skip
+    llm.eval(ids.tolist())
+    assert np.abs(np.asarray(llm.scores[:8]) - expected).max() < 1e-3  # F32, as above

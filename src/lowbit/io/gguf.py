@@ -16,7 +16,10 @@ pre-tokenizer and chat template included), or from a Hugging Face byte-level BPE
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +34,7 @@ from lowbit.formats.gguf_mix import FILE_TYPES, file_type, tensor_type
 from lowbit.models.adapter import adapter_for
 from lowbit.recipes.gguf import GGUF_LINEAR_NAMES
 
-__all__ = ["export_gguf", "check_gguf_recipe", "gguf_tensors", "gguf_settings_of"]
+__all__ = ["GGUFTensor", "export_gguf", "check_gguf_recipe", "gguf_tensors", "gguf_settings_of"]
 
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -106,10 +109,54 @@ def _is_float(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-def gguf_tensors(model: nn.Module) -> tuple[str, list[tuple[str, np.ndarray, str]]]:
-    """The file's tensors: ``(file type name, [(gguf name, array, type name)])``; arrays of
-    quantized tensors are llama.cpp's bytes ``[rows, bytes per row]`` uint8. A model with no
-    quantized linear (the float model, what llama.cpp's own quantizer reads) is written in F32."""
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file, its data made only when it is written.
+
+    Attributes:
+        name: the GGUF tensor name.
+        type_name: ``F32``, ``F16`` or a llama.cpp block type's name.
+        shape: [rows, columns] (or [width]) in weights, as the model holds it.
+        make: ``make()`` -> the file's data: float32 / float16 of ``shape``, or llama.cpp's
+            bytes [rows, bytes per row] uint8 for a block type.
+    """
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+    def add_info(self, writer) -> None:
+        """Declare the tensor (name, type, shape, bytes) to a ``gguf.GGUFWriter``."""
+        import gguf
+
+        if self.type_name in ("F32", "F16"):
+            dtype = np.dtype(np.float32 if self.type_name == "F32" else np.float16)
+            writer.add_tensor_info(
+                self.name, self.shape, dtype, math.prod(self.shape) * dtype.itemsize
+            )
+            return
+        qtype = gguf.GGMLQuantizationType[self.type_name]
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        byte_shape = (*self.shape[:-1], self.shape[-1] // block * type_size)
+        writer.add_tensor_info(
+            self.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype
+        )
+
+    def data(self) -> np.ndarray:
+        """``make()`` as the file stores it: contiguous, in the declared dtype."""
+        array = self.make()
+        if self.type_name in ("F32", "F16"):
+            return np.ascontiguousarray(
+                array, dtype=np.float32 if self.type_name == "F32" else np.float16
+            )
+        return np.ascontiguousarray(array)
+
+
+def gguf_tensors(model: nn.Module) -> tuple[str, list[GGUFTensor]]:
+    """The file's tensors in file order: ``(file type name, [GGUFTensor])``, none of them
+    made yet, so a writer holds one at a time. A model with no quantized linear (the float
+    model, what llama.cpp's own quantizer reads) is written in F32."""
     adapter = adapter_for(model)
     as_float = all(_is_float(m) for b in adapter.blocks() for m in b.linears().values())
     recipe = getattr(model, "lowbit_recipe", None)
@@ -120,51 +167,86 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[tuple[str, np.ndarray, str
         raise LowbitError("the model was not quantized by the gguf recipe; a GGUF file needs it")
     ftype, pure = settings
     permute = _ARCH[adapter.family] == "llama"
-    tensors: list[tuple[str, np.ndarray, str]] = []
+    tensors: list[GGUFTensor] = []
+
+    def f32(name: str, t: torch.Tensor) -> GGUFTensor:
+        return GGUFTensor(name, "F32", tuple(t.shape), lambda: _f32(t))
+
     for block in adapter.blocks():
         i = block.index
-        tensors.append((f"blk.{i}.attn_norm.weight", _f32(block.input_norm.weight), "F32"))
-        tensors.append((f"blk.{i}.ffn_norm.weight", _f32(block.post_attention_norm.weight), "F32"))
+        tensors.append(f32(f"blk.{i}.attn_norm.weight", block.input_norm.weight))
+        tensors.append(f32(f"blk.{i}.ffn_norm.weight", block.post_attention_norm.weight))
         for short, module in block.linears().items():
-            if _is_float(module):  # the float model, or rows no block divides
-                type_name = "F32" if as_float else "F16"
-                rows = _f32(module.weight)  # [out, in]
-            else:
-                weight = _linear_weight(module, f"{adapter.block_prefix(i)}.{short}")
-                rows, type_name = weight.to_blocks(), weight.type_name  # [out, bytes per row]
-            bias = None if module.bias is None else _f32(module.bias)
+            heads = None
             if permute and short in ("q_proj", "k_proj"):
                 heads = adapter.num_heads if short == "q_proj" else adapter.num_kv_heads
-                rows = _rope_permute(rows, heads)
-                bias = None if bias is None else _rope_permute(bias, heads)
             name = f"blk.{i}.{GGUF_LINEAR_NAMES[short]}"
-            tensors.append((f"{name}.weight", rows, type_name))
-            if bias is not None:
-                tensors.append((f"{name}.bias", bias, "F32"))
+            if _is_float(module):  # the float model, or rows no block divides
+                type_name = "F32" if as_float else "F16"
+                shape = tuple(module.weight.shape)
+                make = _permuted(lambda m=module: _f32(m.weight), heads)  # [out, in]
+            else:
+                weight = _linear_weight(module, f"{adapter.block_prefix(i)}.{short}")
+                type_name, shape = weight.type_name, weight.shape
+                make = _permuted(weight.to_blocks, heads)  # [out, bytes per row]
+            tensors.append(GGUFTensor(f"{name}.weight", type_name, shape, make))
+            if module.bias is not None:
+                bias = module.bias
+                tensors.append(
+                    GGUFTensor(
+                        f"{name}.bias", "F32", tuple(bias.shape),
+                        _permuted(lambda b=bias: _f32(b), heads),
+                    )
+                )  # fmt: skip
         for norm, gguf_name in ((block.q_norm, "attn_q_norm"), (block.k_norm, "attn_k_norm")):
             if norm is not None:
-                tensors.append((f"blk.{i}.{gguf_name}.weight", _f32(norm.weight), "F32"))
+                tensors.append(f32(f"blk.{i}.{gguf_name}.weight", norm.weight))
     # what lowbit left in float, typed as llama.cpp types it (module docstring), by RTN
     tied = adapter.tied_embeddings
     width = adapter.hidden_size
     embed_type = tensor_type(ftype, "token_embd", width=width, tied=tied, pure=pure)
+    embed = adapter.embed_tokens.weight
     tensors.insert(
-        0, ("token_embd.weight", _rows(adapter.embed_tokens.weight, embed_type), embed_type)
+        0,
+        GGUFTensor(
+            "token_embd.weight", embed_type, tuple(embed.shape), lambda: _rows(embed, embed_type)
+        ),
     )
-    tensors.append(("output_norm.weight", _f32(adapter.final_norm.weight), "F32"))
+    tensors.append(f32("output_norm.weight", adapter.final_norm.weight))
     if not tied:
         out_type = tensor_type(ftype, "output", width=width, tied=tied, pure=pure)
-        tensors.append(("output.weight", _rows(adapter.lm_head.weight, out_type), out_type))
+        head = adapter.lm_head.weight
+        tensors.append(
+            GGUFTensor("output.weight", out_type, tuple(head.shape), lambda: _rows(head, out_type))
+        )
     return ftype, tensors
 
 
+def _permuted(make: Callable[[], np.ndarray], heads: int | None) -> Callable[[], np.ndarray]:
+    """``make`` with its rows moved into llama.cpp's RoPE pairing when ``heads`` is given."""
+    if heads is None:
+        return make
+    return lambda: _rope_permute(make(), heads)
+
+
+# rows of a float matrix rounded onto a block grid at a time (the vocabulary-sized output
+# matrix: its float32 copy and the grid search's temporaries stay a slab's, not the matrix's)
+_RTN_ROWS = 4096
+
+
 def _rows(weight: torch.Tensor, type_name: str) -> np.ndarray:
-    """A float matrix as the file stores it: F32, F16, or lowbit's RTN onto ``type_name``."""
+    """A float matrix as the file stores it: F32, F16, or lowbit's RTN onto ``type_name``,
+    ``_RTN_ROWS`` rows at a time (each block's grid is its own, so the bytes are the same)."""
     if type_name in ("F32", "F16"):
         return _f32(weight)
     # 3 candidates per end, not 11: the output matrix has vocabulary-many rows (49152 x 576
     # for SmolLM2: 8 s instead of 59), and it is on 6 or 8 bits
-    return GGUFWeightSpec(type_name).rtn(weight.detach().float().cpu(), steps=3).to_blocks()
+    spec = GGUFWeightSpec(type_name)
+    slabs = [
+        spec.rtn(weight[lo : lo + _RTN_ROWS].detach().float().cpu(), steps=3).to_blocks()
+        for lo in range(0, weight.shape[0], _RTN_ROWS)
+    ]  # each [rows, bytes per row] uint8
+    return slabs[0] if len(slabs) == 1 else np.concatenate(slabs)
 
 
 def _metadata(writer, model: nn.Module, ftype: str, name: str) -> None:
@@ -209,8 +291,10 @@ def _copy_tokenizer_fields(writer, source: Path) -> None:
             writer.add_key_value(field.name, field.contents(), kind)
 
 
-def _hf_tokenizer_fields(writer, tokenizer, pre: str) -> None:
-    """A Hugging Face byte-level BPE tokenizer as llama.cpp's ``gpt2`` model."""
+def _hf_tokenizer_fields(writer, tokenizer, pre: str, vocab_size: int = 0) -> None:
+    """A Hugging Face byte-level BPE tokenizer as llama.cpp's ``gpt2`` model, its token list
+    padded with unused ``[PAD<id>]`` tokens to ``vocab_size``, the embedding's rows: llama.cpp
+    takes the vocabulary's size from the list and refuses an embedding of another."""
     import json
 
     data = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -220,7 +304,7 @@ def _hf_tokenizer_fields(writer, tokenizer, pre: str) -> None:
             f"lowbit writes byte-level BPE tokenizers to GGUF; this one is {model.get('type')!r}"
         )
     vocab = model["vocab"]
-    size = max(len(tokenizer), max(vocab.values()) + 1)
+    size = max(len(tokenizer), max(vocab.values()) + 1, vocab_size)
     tokens = [f"[PAD{i}]" for i in range(size)]
     types = [5] * size  # unused
     for token, index in vocab.items():
@@ -284,16 +368,13 @@ def export_gguf(
         if source_gguf is not None:
             _copy_tokenizer_fields(writer, Path(source_gguf))
         else:
-            _hf_tokenizer_fields(writer, tokenizer, "default")
-        for tensor_name, array, type_name in tensors:
-            if type_name in ("F32", "F16"):
-                dtype = np.float32 if type_name == "F32" else np.float16
-                writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=dtype))
-            else:
-                qtype = gguf.GGMLQuantizationType[type_name]
-                writer.add_tensor(tensor_name, np.ascontiguousarray(array), raw_dtype=qtype)
+            _hf_tokenizer_fields(writer, tokenizer, "default", adapter_for(model).vocab_size)
+        for tensor in tensors:
+            tensor.add_info(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for tensor in tensors:  # one tensor's data in memory at a time
+            writer.write_tensor_data(tensor.data())
         writer.close()
     return ftype
