@@ -11,12 +11,20 @@ For each checkpoint directory given, three fresh processes:
   (``lowbit.models.run.prepare_run``), its run form's bytes counted (float parameters and
   buffers plus the kernels' layouts), each storage once.
 
-Writes a markdown table (stdout, or ``--out``): checkpoint bytes, run-form bytes, peak RSS,
-peak minus baseline, and their ratios.
+Writes a markdown table (stdout): checkpoint bytes, run-form bytes, peak RSS, peak minus
+baseline, their ratios, and the decode tokens/s ``lowbit generate`` prints (over the steps
+after the first new token).
+
+``--gguf FILE`` (one per directory, in order) adds the peer: llama.cpp (``llama-cpp-python``,
+a benchmark dependency, from ``--llama-cpp-venv`` or built there as ``bench_decode.py`` builds
+it) on a GGUF of the same weights in a fresh process, the same prompt, greedy, all cores: its
+peak RSS (the file is memory-mapped, so touched pages count) and decode tokens/s over
+``--new-tokens`` steps after three warm-up tokens.
 
 Usage::
 
     python benchmarks/bench_load_memory.py /work/scratch/smollm2-w4 /work/scratch/llama-1b-w4
+    python benchmarks/bench_load_memory.py DIR --gguf FILE.gguf --llama-cpp-venv .venv
 """
 
 from __future__ import annotations
@@ -24,10 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import LLAMA_CHILD, LLAMA_CPP_VENV, llama_cpp_python  # noqa: E402
 
 PROMPT = "The capital of France is"
 
@@ -61,8 +74,12 @@ print(json.dumps({"run_bytes": total, "dtype": str(model.dtype)}))
 """
 
 
-def run(command: list[str]) -> tuple[int, str]:
-    """Run ``command`` in a fresh process; its peak RSS in bytes (``wait4``) and its stdout."""
+class ChildFailed(Exception):
+    """A measured process exited with an error (the message ends with its stderr)."""
+
+
+def run(command: list[str]) -> tuple[int, str, str]:
+    """Run ``command`` in a fresh process; its peak RSS in bytes (``wait4``), stdout, stderr."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, stdout=out, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -70,14 +87,22 @@ def run(command: list[str]) -> tuple[int, str]:
         out.seek(0)
         err.seek(0)
         if proc.returncode:
-            raise SystemExit(f"{command[:4]} failed:\n{err.read().decode()[-2000:]}")
-        return usage.ru_maxrss * 1024, out.read().decode()
+            raise ChildFailed(f"{command[:4]} failed:\n{err.read().decode()[-2000:]}")
+        return usage.ru_maxrss * 1024, out.read().decode(), err.read().decode()
 
 
-def measure(directory: Path) -> dict:
+def decode_speed(stderr: str) -> float | None:
+    """The decode tokens/s of ``lowbit generate``'s summary line (None when it printed "-")."""
+    found = re.search(r"decode (\S+) tokens/s", stderr)
+    if found is None:
+        raise SystemExit(f"lowbit generate printed no decode speed:\n{stderr[-2000:]}")
+    return None if found.group(1) == "-" else float(found.group(1))
+
+
+def measure(directory: Path, new_tokens: int) -> dict:
     python = sys.executable
     generate = [python, "-m", "lowbit", "generate", "--model", str(directory),
-                "--max-new-tokens", "8", "--prompt", PROMPT]  # fmt: skip
+                "--max-new-tokens", str(new_tokens), "--prompt", PROMPT]  # fmt: skip
     rows = {
         "generate": run(generate),
         "baseline": run([python, "-c", BASELINE, str(directory)]),
@@ -93,14 +118,32 @@ def measure(directory: Path) -> dict:
         "dtype": census["dtype"],
         "peak_rss": rows["generate"][0],
         "baseline_rss": rows["baseline"][0],
+        "tokens_per_s": decode_speed(rows["generate"][2]),
     }
+
+
+def measure_llama_cpp(path: Path, python: Path, new_tokens: int) -> dict:
+    """llama.cpp on the GGUF ``path`` in a fresh process: peak RSS and decode tokens/s (a
+    file it cannot run is reported, and the lowbit rows are kept)."""
+    try:
+        peak, stdout, _ = run(
+            [str(python), "-c", LLAMA_CHILD, str(path), str(os.cpu_count() or 1), PROMPT,
+             str(new_tokens)]
+        )  # fmt: skip
+    except ChildFailed as failed:
+        print(failed, file=sys.stderr)
+        return {"file": path.name, "file_bytes": path.stat().st_size,
+                "error": str(failed).strip().splitlines()[-1][:160]}  # fmt: skip
+    got = json.loads(stdout.strip().splitlines()[-1])
+    return {"file": path.name, "file_bytes": path.stat().st_size, "peak_rss": peak,
+            "tokens_per_s": got["tokens_per_s"]}  # fmt: skip
 
 
 def table(results: list[dict]) -> str:
     lines = [
         "| model | checkpoint | files | run form | generate peak RSS | baseline | peak − baseline "
-        "| peak / checkpoint | (peak − baseline) / run form |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak / checkpoint | (peak − baseline) / run form | decode tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         model_rss = r["peak_rss"] - r["baseline_rss"]
@@ -108,17 +151,60 @@ def table(results: list[dict]) -> str:
             f"| {r['model']} | {r['checkpoint_bytes'] / 2**20:,.0f} MiB | {r['shards']} "
             f"| {r['run_bytes'] / 2**20:,.0f} MiB | {r['peak_rss'] / 2**20:,.0f} MiB "
             f"| {r['baseline_rss'] / 2**20:,.0f} MiB | {model_rss / 2**20:,.0f} MiB "
-            f"| {r['peak_rss'] / r['checkpoint_bytes']:.2f} | {model_rss / r['run_bytes']:.2f} |"
+            f"| {r['peak_rss'] / r['checkpoint_bytes']:.2f} | {model_rss / r['run_bytes']:.2f} "
+            f"| {_speed(r['tokens_per_s'])} |"
         )
+    peers = [r for r in results if "llama_cpp" in r]
+    if peers:
+        lines += [
+            "",
+            "| model | llama.cpp on | file | peak RSS | peak / file | decode tokens/s "
+            "| lowbit ÷ llama.cpp tokens/s |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in peers:
+            p = r["llama_cpp"]
+            if "error" in p:
+                lines.append(f"| {r['model']} | {p['file']} | failed: {p['error']} ||||")
+                continue
+            ratio = (
+                "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s'] / p['tokens_per_s']:.2f}"
+            )
+            lines.append(
+                f"| {r['model']} | {p['file']} | {p['file_bytes'] / 2**20:,.0f} MiB "
+                f"| {p['peak_rss'] / 2**20:,.0f} MiB | {p['peak_rss'] / p['file_bytes']:.2f} "
+                f"| {_speed(p['tokens_per_s'])} | {ratio} |"
+            )
     return "\n".join(lines)
+
+
+def _speed(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directories", nargs="+", help="saved lowbit checkpoints")
     parser.add_argument("--json", default=None, help="also write the numbers here")
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated (8)")
+    parser.add_argument(
+        "--gguf", action="append", default=[], metavar="FILE",
+        help="llama.cpp's peer run on this GGUF of the same weights (one per directory, in order)",
+    )  # fmt: skip
+    parser.add_argument("--llama-cpp-venv", default=str(LLAMA_CPP_VENV), metavar="PATH")
     args = parser.parse_args(argv)
-    results = [measure(Path(d).expanduser()) for d in args.directories]
+    if args.gguf and len(args.gguf) != len(args.directories):
+        parser.error(f"{len(args.gguf)} --gguf files for {len(args.directories)} directories")
+    try:
+        results = [measure(Path(d).expanduser(), args.new_tokens) for d in args.directories]
+    except ChildFailed as failed:
+        raise SystemExit(str(failed)) from None
+    if args.gguf:
+        python = llama_cpp_python(Path(args.llama_cpp_venv))
+        for result, gguf in zip(results, args.gguf, strict=True):
+            result["llama_cpp"] = measure_llama_cpp(
+                Path(gguf).expanduser(), python, args.new_tokens
+            )
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

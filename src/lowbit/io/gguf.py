@@ -16,10 +16,10 @@ pre-tokenizer and chat template included), or from a Hugging Face byte-level BPE
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from lowbit.atomic import atomic_file, check_target
 from lowbit.errors import LowbitError
 from lowbit.formats.gguf_blocks import GGUFQuantized
 from lowbit.formats.gguf_mix import FILE_TYPES, file_type, tensor_type
+from lowbit.mapped import release_pages
 from lowbit.models.adapter import adapter_for
 from lowbit.recipes.gguf import GGUF_LINEAR_NAMES
 
@@ -109,7 +110,7 @@ def _is_float(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GGUFTensor:
     """One tensor of the file, its data made only when it is written.
 
@@ -119,12 +120,16 @@ class GGUFTensor:
         shape: [rows, columns] (or [width]) in weights, as the model holds it.
         make: ``make()`` -> the file's data: float32 / float16 of ``shape``, or llama.cpp's
             bytes [rows, bytes per row] uint8 for a block type.
+        sources: the model's tensors ``make`` reads; once written, their clean pages of a
+            memory-mapped checkpoint are given back (:func:`lowbit.mapped.release_pages`), so
+            exporting a saved model does not leave the whole checkpoint resident.
     """
 
     name: str
     type_name: str
     shape: tuple[int, ...]
     make: Callable[[], np.ndarray]
+    sources: tuple[torch.Tensor | None, ...] = ()
 
     def add_info(self, writer) -> None:
         """Declare the tensor (name, type, shape, bytes) to a ``gguf.GGUFWriter``."""
@@ -170,7 +175,7 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[GGUFTensor]]:
     tensors: list[GGUFTensor] = []
 
     def f32(name: str, t: torch.Tensor) -> GGUFTensor:
-        return GGUFTensor(name, "F32", tuple(t.shape), lambda: _f32(t))
+        return GGUFTensor(name, "F32", tuple(t.shape), lambda: _f32(t), (t,))
 
     for block in adapter.blocks():
         i = block.index
@@ -183,19 +188,26 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[GGUFTensor]]:
             name = f"blk.{i}.{GGUF_LINEAR_NAMES[short]}"
             if _is_float(module):  # the float model, or rows no block divides
                 type_name = "F32" if as_float else "F16"
-                shape = tuple(module.weight.shape)
+                shape, sources = tuple(module.weight.shape), (module.weight,)
                 make = _permuted(lambda m=module: _f32(m.weight), heads)  # [out, in]
             else:
                 weight = _linear_weight(module, f"{adapter.block_prefix(i)}.{short}")
                 type_name, shape = weight.type_name, weight.shape
+                sources = (
+                    weight.codes,
+                    weight.scale,
+                    weight.minimum,
+                    weight.sub_scale,
+                    weight.sub_min,
+                )
                 make = _permuted(weight.to_blocks, heads)  # [out, bytes per row]
-            tensors.append(GGUFTensor(f"{name}.weight", type_name, shape, make))
+            tensors.append(GGUFTensor(f"{name}.weight", type_name, shape, make, sources))
             if module.bias is not None:
                 bias = module.bias
                 tensors.append(
                     GGUFTensor(
                         f"{name}.bias", "F32", tuple(bias.shape),
-                        _permuted(lambda b=bias: _f32(b), heads),
+                        _permuted(lambda b=bias: _f32(b), heads), (bias,),
                     )
                 )  # fmt: skip
         for norm, gguf_name in ((block.q_norm, "attn_q_norm"), (block.k_norm, "attn_k_norm")):
@@ -209,15 +221,25 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[GGUFTensor]]:
     tensors.insert(
         0,
         GGUFTensor(
-            "token_embd.weight", embed_type, tuple(embed.shape), lambda: _rows(embed, embed_type)
-        ),
+            "token_embd.weight",
+            embed_type,
+            tuple(embed.shape),
+            lambda: _rows(embed, embed_type),
+            (embed,),
+        ),  # fmt: skip
     )
     tensors.append(f32("output_norm.weight", adapter.final_norm.weight))
     if not tied:
         out_type = tensor_type(ftype, "output", width=width, tied=tied, pure=pure)
         head = adapter.lm_head.weight
         tensors.append(
-            GGUFTensor("output.weight", out_type, tuple(head.shape), lambda: _rows(head, out_type))
+            GGUFTensor(
+                "output.weight",
+                out_type,
+                tuple(head.shape),
+                lambda: _rows(head, out_type),
+                (head,),
+            )  # fmt: skip
         )
     return ftype, tensors
 
@@ -376,5 +398,6 @@ def export_gguf(
         writer.write_ti_data_to_file()
         for tensor in tensors:  # one tensor's data in memory at a time
             writer.write_tensor_data(tensor.data())
+            release_pages(tensor.sources)
         writer.close()
     return ftype
