@@ -16,6 +16,11 @@ says they are file pages, not private copies made by a write). Dropping a clean 
 changes what the process reads: the next read faults it in again from the file. So a call is
 at worst wasted work, never a wrong value. Elsewhere than Linux (or where ``/proc`` cannot be
 read) nothing is released.
+
+:func:`discard_tail` is the one exception to "never a wrong value", for memory the process
+allocated itself: the tail of a large buffer whose contents its owner will not read again
+(GPTQ's float64 factor, once rewritten as float32 into its first half) is given back at once
+instead of when the buffer is freed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FileMapping", "file_mappings", "release_pages", "release_unused_pages"]
+__all__ = ["FileMapping", "discard_tail", "file_mappings", "release_pages", "release_unused_pages"]
 
 _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -88,6 +93,32 @@ def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> li
         if start < end:
             out.append((start, end))
     return out
+
+
+# below this a buffer may share its pages with others in glibc's heap; above glibc's largest
+# mmap threshold (32 MB) each buffer is a mapping of its own
+_OWN_MAPPING_BYTES = 64 << 20
+
+
+def discard_tail(tensor: Tensor, keep_bytes: int) -> int:
+    """Give back the pages of ``tensor``'s storage (CPU memory this process allocated, not a
+    file mapping) beyond its first ``keep_bytes``; returns the bytes given back.
+
+    The caller promises never to read those bytes again: a read would see zeros. Storages
+    under 64 MB, not on the CPU, or outside Linux are left alone (returns 0).
+    """
+    storage = tensor.untyped_storage()
+    if tensor.device.type != "cpu" or storage.nbytes() < _OWN_MAPPING_BYTES:
+        return 0
+    madvise = _libc_madvise()
+    if madvise is None:
+        return 0
+    base = storage.data_ptr()
+    first = -(-(base + keep_bytes) // _PAGE) * _PAGE
+    end = (base + storage.nbytes()) // _PAGE * _PAGE
+    if end <= first or madvise(first, end - first, _MADV_DONTNEED) != 0:
+        return 0
+    return end - first
 
 
 def _libc_madvise():

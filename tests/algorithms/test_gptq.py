@@ -220,3 +220,28 @@ def test_the_in_place_factorisation_equals_the_copying_one(n):
     expected = prepared.upper.float()
     upper32 = prepared.take_upper()
     assert torch.equal(upper32, expected) and prepared.upper is None
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+@pytest.mark.parametrize("n", [300, 3000])  # 0.7 MB, and 72 MB: its tail's pages given back
+def test_the_float32_factor_written_over_the_float64_one_is_its_float_copy(n, column_major):
+    import os
+    import sys
+
+    from lowbit.algorithms.gptq import _float32_in_place
+
+    matrix = torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    if column_major:
+        matrix = matrix.T.contiguous().T
+    expected = matrix.float()
+    storage = matrix.untyped_storage()
+    got = _float32_in_place(matrix)
+    assert got.untyped_storage().data_ptr() == storage.data_ptr()  # no second matrix
+    assert got.stride() == expected.stride()
+    assert torch.equal(got, expected)
+    if n == 3000 and sys.platform.startswith("linux"):
+        # the float64 half past the float32 matrix reads as zeros once given back, all but
+        # the partial pages at its two ends
+        page = os.sysconf("SC_PAGE_SIZE") // 4
+        tail = torch.empty(0, dtype=torch.float32).set_(storage, n * n, (n * n,), (1,))
+        assert tail[page:-page].abs().sum() == 0  # [n² - 2 pages]

@@ -47,6 +47,7 @@ from lowbit.algorithms import gptq_native
 from lowbit.errors import LowbitError
 from lowbit.formats.intq import IntQuantized, int_qrange, int_scale_zero
 from lowbit.formats.packing import pack_bits
+from lowbit.mapped import discard_tail
 
 __all__ = [
     "GPTQSettings",
@@ -144,9 +145,10 @@ class PreparedHessian:
         return w if self.perm is None else w[:, self.perm]
 
     def take_upper(self) -> Tensor:
-        """``upper`` in float32 for the column loop, [K, K]; the float64 factor is released
-        (1.6 GB at K = 14336), so ``upper`` and :meth:`inverse_diagonal` are gone after."""
-        upper, self.upper = self.upper.float(), None
+        """``upper`` in float32 for the column loop, [K, K], written over the float64 factor
+        (:func:`_float32_in_place`: no second matrix beside it, 0.8 GB at K = 14336); so
+        ``upper`` and :meth:`inverse_diagonal` are gone after."""
+        upper, self.upper = _float32_in_place(self.upper), None
         return upper
 
     def inverse_diagonal(self) -> Tensor:
@@ -296,6 +298,28 @@ def _invert_lower_in_place(lower: Tensor) -> None:
                 torch.mm(lower[end + lo : end + hi, end : end + hi], below[:hi], out=t_inv_b[lo:hi])
             below.copy_(t_inv_b.neg_().mm(block_inverse))
         block.copy_(block_inverse)
+
+
+def _float32_in_place(matrix: Tensor) -> Tensor:
+    """``matrix.float()`` for a float64 [n, n] matrix contiguous in either order, written into
+    the first half of its own storage (same strides); the pages of the second half are given
+    back (:func:`lowbit.mapped.discard_tail`). ``matrix`` is overwritten.
+
+    A slab of ``_GATHER_ROWS`` storage rows is read into a float32 temporary before its float32
+    bytes ``[4·lo·n, 4·hi·n)`` are written: below every float64 byte not yet read (``8·hi·n``).
+    """
+    n = matrix.shape[0]
+    column_major = not matrix.is_contiguous()
+    rows = matrix.T if column_major else matrix  # [n, n] in storage order
+    if not rows.is_contiguous() or matrix.dtype != torch.float64:
+        return matrix.float()
+    out = torch.empty(0, dtype=torch.float32, device=matrix.device)
+    out.set_(rows.untyped_storage(), rows.storage_offset() * 2, (n, n), (n, 1))  # [n, n]
+    for lo in range(0, n, _GATHER_ROWS):
+        hi = min(lo + _GATHER_ROWS, n)
+        out[lo:hi] = rows[lo:hi].float()
+    discard_tail(out, (rows.storage_offset() * 2 + n * n) * 4)
+    return out.T if column_major else out
 
 
 def _reverse_in_place(matrix: Tensor) -> None:
