@@ -100,6 +100,8 @@ def main() -> None:
 
     import lowbit.models.adapter  # noqa: F401  (fail early on a bad environment)
 
+    if args.scratch:
+        Path(args.scratch).mkdir(parents=True, exist_ok=True)
     rows = []
     for recipe in args.recipe or ["w4a16-g64"]:
         command = [sys.executable, __file__, "--one", "--model", args.model, "--recipe", recipe,
@@ -116,7 +118,7 @@ def main() -> None:
     head = (
         "| recipe | "
         + " | ".join(STAGES)
-        + " | total s | s/block | s per 1e9 params | peak RSS GB |"
+        + " | total s | CPU s | s/block | s per 1e9 params | peak RSS GB |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))

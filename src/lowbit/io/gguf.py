@@ -226,7 +226,7 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[GGUFTensor]]:
             tuple(embed.shape),
             lambda: _rows(embed, embed_type),
             (embed,),
-        ),  # fmt: skip
+        ),
     )
     tensors.append(f32("output_norm.weight", adapter.final_norm.weight))
     if not tied:
@@ -239,7 +239,7 @@ def gguf_tensors(model: nn.Module) -> tuple[str, list[GGUFTensor]]:
                 tuple(head.shape),
                 lambda: _rows(head, out_type),
                 (head,),
-            )  # fmt: skip
+            )
         )
     return ftype, tensors
 
