@@ -51,6 +51,19 @@ def _unpermute(rows, heads):
     return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _logits_here_and_in_llama_cpp(llama_cpp, model, path, tokens: int, seed: int, high=None):
+    """``(lowbit's logits, llama.cpp's on the file at path)`` [tokens, vocab] each, for the
+    same random ids in [3, high) (never the special ones below 3; high: the vocabulary)."""
+    high = model.config.vocab_size if high is None else high
+    ids = torch.randint(3, high, (tokens,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0].numpy()  # [tokens, vocab]
+    llm = llama_cpp.Llama(str(path), n_ctx=2 * tokens + 16, n_threads=1, logits_all=True,
+                          verbose=False)  # fmt: skip
+    llm.eval(ids.tolist())
+    return expected, np.asarray(llm.scores[:tokens])  # [tokens, vocab]
+
+
 def _check_file(path, model):
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -223,13 +236,7 @@ def test_llama_cpp_loads_and_runs_the_export(
     model = _quantized(family, tokenizer, recipe, shape=shape, gguf_type=gguf_type, pure=pure,
                        w_algo="rtn", **settings)  # fmt: skip
     export_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer)
-    ids = torch.randint(3, len(tokenizer), (24,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(ids[None]).logits[0].numpy()  # [24, vocab]
-    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, n_threads=1, logits_all=True,
-                          verbose=False)  # fmt: skip
-    llm.eval(ids.tolist())
-    got = np.asarray(llm.scores[:24])  # [24, vocab]
+    expected, got = _logits_here_and_in_llama_cpp(llama_cpp, model, tmp_path / "m.gguf", 24, 1)
     # llama.cpp multiplies with 8-bit activations and reads a Q8_0 embedding; lowbit's float
     # activations and embedding: measured max difference 0.016 on logits of magnitude 1.4; the
     # random model's near-uniform logits let top-1 flip (measured 0.83 at worst, Q5_K)
@@ -244,14 +251,9 @@ def test_a_float_model_is_written_in_f32_with_the_same_logits_in_llama_cpp(token
     reader = gguf.GGUFReader(tmp_path / "f.gguf")
     assert {t.tensor_type.name for t in reader.tensors} == {"F32"}
     assert reader.fields["general.file_type"].contents() == 0  # ALL_F32
-    ids = torch.randint(3, len(tokenizer), (16,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = model(ids[None]).logits[0].numpy()  # [16, vocab]
-    llm = llama_cpp.Llama(str(tmp_path / "f.gguf"), n_ctx=32, n_threads=1, logits_all=True,
-                          verbose=False)  # fmt: skip
-    llm.eval(ids.tolist())
+    expected, got = _logits_here_and_in_llama_cpp(llama_cpp, model, tmp_path / "f.gguf", 16, 2)
     # F32 weights: llama.cpp's matmuls and attention differ from torch's by rounding only
-    assert np.abs(np.asarray(llm.scores[:16]) - expected).max() < 1e-3
+    assert np.abs(got - expected).max() < 1e-3
 
 
 def test_the_output_matrix_rounded_a_slab_of_rows_at_a_time_is_the_same_bytes(
@@ -302,10 +304,7 @@ def test_an_embedding_with_more_rows_than_the_tokenizer_has_tokens_loads_in_llam
     export_gguf(model, tmp_path / "f.gguf", tokenizer=tokenizer)
     tokens = gguf.GGUFReader(tmp_path / "f.gguf").fields["tokenizer.ggml.tokens"]
     assert len(tokens.data) == rows
-    ids = torch.randint(3, len(tokenizer), (8,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = model(ids[None]).logits[0].numpy()  # [8, rows]
-    llm = llama_cpp.Llama(str(tmp_path / "f.gguf"), n_ctx=16, n_threads=1, logits_all=True,
-                          verbose=False)  # fmt: skip
-    llm.eval(ids.tolist())
-    assert np.abs(np.asarray(llm.scores[:8]) - expected).max() < 1e-3  # F32, as above
+    expected, got = _logits_here_and_in_llama_cpp(
+        llama_cpp, model, tmp_path / "f.gguf", 8, 3, high=len(tokenizer)
+    )
+    assert np.abs(got - expected).max() < 1e-3  # F32, as above
