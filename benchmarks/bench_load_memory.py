@@ -165,7 +165,7 @@ def table(results: list[dict]) -> str:
         for r in peers:
             p = r["llama_cpp"]
             if "error" in p:
-                lines.append(f"| {r['model']} | {p['file']} | failed: {p['error']} ||||")
+                lines.append(f"| {r['model']} | {p['file']} | failed: {p['error']} | | | | |")
                 continue
             ratio = (
                 "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s'] / p['tokens_per_s']:.2f}"

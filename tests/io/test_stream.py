@@ -67,10 +67,8 @@ def _both_paths(directory: Path, recipe, calibration=CALIB, run=torch.bfloat16):
     streamed.load = load_one
     quantize_blocks(streamed, prepared, context, add, run)
     assert loaded == list(range(streamed.adapter.num_layers))
-    return (checkpoint_tensors(model, run=run), describe(model)["modules"]), (
-        written,
-        streamed.specs,
-    )
+    in_memory = (checkpoint_tensors(model, run=run), describe(model)["modules"])
+    return in_memory, (written, streamed.specs)
 
 
 def _assert_identical(expected, got):

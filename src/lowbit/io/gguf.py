@@ -264,11 +264,13 @@ def _rows(weight: torch.Tensor, type_name: str) -> np.ndarray:
     # 3 candidates per end, not 11: the output matrix has vocabulary-many rows (49152 x 576
     # for SmolLM2: 8 s instead of 59), and it is on 6 or 8 bits
     spec = GGUFWeightSpec(type_name)
-    slabs = [
-        spec.rtn(weight[lo : lo + _RTN_ROWS].detach().float().cpu(), steps=3).to_blocks()
-        for lo in range(0, weight.shape[0], _RTN_ROWS)
-    ]  # each [rows, bytes per row] uint8
-    return slabs[0] if len(slabs) == 1 else np.concatenate(slabs)
+    out = None  # [rows, bytes per row] uint8, filled a slab at a time
+    for lo in range(0, weight.shape[0], _RTN_ROWS):
+        slab = spec.rtn(weight[lo : lo + _RTN_ROWS].detach().float().cpu(), steps=3).to_blocks()
+        if out is None:
+            out = np.empty((weight.shape[0], slab.shape[1]), dtype=np.uint8)
+        out[lo : lo + len(slab)] = slab
+    return out
 
 
 def _metadata(writer, model: nn.Module, ftype: str, name: str) -> None:
@@ -313,7 +315,7 @@ def _copy_tokenizer_fields(writer, source: Path) -> None:
             writer.add_key_value(field.name, field.contents(), kind)
 
 
-def _hf_tokenizer_fields(writer, tokenizer, pre: str, vocab_size: int = 0) -> None:
+def _hf_tokenizer_fields(writer, tokenizer, pre: str, vocab_size: int) -> None:
     """A Hugging Face byte-level BPE tokenizer as llama.cpp's ``gpt2`` model, its token list
     padded with unused ``[PAD<id>]`` tokens to ``vocab_size``, the embedding's rows: llama.cpp
     takes the vocabulary's size from the list and refuses an embedding of another."""
