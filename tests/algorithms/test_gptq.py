@@ -196,6 +196,13 @@ def test_prologue_zeroes_dead_inputs_and_orders_by_energy():
     assert torch.allclose(prepared.inverse_diagonal().double(), torch.linalg.inv(damped).diagonal())
     natural = prepare_hessian(hessian, 0.01, act_order=False)
     assert natural.perm is None and torch.equal(natural.visiting(weight)[:, 4], torch.zeros(3))
+    # the column loop's Wᵀ, made in one copy, in either order and from bf16: a new matrix
+    for prologue in (prepared, natural):
+        for source in (weight, weight.bfloat16(), weight[:1]):
+            transposed = prologue.visiting_transposed(source)
+            assert transposed.is_contiguous() and transposed.dtype == torch.float32
+            assert torch.equal(transposed, prologue.visiting(source).T)
+            assert transposed.data_ptr() != source.data_ptr()
 
 
 @pytest.mark.parametrize("n", [1, 2, 255, 256, 513, 700])  # around the 256-row block

@@ -91,7 +91,7 @@ class GGUFWeightSpec:
         block, sub = kind.block, kind.sub
         prepared = prepare_hessian(hessian, settings.damp, settings.act_order)
         perm = prepared.perm
-        wt = prepared.visiting(weight).T.contiguous()  # [in, out], visiting order
+        wt = prepared.visiting_transposed(weight)  # [in, out], visiting order
         upper = prepared.take_upper()  # [in, in]
         fits: list[GGUFGrid | None] = [None] * (n // block)  # each block's grid, [out, 1(, k)]
         # the grid each sub-block rounds onto: [in / sub, out] scale and minimum
@@ -155,6 +155,7 @@ class GGUFWeightSpec:
                         errors[j] = err
                 i = stop
             wt[end:] -= upper[start:end, end:].T @ errors  # lazy update [in - end, out]
+        del wt, upper  # done with: the factor alone is 0.8 GB at in = 14336
         codes_t = codes_t.long()
         if perm is not None:
             inverse = torch.argsort(perm)
