@@ -387,7 +387,7 @@ def quantize_to_directory(
                 stages=dict(streamed.seconds), memory=estimate, written=False,
             )  # fmt: skip
         with atomic_directory(target, verb="save to", force=force) as tmp:  # whole or not at all
-            writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
+            writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes, spill=True)
             quantize_blocks(streamed, recipe, context, writer.add, dtype)
             qconfig = quantization_config(recipe, streamed.specs)
             expected = expected_tensors(skeleton(model.config, qconfig))

@@ -68,6 +68,42 @@ def test_one_shard_is_what_save_file_writes_and_large_tensors_get_their_own(tmp_
     assert len(set(weight_map.values())) == 3  # small | large alone | tail
 
 
+def test_a_spilling_writer_writes_the_same_files_from_the_bytes_it_was_given(tmp_path):
+    # every dtype a checkpoint holds (bf16 has no numpy type), odd sizes, a 0-dim and an
+    # empty tensor, over three shards: the spilled queue gives the in-memory queue's files
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        "w.bf16": torch.randn(5, 7, generator=gen).bfloat16(),
+        "codes": torch.randint(0, 255, (13,), generator=gen, dtype=torch.uint8),
+        "scale": torch.randn(3, generator=gen).half(),
+        "zero": torch.tensor(2.5),
+        "none": torch.empty(0, 4),
+        "idx": torch.arange(9, dtype=torch.int64),
+        "flag": torch.tensor([True, False, True]),
+        "w.f32": torch.randn(33, generator=gen),
+    }
+    expected = {key: tensor.clone() for key, tensor in tensors.items()}
+    for spill in (False, True):
+        (tmp_path / str(spill)).mkdir()
+        writer = ShardWriter(tmp_path / str(spill), max_shard_bytes=100, spill=spill)
+        for key, tensor in tensors.items():
+            writer.add({key: tensor})
+            if spill:  # the bytes are taken when given: the writer holds no reference
+                tensor.zero_() if tensor.dtype != torch.bool else tensor.fill_(False)
+        writer.close()
+        tensors = {key: tensor.clone() for key, tensor in expected.items()}
+    names = sorted(p.name for p in (tmp_path / "False").iterdir())
+    assert len(names) > 3 and names == sorted(p.name for p in (tmp_path / "True").iterdir())
+    for name in names:  # the scratch file is gone, the files are the same bytes
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes()
+    loaded = {}
+    for name in names:
+        if name.endswith(".safetensors"):
+            loaded.update(load_file(tmp_path / "True" / name))
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[key], expected[key]) for key in expected)
+
+
 def test_a_key_given_twice_or_a_closed_writer_is_a_sentence(tmp_path):
     writer = ShardWriter(tmp_path, max_shard_bytes=1)  # "a" is written at once
     writer.add({"a": torch.zeros(2)})

@@ -12,7 +12,7 @@ and a smaller one is a single ``model.safetensors``, byte for byte what
 ``safetensors.torch.save_file`` writes for the same tensors (with ``{"format": "pt"}``
 metadata). :class:`ShardWriter` takes tensors in any number of calls and writes a shard as soon
 as it is full, so a model quantized block by block never holds more than about one shard of
-output; it writes into a directory that is normally the temporary one of
+output (none with ``spill=True``, which queues the tensors in a scratch file); it writes into a directory that is normally the temporary one of
 :func:`lowbit.atomic.atomic_directory`, so a failed or interrupted save leaves nothing.
 
 :func:`read_weight_map` reads such a directory back (which file holds which tensor), and
@@ -24,8 +24,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from lowbit.checksum import file_sha256
@@ -92,8 +94,22 @@ def shard_name(index: int, count: int) -> str:
     return WEIGHTS_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
+#: the scratch file of a spilling :class:`ShardWriter`
+SPILL_NAME = ".queued-tensors.spill"
+_SPILL_ALIGN = 64
+
+
 def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class _Spilled:
+    """Where a queued tensor's bytes lie in the spill file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
 
 
 class ShardWriter:
@@ -108,12 +124,20 @@ class ShardWriter:
         directory: an existing directory to write into.
         max_shard_bytes: the most bytes of tensor data one shard holds (:func:`parse_size`
             reads ``"2GB"`` and the like).
+        spill: keep the queued tensors' bytes in a scratch file in ``directory``
+            (``SPILL_NAME``, removed by :meth:`close`) instead of in memory, and write each shard
+            from that file mapped: a model quantized block by block then holds no shard of
+            output beside the block it works on (a 1 GB shard is eight of Llama-3-8B's W4
+            blocks). The files are the same bytes either way.
     """
 
-    def __init__(self, directory: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    def __init__(
+        self, directory: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, spill: bool = False
+    ) -> None:
         self.directory = Path(directory)
         self.max_shard_bytes = parse_size(max_shard_bytes)
-        self._queued: dict[str, Tensor] = {}
+        self._spill = open(self.directory / SPILL_NAME, "w+b") if spill else None  # noqa: SIM115
+        self._queued: dict[str, Tensor | _Spilled] = {}
         self._queued_bytes = 0
         self._written: list[tuple[str, list[str]]] = []  # provisional file name, its keys
         self._keys: set[str] = set()
@@ -143,18 +167,51 @@ class ShardWriter:
             if self._queued and self._queued_bytes + size > self.max_shard_bytes:
                 self._flush()
             self._keys.add(key)
+            if self._spill is not None and size:  # an empty tensor has no bytes to keep
+                tensor = self._spilled(tensor)
             self._queued[key] = tensor
             self._queued_bytes += size
             self._total_bytes += size
             if self._queued_bytes >= self.max_shard_bytes:
                 self._flush()
 
+    def _spilled(self, tensor: Tensor) -> _Spilled:
+        """``tensor``'s bytes appended to the spill file (at a 64-byte boundary, so that any
+        dtype views them in place); what :meth:`_unspilled` maps them back by."""
+        offset = -(-self._spill.tell() // _SPILL_ALIGN) * _SPILL_ALIGN
+        self._spill.seek(offset)
+        self._spill.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        return _Spilled(tensor.dtype, tuple(tensor.shape), offset)
+
+    def _unspilled(self) -> dict[str, Tensor]:
+        """The queued tensors as views of the spill file mapped (copy-on-write: nothing written
+        back), the pages read as the shard is written."""
+        self._spill.flush()
+        size = os.fstat(self._spill.fileno()).st_size
+        storage = torch.UntypedStorage.from_file(
+            str(self.directory / SPILL_NAME), shared=False, nbytes=size
+        ) if size else None  # fmt: skip
+        tensors = {}
+        for key, spilled in self._queued.items():
+            if isinstance(spilled, Tensor):  # empty: kept as it is
+                tensors[key] = spilled
+                continue
+            view = torch.empty(0, dtype=spilled.dtype)
+            item = view.element_size()
+            tensors[key] = view.set_(storage, spilled.offset // item, spilled.shape)
+        return tensors
+
     def _flush(self) -> None:
         """Write the queued tensors as the next shard (under a provisional name) and drop them."""
         from safetensors.torch import save_file  # looked up here: tests replace it
 
         name = f"model-{len(self._written) + 1:05d}.safetensors.part"
-        save_file(self._queued, str(self.directory / name), metadata=dict(SHARD_METADATA))
+        tensors = self._queued if self._spill is None else self._unspilled()
+        save_file(tensors, str(self.directory / name), metadata=dict(SHARD_METADATA))
+        del tensors
+        if self._spill is not None:  # the mapping is gone with the views: start the file over
+            self._spill.seek(0)
+            self._spill.truncate()
         self._written.append((name, list(self._queued)))
         self._queued = {}
         self._queued_bytes = 0
@@ -170,6 +227,9 @@ class ShardWriter:
         if self._queued or not self._written:  # no tensor at all: one empty model.safetensors
             self._flush()
         self._closed = True
+        if self._spill is not None:
+            self._spill.close()
+            (self.directory / SPILL_NAME).unlink()
         count = len(self._written)
         checksums: dict[str, str] = {}
         weight_map: dict[str, str] = {}
