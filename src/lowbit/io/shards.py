@@ -12,8 +12,9 @@ and a smaller one is a single ``model.safetensors``, byte for byte what
 ``safetensors.torch.save_file`` writes for the same tensors (with ``{"format": "pt"}``
 metadata). :class:`ShardWriter` takes tensors in any number of calls and writes a shard as soon
 as it is full, so a model quantized block by block never holds more than about one shard of
-output (none with ``spill=True``, which queues the tensors in a scratch file); it writes into a directory that is normally the temporary one of
-:func:`lowbit.atomic.atomic_directory`, so a failed or interrupted save leaves nothing.
+output (none with ``spill=True``, which queues the tensors in a scratch file); it writes into a
+directory that is normally the temporary one of :func:`lowbit.atomic.atomic_directory`, so a
+failed or interrupted save leaves nothing.
 
 :func:`read_weight_map` reads such a directory back (which file holds which tensor), and
 :func:`parse_size` reads sizes as the command line gives them (``500MB``, ``2GB``, ``1.5GiB``).
