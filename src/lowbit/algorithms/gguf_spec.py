@@ -156,19 +156,19 @@ class GGUFWeightSpec:
                 i = stop
             wt[end:] -= upper[start:end, end:].T @ errors  # lazy update [in - end, out]
         del wt, upper  # done with: the factor alone is 0.8 GB at in = 14336
-        codes_t = codes_t.long()
-        if perm is not None:
-            inverse = torch.argsort(perm)
-            codes_t, values_t = codes_t[inverse], values_t[inverse]
-        quantized = GGUFQuantized.from_grid(kind, codes_t.T, _concat(fits))
+        codes = prepared.in_original_order(codes_t.to(torch.uint8))  # [out, in] level indices
+        del codes_t
+        solved = prepared.in_original_order(values_t)  # [out, in]
+        del values_t
+        quantized = GGUFQuantized.from_grid(kind, codes, _concat(fits))
         refitted = refit_block_numbers(quantized, weight.detach().float(), hessian.float())
         values = refitted.dequantize(torch.float32)  # [out, in]
         # keep each row's refit only where it lowers that row's output error (fp16 rounding of
         # the solution can cost more than the solve gained on a row that was already optimal)
-        worse = _row_error(weight, values, hessian) > _row_error(weight, values_t.T, hessian)
+        worse = _row_error(weight, values, hessian) > _row_error(weight, solved, hessian)
         if bool(worse.any()):
             refitted = _rows_from(refitted, quantized, worse)
-            values = torch.where(worse[:, None], values_t.T, values)
+            values = torch.where(worse[:, None], solved, values)
         return refitted, values.contiguous(), prepared.damp
 
 

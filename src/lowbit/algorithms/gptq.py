@@ -157,6 +157,14 @@ class PreparedHessian:
         wt[self.dead if self.perm is None else self.dead[self.perm]] = 0.0
         return wt
 
+    def in_original_order(self, rows: Tensor) -> Tensor:
+        """The column loop's ``rows`` [K, out] (visiting order) as a contiguous [out, K] in
+        original column order, in one copy."""
+        columns = rows.T  # [out, K], a view
+        if self.perm is None:
+            return columns.contiguous()
+        return columns[:, torch.argsort(self.perm)]
+
     def take_upper(self) -> Tensor:
         """``upper`` in float32 for the column loop, [K, K], written over the float64 factor
         (:func:`_float32_in_place`: no second matrix beside it, 0.8 GB at K = 14336); so
@@ -443,12 +451,10 @@ def _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_t
     )  # fmt: skip
     del wt, upper  # done with: the factor alone is 0.8 GB at in = 14336
 
-    # back to [out, in] in original column order, one copy each
-    order = torch.argsort(perm) if perm is not None else None
-    values = _to_original(values_t, order)  # [out, in] fp32
+    values = prepared.in_original_order(values_t)  # [out, in] fp32
     del values_t
     offset = -qmin  # symmetric codes are stored unsigned, shifted by 2**(b-1)
-    codes = _to_original(codes_t.add_(offset).to(torch.uint8), order)  # [out, in] uint8
+    codes = prepared.in_original_order(codes_t.add_(offset).to(torch.uint8))  # [out, in] uint8
     del codes_t
     scale16 = scale16_t.T.contiguous()
     zero = None if zero_t is None else zero_t.T.contiguous()
@@ -465,13 +471,6 @@ def _gptq(weight, hessian, spec, static, block_size, act_order, damp, max_damp_t
         scale_dtype=torch.float16,
     )
     return GPTQResult(quantized, values, prepared.damp, int(prepared.dead.sum()))
-
-
-def _to_original(rows: Tensor, order: Tensor | None) -> Tensor:
-    """``rows`` [in, out] in visiting order as a contiguous [out, in] in original column order
-    (``order``: the visiting index of each original column, or None for the natural order)."""
-    columns = rows.T  # [out, in], a view
-    return columns.contiguous() if order is None else columns[:, order]
 
 
 @contextmanager
