@@ -108,7 +108,13 @@ def _check_decoded(pages: list[PackedKV], dim: int, threads: int) -> None:
         assert torch.equal(acc, want[:, :, tokens])
 
 
-@pytest.mark.parametrize("pre_rope", [False, True])
+# pre-RoPE keys: their positions, and whether the kernels get the cos/sin tables in blocks of
+# 16 positions (16-token tiles then rotate a channel of the tile at once: loads for
+# consecutive positions, gathers for others; without them every row is rotated on its own)
+ROPES = [None, "random, rows", "random, blocks", "consecutive, blocks"]
+
+
+@pytest.mark.parametrize("pre_rope", ROPES)
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_scores_and_sums_match_torch(name, pre_rope):
     lib = native.library()
@@ -118,11 +124,17 @@ def test_scores_and_sums_match_torch(name, pre_rope):
     q = torch.randn(B, H, 4, D, generator=g)  # 4 query heads per KV head
     rope = None
     if pre_rope:
-        positions = torch.randint(0, 500, (B, T), generator=g, dtype=torch.int32)
+        if pre_rope.startswith("random"):
+            positions = torch.randint(0, 500, (B, T), generator=g, dtype=torch.int32)
+        else:  # batch row 1 starts later, as after left padding
+            positions = (torch.arange(T) + torch.tensor([[0], [7]])).to(torch.int32)
         freq = torch.rand(D // 2, generator=g)
         angle = torch.arange(500)[:, None].float() * torch.cat([freq, freq])[None]  # [P, D]
         cos, sin = angle.cos(), angle.sin()
+        cos_b, sin_b = native.rope_blocks(cos), native.rope_blocks(sin)
         rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), T)
+        if pre_rope.endswith("blocks"):
+            rope.cos_blocks, rope.sin_blocks = cos_b.data_ptr(), sin_b.data_ptr()
         keys = _rope(keys, cos[positions.long()], sin[positions.long()])
     scores = torch.empty(B, H, 4, T)
     _call(lib.lb_scores, pages, None if rope is None else ctypes.byref(rope), q.data_ptr(), 4,
@@ -136,6 +148,13 @@ def test_scores_and_sums_match_torch(name, pre_rope):
     _call(lib.lb_accumulate, pages, p.data_ptr(), 4, T, acc.data_ptr(), 2)
     expected = p @ keys if not pre_rope else p @ _stored(pages)
     assert (acc - expected).abs().max() < 1e-5 * expected.abs().max() + 1e-6
+
+
+@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="no AVX-512")
+def test_avx512_builds_take_16_token_tiles():
+    """Codebook pages of at most 4 bits are read 16 tokens at a time where the CPU has AVX-512
+    (the tests above then cover the tiles: pages of 24 and 16 tokens, a tile and a tail)."""
+    assert native.library().lb_tile_width() == 16
 
 
 def test_formats_it_cannot_read_are_refused_not_misread():

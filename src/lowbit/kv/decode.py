@@ -62,6 +62,8 @@ class RopeTable:
         self.rope_cos_sin = rope_cos_sin
         self.limit = max(int(limit), 1)
         self.tables: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+        #: (dtype, device) -> (the table they were made from, cos blocks, sin blocks)
+        self._blocks: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
 
     def table(self, top: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         """(cos, sin) ``[P, D]`` of positions ``0..P-1``, ``P >= top`` (past ``limit`` when
@@ -76,6 +78,17 @@ class RopeTable:
             cos, sin = (t[0] for t in self.rope_cos_sin(grid, dtype))  # [P, D]
             self.tables[key] = (cos, sin)
         return cos, sin
+
+    def blocks(self, top: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """:meth:`table`'s (cos, sin) in blocks of 16 positions (:func:`native.rope_blocks`),
+        kept while the table lives."""
+        cos, sin = self.table(top, dtype, device)
+        key = (dtype, device)
+        made = self._blocks.get(key)
+        if made is None or made[0] is not cos:
+            made = (cos, native.rope_blocks(cos), native.rope_blocks(sin))
+            self._blocks[key] = made
+        return made[1], made[2]
 
     def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, sin) ``[B, n, D]`` of ``positions`` ``[B, n]``."""
@@ -213,10 +226,11 @@ def compiled_decode_attention(
     rope = None
     if key_rope is not None:
         positions = layer.track.positions.contiguous()  # [B, T] int32
-        cos, sin = rope_table.table(int(positions.max()) + 1, torch.float32, q.device)  # [P, D]
-        rope = native.Rope(
-            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0)
-        )
+        top = int(positions.max()) + 1
+        cos, sin = rope_table.table(top, torch.float32, q.device)  # [P, D]
+        cos_b, sin_b = rope_table.blocks(top, torch.float32, q.device)  # [P / 16 + 1, D, 16]
+        rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0),
+                           cos_b.data_ptr(), sin_b.data_ptr())  # fmt: skip
     threads = torch.get_num_threads()
 
     qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]

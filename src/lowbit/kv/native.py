@@ -29,6 +29,7 @@ __all__ = [
     "Rope",
     "Stat",
     "SOURCE",
+    "rope_blocks",
 ]
 
 
@@ -77,14 +78,29 @@ class Page(ctypes.Structure):
 
 
 class Rope(ctypes.Structure):
-    """``lb_rope``: cos/sin tables ``[P, D]`` and the cached tokens' positions ``[B, T]``."""
+    """``lb_rope``: cos/sin tables ``[P, D]``, the cached tokens' positions ``[B, T]``, and
+    optionally the same tables in blocks of 16 positions ``[P / 16 + 1, D, 16]``
+    (:func:`rope_blocks`), which 16-token tiles read."""
 
     _fields_ = [
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("positions", ctypes.c_void_p),
         ("positions_stride", ctypes.c_int64),
+        ("cos_blocks", ctypes.c_void_p),
+        ("sin_blocks", ctypes.c_void_p),
     ]
+
+
+def rope_blocks(table: Tensor) -> Tensor:
+    """A cos or sin table ``[P, D]`` in blocks of 16 positions, ``[ceil(P / 16) + 1, D, 16]``
+    float32 (zeros past ``P``): a tile of 16 consecutive positions reads each channel's values
+    from two adjacent blocks, contiguous in memory."""
+    p, d = table.shape
+    blocks = -(-p // 16) + 1
+    padded = torch.zeros(blocks * 16, d, dtype=torch.float32, device=table.device)
+    padded[:p] = table
+    return padded.view(blocks, 16, d).transpose(1, 2).contiguous()  # [blocks, D, 16]
 
 
 @functools.cache
@@ -97,6 +113,7 @@ def library() -> ctypes.CDLL | None:
     lib.lb_scores.argtypes = [pointer, pointer, i64, pointer, pointer, i64, pointer, i64, f32, c_int]  # fmt: skip
     lib.lb_accumulate.argtypes = [pointer, pointer, i64, pointer, i64, i64, pointer, c_int]
     lib.lb_scores.restype = lib.lb_accumulate.restype = c_int
+    lib.lb_tile_width.argtypes, lib.lb_tile_width.restype = [], c_int
     lib.lb_quantize_int_rows.argtypes = [pointer, c_int, i64, i64, i64, c_int, f32, pointer, i64, pointer, pointer]  # fmt: skip
     lib.lb_quantize_int_rows.restype = c_int
     lib.lb_quantize_kvquant.argtypes = [pointer, i64, i64, i64, i64, c_int, pointer, c_int, pointer, pointer, c_int, i64, pointer, i64, pointer, pointer, pointer, pointer, i64, pointer]  # fmt: skip

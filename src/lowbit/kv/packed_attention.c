@@ -73,6 +73,10 @@ typedef struct {
     const float *cos, *sin; /* [positions, dim] float32, NULL: keys are cached after RoPE */
     const int32_t *positions; /* [batch, positions_stride]: the slot's position */
     int64_t positions_stride;
+    /* the same tables in blocks of 16 positions, [blocks, dim, 16] (position p, channel i at
+       ((p / 16) * dim + i) * 16 + p % 16), blocks covering every position plus one; NULL: not
+       given (token tiles are then not used for pre-RoPE keys) */
+    const float *cos_blocks, *sin_blocks;
 } lb_rope;
 
 #ifdef __F16C__
@@ -123,6 +127,7 @@ typedef struct {
     float zero[LB_MAX_DIM], scale[LB_MAX_DIM], offset[LB_MAX_DIM];
     int table_ready;       /* value = table[channel][code] */
     float table[LB_TABLE]; /* [dim][2^bits] */
+    float table16[LB_MAX_DIM * 16]; /* bits <= 4: table padded to 16 levels, level l -> l mod 2^bits */
 } lb_stats;
 
 /* v = (v - zero) * scale + offset over d channels, each part only where the page has it (torch's
@@ -167,6 +172,9 @@ static void lb_load_stats(const lb_page *pg, int64_t b, int64_t h, int64_t tg, l
         lb_affine(pg, v, st->zero, st->scale, st->offset, pg->dim);
         for (int64_t i = 0; i < pg->dim; i++) st->table[i * n + c] = v[i];
     }
+    if (pg->bits <= 4)
+        for (int64_t i = 0; i < pg->dim; i++)
+            for (int64_t l = 0; l < 16; l++) st->table16[i * 16 + l] = st->table[i * n + (l & (n - 1))];
 }
 
 /* Row (b, h, t) of the page, decoded into out[dim]. */
@@ -252,6 +260,174 @@ static float lb_dot(const float *a, const float *b, int64_t d) {
     return sum;
 }
 
+/* Token tiles (AVX-512): 16 tokens of a head in the lanes of a vector.
+
+   A codebook page of at most 4 bits (KVQuant's keys and values) is decoded 16 tokens at a time,
+   channel by channel: the tile's code words are transposed once (word w of the 16 rows in one
+   vector), each channel's 16 codes shifted out of them and looked up by one permute in a
+   16-entry table: the channel's value table (statistics shared by every token), or the shared
+   codebook followed by each token's statistics. These are lb_decode_row's float32 operations,
+   so the values are the same bits. Outliers are patched into the tile, pre-RoPE keys rotated
+   with the cos/sin of the 16 positions (from the transposed tables: one load when the positions
+   run consecutively, else a gather), and a score vector is the sum over channels of q_d times
+   the 16 tokens' k_d; values add p(token) v_d(token) into 16-lane accumulators, summed across
+   the lanes once a head. */
+#if defined(__AVX512F__)
+#include <immintrin.h> /* again: F16C may be absent */
+#define LB_TILE 16
+#define LB_MAX_WORDS (LB_MAX_DIM * 4 / 32)
+
+/* The tile road applies: a codebook of at most 4 bits, and either statistics shared by every
+   token (lb_load_stats' value table) or one group of them a token over a shared codebook. */
+static int lb_tile_page(const lb_page *pg) {
+    if (!pg->levels || pg->bits > 4) return 0;
+    const int token_stats = pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2];
+    if (!token_stats) return pg->dim * ((int64_t)1 << pg->bits) <= LB_TABLE;
+    return pg->channel_group == pg->dim && !pg->levels_per_channel;
+}
+
+/* Tokens t..t+15 of row (b, h) decoded into kt[channel][16], outliers not yet patched in;
+   table16: the head's value table padded to 16 levels (lb_stats.table16), NULL for per-token
+   statistics. */
+static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, const float *table16, float *kt) {
+    const int64_t d = pg->dim, bits = pg->bits, row_bytes = (d * bits + 7) / 8, full = row_bytes / 4;
+    uint32_t words[LB_MAX_WORDS][LB_TILE]; /* [word of a row][token] */
+    for (int j = 0; j < LB_TILE; j++) {
+        const uint8_t *row = lb_row(pg, b, h, t + j);
+        for (int64_t w = 0; w < full; w++) memcpy(&words[w][j], row + 4 * w, 4);
+        if (row_bytes % 4) { /* the row's last bytes, not reading past it */
+            uint32_t last = 0;
+            memcpy(&last, row + 4 * full, (size_t)(row_bytes % 4));
+            words[full][j] = last;
+        }
+    }
+    const int64_t n = (int64_t)1 << bits;
+    const int has_z = pg->zero.data != NULL, has_s = has_z || pg->scale.data, has_o = pg->offset.data != NULL;
+    __m512 levels = _mm512_setzero_ps(), zero = levels, scale = levels, offset = levels;
+    if (!table16) { /* lb_decode_row's three scalars a token, one lane each */
+        float lv[16], z[LB_TILE], s[LB_TILE], o[LB_TILE];
+        for (int64_t l = 0; l < 16; l++) lv[l] = pg->levels[l & (n - 1)];
+        for (int j = 0; j < LB_TILE; j++) {
+            const int64_t tg = (t + j) / pg->token_group;
+            z[j] = lb_stat_at(&pg->zero, b, h, tg, 0, 0.0f);
+            s[j] = lb_stat_at(&pg->scale, b, h, tg, 0, 1.0f);
+            o[j] = lb_stat_at(&pg->offset, b, h, tg, 0, 0.0f);
+        }
+        levels = _mm512_loadu_ps(lv), zero = _mm512_loadu_ps(z), scale = _mm512_loadu_ps(s);
+        offset = _mm512_loadu_ps(o);
+    }
+    for (int64_t i = 0; i < d; i++) {
+        /* codes above `bits` are the next channels': the permute reads 4 bits, and a table of
+           fewer levels repeats them (level l -> l mod 2^bits) */
+        const int64_t bit = i * bits, w = bit >> 5, shift = bit & 31;
+        __m512i c = _mm512_srlv_epi32(_mm512_loadu_si512(words[w]), _mm512_set1_epi32((int)shift));
+        if (shift + bits > 32)
+            c = _mm512_or_si512(c, _mm512_sllv_epi32(_mm512_loadu_si512(words[w + 1]), _mm512_set1_epi32((int)(32 - shift))));
+        __m512 v;
+        if (!table16) {
+            v = _mm512_permutexvar_ps(c, levels);
+            if (has_z) v = _mm512_sub_ps(v, zero);
+            if (has_s) v = _mm512_mul_ps(v, scale);
+            if (has_o) v = _mm512_add_ps(v, offset);
+        } else {
+            v = _mm512_permutexvar_ps(c, _mm512_loadu_ps(table16 + i * 16));
+        }
+        _mm512_storeu_ps(kt + i * LB_TILE, v);
+    }
+}
+
+/* Tokens t..t+15 of batch row b, every head, decoded into kts[head][channel][16] with the
+   page's outliers patched in (one pass over the tile's CSR rows for all heads); tables: the
+   heads' value tables [head][channel][16], NULL for per-token statistics. */
+static void lb_decode_tiles(const lb_page *pg, int64_t b, int64_t t, const float *tables, float *kts) {
+    const int64_t d = pg->dim, n = pg->heads * d;
+    for (int64_t h = 0; h < pg->heads; h++)
+        lb_decode_tile(pg, b, h, t, tables ? tables + h * d * 16 : NULL, kts + h * d * LB_TILE);
+    if (!pg->row_ptr) return;
+    const int64_t base = pg->row_ptr[0];
+    for (int j = 0; j < LB_TILE; j++) {
+        const int64_t r = (t + j) * pg->batch + b;
+        for (int64_t e = pg->row_ptr[r] - base; e < pg->row_ptr[r + 1] - base; e++) {
+            const uint32_t word = (uint32_t)pg->col_val[e];
+            const int64_t channel = (int64_t)(word >> 16); /* head * dim + channel of the head */
+            if (channel < n) kts[channel * LB_TILE + j] = lb_half((uint16_t)(word & 0xffff));
+        }
+    }
+}
+
+/* cos and sin of the 16 positions of slots slot..slot+15 of batch row b, [dim][16]: two loads
+   and a permute a channel when the positions run consecutively, else gathers. */
+static void lb_rope_tile(const lb_rope *rope, int64_t b, int64_t slot, int64_t d, float *ct, float *st) {
+    const int32_t *pos = rope->positions + b * rope->positions_stride + slot;
+    const __m512i p = _mm512_loadu_si512(pos);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int run = _mm512_cmpeq_epi32_mask(p, _mm512_add_epi32(_mm512_set1_epi32(pos[0]), iota)) == 0xffff;
+    if (run) {
+        const int64_t first = (int64_t)(pos[0] / 16) * d * 16, offset = pos[0] % 16;
+        const __m512i take = _mm512_add_epi32(iota, _mm512_set1_epi32((int)offset)); /* 16+: next block */
+        for (int64_t i = 0; i < d; i++) {
+            const float *c = rope->cos_blocks + first + i * 16, *s = rope->sin_blocks + first + i * 16;
+            __m512 cv = _mm512_loadu_ps(c), sv = _mm512_loadu_ps(s);
+            if (offset) {
+                cv = _mm512_permutex2var_ps(cv, take, _mm512_loadu_ps(c + d * 16));
+                sv = _mm512_permutex2var_ps(sv, take, _mm512_loadu_ps(s + d * 16));
+            }
+            _mm512_storeu_ps(ct + i * 16, cv), _mm512_storeu_ps(st + i * 16, sv);
+        }
+        return;
+    }
+    /* element (p, i) at (p / 16) * dim * 16 + p % 16 + i * 16 */
+    const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(p, 4), _mm512_set1_epi32((int)(d * 16))),
+                                        _mm512_and_si512(p, _mm512_set1_epi32(15)));
+    for (int64_t i = 0; i < d; i++) {
+        _mm512_storeu_ps(ct + i * 16, _mm512_i32gather_ps(at, rope->cos_blocks + i * 16, 4));
+        _mm512_storeu_ps(st + i * 16, _mm512_i32gather_ps(at, rope->sin_blocks + i * 16, 4));
+    }
+}
+
+/* The tile's keys kt[dim][16] rotated in place (lb_rotate's order of operations: k cos - k' sin
+   in the first half, k cos + k' sin in the second). */
+static void lb_rotate_tile(const float *ct, const float *st, int64_t d, float *kt) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const __m512 a = _mm512_loadu_ps(kt + i * 16), a2 = _mm512_loadu_ps(kt + (i + half) * 16);
+        const __m512 c = _mm512_loadu_ps(ct + i * 16), s = _mm512_loadu_ps(st + i * 16);
+        const __m512 c2 = _mm512_loadu_ps(ct + (i + half) * 16), s2 = _mm512_loadu_ps(st + (i + half) * 16);
+        _mm512_storeu_ps(kt + i * 16, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(a2, s)));
+        _mm512_storeu_ps(kt + (i + half) * 16, _mm512_add_ps(_mm512_mul_ps(a2, c2), _mm512_mul_ps(a, s2)));
+    }
+}
+
+/* srow[g * total + j] = q_g . k(token j) * scaling for the tile's 16 tokens, four queries at a time. */
+static void lb_scores_tile(const float *q, int64_t groups, int64_t d, const float *kt, float *srow, int64_t total,
+                           float scaling) {
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        const int64_t n = groups - g0 < 4 ? groups - g0 : 4;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t i = 0; i < d; i++) {
+            const __m512 k = _mm512_loadu_ps(kt + i * LB_TILE);
+            for (int64_t j = 0; j < n; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[(g0 + j) * d + i]), k, acc[j]);
+        }
+        for (int64_t j = 0; j < n; j++) _mm512_storeu_ps(srow + (g0 + j) * total, _mm512_mul_ps(acc[j], _mm512_set1_ps(scaling)));
+    }
+}
+
+/* lanes[g][channel][16] += p_g(token) * v(token) over the tile's 16 tokens. */
+static void lb_accumulate_tile(const float *prow, int64_t groups, int64_t total, int64_t d, const float *vt, float *lanes) {
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 p = _mm512_loadu_ps(prow + g * total);
+        float *a = lanes + g * d * LB_TILE;
+        for (int64_t i = 0; i < d; i++)
+            _mm512_storeu_ps(a + i * LB_TILE, _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + i * LB_TILE), _mm512_loadu_ps(a + i * LB_TILE)));
+    }
+}
+#else
+#define LB_TILE 0
+#endif
+
+/* The width of a token tile (16 with AVX-512), 0 where the library was built without them. */
+int lb_tile_width(void) { return LB_TILE; }
+
 /* The short road applies: 4-bit codes, no codebook, no outliers, an even channel group. */
 static int lb_nibbles(const lb_page *pg) {
     return pg->bits == 4 && !pg->levels && !pg->row_ptr && pg->channel_group % 2 == 0 && pg->dim % 2 == 0;
@@ -298,6 +474,88 @@ static void lb_each_page(const lb_job *job, void (*fn)(const lb_job *, int64_t, 
     }
 }
 
+#if LB_TILE
+/* The buffers of a page's tiles: every head's decoded tile [head][channel][16], the heads' value
+   tables [head][channel][16] (statistics shared by every token; NULL for per-token ones) and
+   `extra` floats for the caller; NULL where memory runs out. */
+typedef struct {
+    float *kts, *tables, *extra;
+} lb_tile_buffers;
+
+static int lb_tile_buffers_make(const lb_page *pg, int64_t extra, lb_tile_buffers *buf) {
+    const int64_t n = pg->heads * pg->dim * LB_TILE;
+    const int token_stats = pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2];
+    buf->kts = malloc((size_t)n * sizeof(float));
+    buf->tables = token_stats ? NULL : malloc((size_t)n * sizeof(float));
+    buf->extra = extra ? malloc((size_t)extra * sizeof(float)) : NULL;
+    if (buf->kts && (token_stats || buf->tables) && (!extra || buf->extra)) return 0;
+    free(buf->kts), free(buf->tables), free(buf->extra);
+    return -1;
+}
+
+/* The heads' value tables of batch row b into buf->tables (nothing for per-token statistics). */
+static void lb_tile_tables(const lb_page *pg, int64_t b, lb_stats *st, lb_tile_buffers *buf) {
+    if (!buf->tables) return;
+    for (int64_t h = 0; h < pg->heads; h++) {
+        lb_load_stats(pg, b, h, 0, st);
+        memcpy(buf->tables + h * pg->dim * 16, st->table16, (size_t)(pg->dim * 16) * sizeof(float));
+    }
+}
+
+/* The whole tiles of tokens t0..t1 of page i for lb_scores_page, every batch row and head: tiles
+   outer and heads inner, so a tile's cos/sin and outliers are read once for all heads. Returns
+   the first token left to the rows (t0 where the tiles could not run). */
+static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t t1, lb_stats *st) {
+    const lb_page *pg = &job->pages[i];
+    const int64_t d = pg->dim, G = job->groups, H = pg->heads, start = job->starts[i];
+    const int64_t end = t0 + (t1 - t0) / LB_TILE * LB_TILE;
+    const int rope = job->rope && job->rope->cos;
+    lb_tile_buffers buf;
+    if (end == t0 || lb_tile_buffers_make(pg, rope ? 2 * d * LB_TILE : 0, &buf)) return t0;
+    float *ct = buf.extra, *sn = rope ? buf.extra + d * LB_TILE : NULL; /* [dim][16] */
+    for (int64_t b = 0; b < pg->batch; b++) {
+        lb_tile_tables(pg, b, st, &buf);
+        for (int64_t t = t0; t < end; t += LB_TILE) {
+            if (rope) lb_rope_tile(job->rope, b, start + t, d, ct, sn);
+            lb_decode_tiles(pg, b, t, buf.tables, buf.kts);
+            for (int64_t h = 0; h < H; h++) {
+                float *kt = buf.kts + h * d * LB_TILE;
+                if (rope) lb_rotate_tile(ct, sn, d, kt);
+                lb_scores_tile(job->q + (b * H + h) * G * d, G, d, kt,
+                               job->scores + (b * H + h) * G * job->total + start + t, job->total, job->scaling);
+            }
+        }
+    }
+    free(buf.kts), free(buf.tables), free(buf.extra);
+    return end;
+}
+
+/* The whole tiles of tokens t0..t1 of page i for lb_accumulate_page: p_t v_t summed in 16 lanes a
+   channel, [head][group][channel][16], then across the lanes into the accumulator once a batch
+   row. Returns the first token left to the rows. */
+static int64_t lb_accumulate_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t t1, lb_stats *st) {
+    const lb_page *pg = &job->pages[i];
+    const int64_t d = pg->dim, G = job->groups, H = pg->heads, start = job->starts[i];
+    const int64_t end = t0 + (t1 - t0) / LB_TILE * LB_TILE, n = H * G * d;
+    lb_tile_buffers buf;
+    if (end == t0 || lb_tile_buffers_make(pg, n * LB_TILE, &buf)) return t0;
+    for (int64_t b = 0; b < pg->batch; b++) {
+        lb_tile_tables(pg, b, st, &buf);
+        memset(buf.extra, 0, (size_t)(n * LB_TILE) * sizeof(float));
+        for (int64_t t = t0; t < end; t += LB_TILE) {
+            lb_decode_tiles(pg, b, t, buf.tables, buf.kts);
+            for (int64_t h = 0; h < H; h++)
+                lb_accumulate_tile(job->p + (b * H + h) * G * job->total + start + t, G, job->total, d,
+                                   buf.kts + h * d * LB_TILE, buf.extra + h * G * d * LB_TILE);
+        }
+        float *acc = job->acc + b * n; /* [H][G][dim] of batch row b */
+        for (int64_t j = 0; j < n; j++) acc[j] += _mm512_reduce_add_ps(_mm512_loadu_ps(buf.extra + j * LB_TILE));
+    }
+    free(buf.kts), free(buf.tables), free(buf.extra);
+    return end;
+}
+#endif
+
 static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1) {
     const lb_page *pg = &job->pages[i];
     const int64_t d = pg->dim, G = job->groups, start = job->starts[i];
@@ -308,6 +566,11 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
     float qe[LB_MAX_GROUPS][LB_MAX_DIM / 2], qo[LB_MAX_GROUPS][LB_MAX_DIM / 2], qsum[LB_MAX_GROUPS][LB_MAX_DIM];
     const int nib = lb_nibbles(pg) && !rope;
     const int64_t cg = pg->channel_group, ng = d / cg;
+    int64_t tail = t0; /* the first token left to the rows below */
+#if LB_TILE
+    if (lb_tile_page(pg) && (!rope || (job->rope->cos_blocks && job->rope->sin_blocks && d % 2 == 0)))
+        tail = lb_scores_tiles(job, i, t0, t1, &st);
+#endif
     for (int64_t b = 0; b < pg->batch; b++)
         for (int64_t h = 0; h < pg->heads; h++) {
             const float *q = job->q + (b * pg->heads + h) * G * d;
@@ -346,7 +609,7 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
                 }
                 continue;
             }
-            for (int64_t t = t0; t < t1; t++) {
+            for (int64_t t = tail; t < t1; t++) {
                 lb_decode_row(pg, b, h, t, &st, k);
                 const float *key = k;
                 if (rope) {
@@ -366,6 +629,10 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
     st.b = -1;
     const int nib = lb_nibbles(pg);
     const int64_t cg = pg->channel_group, ng = d / cg;
+    int64_t tail = t0; /* the first token left to the rows below */
+#if LB_TILE
+    if (lb_tile_page(pg)) tail = lb_accumulate_tiles(job, i, t0, t1, &st);
+#endif
     for (int64_t b = 0; b < pg->batch; b++)
         for (int64_t h = 0; h < pg->heads; h++) {
             const float *prow = job->p + (b * pg->heads + h) * G * job->total + start;
@@ -397,7 +664,7 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
                     }
                 continue;
             }
-            for (int64_t t = t0; t < t1; t++) {
+            for (int64_t t = tail; t < t1; t++) {
                 lb_decode_row(pg, b, h, t, &st, v);
                 for (int64_t g = 0; g < G; g++) {
                     const float w = prow[g * job->total + t];
