@@ -148,3 +148,20 @@ def test_rope_table_equals_direct_cos_sin():
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     far = torch.tensor([[400, 401]])  # beyond the table: computed directly
     assert torch.equal(table(far, torch.float32)[0], adapter.rope_cos_sin(far, torch.float32)[0])
+
+
+def test_rope_table_past_its_limit_doubles_and_its_blocks_follow_it():
+    """Decode steps past the model's positions grow the table by doubling (not one position a
+    step), and the compiled kernels' blocks are remade from the grown table."""
+    model = tiny_model("llama", head_dim=32)
+    table = RopeTable(adapter_for(model).rope_cos_sin, limit=300)
+    cos, _ = table.table(301, torch.float32, torch.device("cpu"))
+    assert cos.shape[0] == 1024  # at least 1,024 positions once past the limit
+    assert table.table(302, torch.float32, torch.device("cpu"))[0] is cos  # not remade
+    blocks, _ = table.blocks(302, torch.float32, torch.device("cpu"))
+    grown, _ = table.table(1025, torch.float32, torch.device("cpu"))
+    assert grown.shape[0] == 2048
+    grown_blocks, _ = table.blocks(1025, torch.float32, torch.device("cpu"))
+    assert grown_blocks.shape[0] == 2048 // 16 + 1 and blocks.shape[0] == 1024 // 16 + 1
+    # position p, channel i at block p // 16, lane p % 16 (rotate-half: the first half kept)
+    assert torch.equal(grown_blocks[1500 // 16, :, 1500 % 16], grown[1500, : grown.shape[1] // 2])

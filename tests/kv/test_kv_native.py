@@ -111,7 +111,13 @@ def _check_decoded(pages: list[PackedKV], dim: int, threads: int) -> None:
 # pre-RoPE keys: their positions, and whether the kernels get the cos/sin tables in blocks of
 # 16 positions (16-token tiles then rotate a channel of the tile at once: loads for
 # consecutive positions, gathers for others; without them every row is rotated on its own)
-ROPES = [None, "random, rows", "random, blocks", "consecutive, blocks"]
+ROPES = [
+    None,
+    "random, rows",
+    "random, blocks",
+    "consecutive, blocks",
+    "consecutive, blocks of unequal halves",
+]
 
 
 @pytest.mark.parametrize("pre_rope", ROPES)
@@ -121,7 +127,7 @@ def test_scores_and_sums_match_torch(name, pre_rope):
     pages = _pages(name)
     keys = _stored(pages)  # [B, H, T, D]
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(B, H, 4, D, generator=g)  # 4 query heads per KV head
+    q = torch.randn(B, H, 5, D, generator=g)  # 5 query heads per KV head: 4 at once, then 1
     rope = None
     if pre_rope:
         if pre_rope.startswith("random"):
@@ -130,22 +136,26 @@ def test_scores_and_sums_match_torch(name, pre_rope):
             positions = (torch.arange(T) + torch.tensor([[0], [7]])).to(torch.int32)
         freq = torch.rand(D // 2, generator=g)
         angle = torch.arange(500)[:, None].float() * torch.cat([freq, freq])[None]  # [P, D]
+        if pre_rope.endswith("unequal halves"):  # not rotate-half's tables: blocks of every channel
+            angle[:, D // 2 :] *= 1.5
         cos, sin = angle.cos(), angle.sin()
-        cos_b, sin_b = native.rope_blocks(cos), native.rope_blocks(sin)
+        cos_b, sin_b = native.rope_blocks(cos, sin)
+        assert cos_b.shape[1] == (D if pre_rope.endswith("unequal halves") else D // 2)
         rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), T)
-        if pre_rope.endswith("blocks"):
+        if "blocks" in pre_rope:
             rope.cos_blocks, rope.sin_blocks = cos_b.data_ptr(), sin_b.data_ptr()
+            rope.block_channels = cos_b.shape[1]
         keys = _rope(keys, cos[positions.long()], sin[positions.long()])
-    scores = torch.empty(B, H, 4, T)
-    _call(lib.lb_scores, pages, None if rope is None else ctypes.byref(rope), q.data_ptr(), 4,
+    scores = torch.empty(B, H, 5, T)
+    _call(lib.lb_scores, pages, None if rope is None else ctypes.byref(rope), q.data_ptr(), 5,
           scores.data_ptr(), T, 0.125, 2)  # fmt: skip
     want = q @ keys.transpose(2, 3) * 0.125
     # float32 sums in another order (the 4-bit integer road factors the scale out of the sum):
     # measured max |difference| 2.9e-6 on scores of magnitude ~10
     assert (scores - want).abs().max() < 1e-4 * want.abs().max()
     p = torch.softmax(want, -1)
-    acc = torch.zeros(B, H, 4, D)
-    _call(lib.lb_accumulate, pages, p.data_ptr(), 4, T, acc.data_ptr(), 2)
+    acc = torch.zeros(B, H, 5, D)
+    _call(lib.lb_accumulate, pages, p.data_ptr(), 5, T, acc.data_ptr(), 2)
     expected = p @ keys if not pre_rope else p @ _stored(pages)
     assert (acc - expected).abs().max() < 1e-5 * expected.abs().max() + 1e-6
 

@@ -71,9 +71,9 @@ class RopeTable:
         key = (dtype, device)
         cos, sin = self.tables.get(key, (None, None))
         if cos is None or cos.shape[0] < top:
-            size = min(
-                max(top, 2 * (0 if cos is None else cos.shape[0]), 1024), max(self.limit, top)
-            )
+            size = max(top, 2 * (0 if cos is None else cos.shape[0]), 1024)
+            if top <= self.limit:  # past the limit it doubles too, not one position a step
+                size = min(size, self.limit)
             grid = torch.arange(size, device=device)[None]  # [1, P]
             cos, sin = (t[0] for t in self.rope_cos_sin(grid, dtype))  # [P, D]
             self.tables[key] = (cos, sin)
@@ -86,7 +86,7 @@ class RopeTable:
         key = (dtype, device)
         made = self._blocks.get(key)
         if made is None or made[0] is not cos:
-            made = (cos, native.rope_blocks(cos), native.rope_blocks(sin))
+            made = (cos, *native.rope_blocks(cos, sin))
             self._blocks[key] = made
         return made[1], made[2]
 
@@ -228,9 +228,9 @@ def compiled_decode_attention(
         positions = layer.track.positions.contiguous()  # [B, T] int32
         top = int(positions.max()) + 1
         cos, sin = rope_table.table(top, torch.float32, q.device)  # [P, D]
-        cos_b, sin_b = rope_table.blocks(top, torch.float32, q.device)  # [P / 16 + 1, D, 16]
+        cos_b, sin_b = rope_table.blocks(top, torch.float32, q.device)  # [P / 16 + 1, C, 16]
         rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0),
-                           cos_b.data_ptr(), sin_b.data_ptr())  # fmt: skip
+                           cos_b.data_ptr(), sin_b.data_ptr(), cos_b.shape[1])  # fmt: skip
     threads = torch.get_num_threads()
 
     qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]

@@ -89,18 +89,26 @@ class Rope(ctypes.Structure):
         ("positions_stride", ctypes.c_int64),
         ("cos_blocks", ctypes.c_void_p),
         ("sin_blocks", ctypes.c_void_p),
+        ("block_channels", ctypes.c_int64),
     ]
 
 
-def rope_blocks(table: Tensor) -> Tensor:
-    """A cos or sin table ``[P, D]`` in blocks of 16 positions, ``[ceil(P / 16) + 1, D, 16]``
+def rope_blocks(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin tables ``[P, D]`` in blocks of 16 positions, ``[ceil(P / 16) + 1, C, 16]``
     float32 (zeros past ``P``): a tile of 16 consecutive positions reads each channel's values
-    from two adjacent blocks, contiguous in memory."""
-    p, d = table.shape
+    from two adjacent blocks, contiguous in memory. ``C`` is ``D``, or ``D / 2`` where both
+    tables' halves are equal bit for bit (rotate-half RoPE: the kernels read the first half for
+    both, and the blocks are half the bytes to stream)."""
+    p, d = cos.shape
+    if d % 2 == 0 and all(torch.equal(t[:, : d // 2], t[:, d // 2 :]) for t in (cos, sin)):
+        cos, sin, d = cos[:, : d // 2], sin[:, : d // 2], d // 2
     blocks = -(-p // 16) + 1
-    padded = torch.zeros(blocks * 16, d, dtype=torch.float32, device=table.device)
-    padded[:p] = table
-    return padded.view(blocks, 16, d).transpose(1, 2).contiguous()  # [blocks, D, 16]
+    out = []
+    for table in (cos, sin):
+        padded = torch.zeros(blocks * 16, d, dtype=torch.float32, device=table.device)
+        padded[:p] = table
+        out.append(padded.view(blocks, 16, d).transpose(1, 2).contiguous())  # [blocks, C, 16]
+    return out[0], out[1]
 
 
 @functools.cache

@@ -18,10 +18,11 @@
 
    Two passes over a layer's pages: lb_scores writes q . k * scaling for every token into a score
    row; lb_accumulate adds p_t * v_t into an accumulator. The softmax between them, over the
-   whole layer, is the caller's. Nothing larger than one token row is ever decoded. Arithmetic
-   is float32 and written without fused multiply-adds (built with -ffp-contract=off), so a
-   decoded value and a rotated key equal torch's bit for bit; the dot products' sums come in
-   another order.
+   whole layer, is the caller's. Nothing larger than one token row is ever decoded (with AVX-512,
+   16 tokens of each head: see "Token tiles" below). Arithmetic is float32, and decoding and
+   rotation are written without fused multiply-adds (built with -ffp-contract=off), so a decoded
+   value and a rotated key equal torch's bit for bit; the dot products' sums come in another
+   order (the tiles' with fused multiply-adds).
 
    4-bit integer pages without a codebook or outliers (kv-int, QuaRot's cache) take a shorter
    road: with value = (c - z) * s + o over a channel group g,
@@ -73,10 +74,12 @@ typedef struct {
     const float *cos, *sin; /* [positions, dim] float32, NULL: keys are cached after RoPE */
     const int32_t *positions; /* [batch, positions_stride]: the slot's position */
     int64_t positions_stride;
-    /* the same tables in blocks of 16 positions, [blocks, dim, 16] (position p, channel i at
-       ((p / 16) * dim + i) * 16 + p % 16), blocks covering every position plus one; NULL: not
-       given (token tiles are then not used for pre-RoPE keys) */
+    /* the same tables in blocks of 16 positions, [blocks, block_channels, 16] (position p, channel
+       i at ((p / 16) * block_channels + i) * 16 + p % 16), blocks covering every position plus
+       one; block_channels is dim, or dim / 2 where the tables' two halves are equal (then only
+       the first is kept). NULL: not given (token tiles are then not used for pre-RoPE keys). */
     const float *cos_blocks, *sin_blocks;
+    int64_t block_channels;
 } lb_rope;
 
 #ifdef __F16C__
@@ -286,6 +289,20 @@ static int lb_tile_page(const lb_page *pg) {
     return pg->channel_group == pg->dim && !pg->levels_per_channel;
 }
 
+/* Statistic s of tokens t..t+15 of row (b, h), one a token (channel group 0): a vector load
+   where they lie one a token side by side in fp16 or fp32, else one by one. */
+static __m512 lb_tile_stat(const lb_stat *s, const lb_page *pg, int64_t b, int64_t h, int64_t t, float absent) {
+    if (!s->data) return _mm512_set1_ps(absent);
+    if (pg->token_group == 1 && s->stride[2] == 1 && s->dtype != LB_U8) {
+        const int64_t at = b * s->stride[0] + h * s->stride[1] + t;
+        if (s->dtype == LB_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s->data + at)));
+        return _mm512_loadu_ps((const float *)s->data + at);
+    }
+    float v[LB_TILE];
+    for (int j = 0; j < LB_TILE; j++) v[j] = lb_stat_at(s, b, h, (t + j) / pg->token_group, 0, absent);
+    return _mm512_loadu_ps(v);
+}
+
 /* Tokens t..t+15 of row (b, h) decoded into kt[channel][16], outliers not yet patched in;
    table16: the head's value table padded to 16 levels (lb_stats.table16), NULL for per-token
    statistics. */
@@ -305,16 +322,12 @@ static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, c
     const int has_z = pg->zero.data != NULL, has_s = has_z || pg->scale.data, has_o = pg->offset.data != NULL;
     __m512 levels = _mm512_setzero_ps(), zero = levels, scale = levels, offset = levels;
     if (!table16) { /* lb_decode_row's three scalars a token, one lane each */
-        float lv[16], z[LB_TILE], s[LB_TILE], o[LB_TILE];
+        float lv[16];
         for (int64_t l = 0; l < 16; l++) lv[l] = pg->levels[l & (n - 1)];
-        for (int j = 0; j < LB_TILE; j++) {
-            const int64_t tg = (t + j) / pg->token_group;
-            z[j] = lb_stat_at(&pg->zero, b, h, tg, 0, 0.0f);
-            s[j] = lb_stat_at(&pg->scale, b, h, tg, 0, 1.0f);
-            o[j] = lb_stat_at(&pg->offset, b, h, tg, 0, 0.0f);
-        }
-        levels = _mm512_loadu_ps(lv), zero = _mm512_loadu_ps(z), scale = _mm512_loadu_ps(s);
-        offset = _mm512_loadu_ps(o);
+        levels = _mm512_loadu_ps(lv);
+        zero = lb_tile_stat(&pg->zero, pg, b, h, t, 0.0f);
+        scale = lb_tile_stat(&pg->scale, pg, b, h, t, 1.0f);
+        offset = lb_tile_stat(&pg->offset, pg, b, h, t, 0.0f);
     }
     for (int64_t i = 0; i < d; i++) {
         /* codes above `bits` are the next channels': the permute reads 4 bits, and a table of
@@ -355,9 +368,10 @@ static void lb_decode_tiles(const lb_page *pg, int64_t b, int64_t t, const float
     }
 }
 
-/* cos and sin of the 16 positions of slots slot..slot+15 of batch row b, [dim][16]: two loads
-   and a permute a channel when the positions run consecutively, else gathers. */
-static void lb_rope_tile(const lb_rope *rope, int64_t b, int64_t slot, int64_t d, float *ct, float *st) {
+/* cos and sin of the 16 positions of slots slot..slot+15 of batch row b, [block_channels][16]: two
+   loads and a permute a channel when the positions run consecutively, else gathers. */
+static void lb_rope_tile(const lb_rope *rope, int64_t b, int64_t slot, float *ct, float *st) {
+    const int64_t d = rope->block_channels;
     const int32_t *pos = rope->positions + b * rope->positions_stride + slot;
     const __m512i p = _mm512_loadu_si512(pos);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -385,30 +399,48 @@ static void lb_rope_tile(const lb_rope *rope, int64_t b, int64_t slot, int64_t d
     }
 }
 
-/* The tile's keys kt[dim][16] rotated in place (lb_rotate's order of operations: k cos - k' sin
-   in the first half, k cos + k' sin in the second). */
-static void lb_rotate_tile(const float *ct, const float *st, int64_t d, float *kt) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const __m512 a = _mm512_loadu_ps(kt + i * 16), a2 = _mm512_loadu_ps(kt + (i + half) * 16);
-        const __m512 c = _mm512_loadu_ps(ct + i * 16), s = _mm512_loadu_ps(st + i * 16);
-        const __m512 c2 = _mm512_loadu_ps(ct + (i + half) * 16), s2 = _mm512_loadu_ps(st + (i + half) * 16);
-        _mm512_storeu_ps(kt + i * 16, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(a2, s)));
-        _mm512_storeu_ps(kt + (i + half) * 16, _mm512_add_ps(_mm512_mul_ps(a2, c2), _mm512_mul_ps(a, s2)));
-    }
-}
-
-/* srow[g * total + j] = q_g . k(token j) * scaling for the tile's 16 tokens, four queries at a time. */
-static void lb_scores_tile(const float *q, int64_t groups, int64_t d, const float *kt, float *srow, int64_t total,
-                           float scaling) {
-    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-        const int64_t n = groups - g0 < 4 ? groups - g0 : 4;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+/* srow[g * total + j] = q_g . k(token j) * scaling for queries g < N (a constant where it is
+   inlined, so the sums stay in registers). Pre-RoPE keys (ct not NULL: the tile's cos/sin
+   [rope_channels][16]) are rotated on the way in lb_rotate's order of operations, k cos - k' sin
+   in the first half and k cos + k' sin in the second, and never stored. */
+static inline __attribute__((always_inline)) void lb_scores_tile_n(const float *q, int64_t d, const float *kt,
+                                                                   const float *ct, const float *st, int64_t rope_channels,
+                                                                   float *srow, int64_t total, float scaling, const int N) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (ct) {
+        const int64_t half = d / 2, second = rope_channels == d ? half : 0; /* where the second half's cos/sin are */
+        for (int64_t i = 0; i < half; i++) {
+            const __m512 a = _mm512_loadu_ps(kt + i * 16), a2 = _mm512_loadu_ps(kt + (i + half) * 16);
+            const __m512 c = _mm512_loadu_ps(ct + i * 16), s = _mm512_loadu_ps(st + i * 16);
+            const __m512 c2 = _mm512_loadu_ps(ct + (i + second) * 16), s2 = _mm512_loadu_ps(st + (i + second) * 16);
+            const __m512 r = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(a2, s));
+            const __m512 r2 = _mm512_add_ps(_mm512_mul_ps(a2, c2), _mm512_mul_ps(a, s2));
+            for (int j = 0; j < N; j++) {
+                acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i]), r, acc[j]);
+                acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + half]), r2, acc[j]);
+            }
+        }
+    } else {
         for (int64_t i = 0; i < d; i++) {
             const __m512 k = _mm512_loadu_ps(kt + i * LB_TILE);
-            for (int64_t j = 0; j < n; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[(g0 + j) * d + i]), k, acc[j]);
+            for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i]), k, acc[j]);
         }
-        for (int64_t j = 0; j < n; j++) _mm512_storeu_ps(srow + (g0 + j) * total, _mm512_mul_ps(acc[j], _mm512_set1_ps(scaling)));
+    }
+    for (int j = 0; j < N; j++) _mm512_storeu_ps(srow + j * total, _mm512_mul_ps(acc[j], _mm512_set1_ps(scaling)));
+}
+
+/* lb_scores_tile_n over every query of the group, four at a time. */
+static void lb_scores_tile(const float *q, int64_t groups, int64_t d, const float *kt, const float *ct, const float *st,
+                           int64_t rope_channels, float *srow, int64_t total, float scaling) {
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4)
+        lb_scores_tile_n(q + g * d, d, kt, ct, st, rope_channels, srow + g * total, total, scaling, 4);
+    q += g * d, srow += g * total;
+    switch (groups - g) {
+        case 3: lb_scores_tile_n(q, d, kt, ct, st, rope_channels, srow, total, scaling, 3); break;
+        case 2: lb_scores_tile_n(q, d, kt, ct, st, rope_channels, srow, total, scaling, 2); break;
+        case 1: lb_scores_tile_n(q, d, kt, ct, st, rope_channels, srow, total, scaling, 1); break;
+        default: break;
     }
 }
 
@@ -510,20 +542,18 @@ static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t
     const int64_t d = pg->dim, G = job->groups, H = pg->heads, start = job->starts[i];
     const int64_t end = t0 + (t1 - t0) / LB_TILE * LB_TILE;
     const int rope = job->rope && job->rope->cos;
+    const int64_t rope_channels = rope ? job->rope->block_channels : 0;
     lb_tile_buffers buf;
-    if (end == t0 || lb_tile_buffers_make(pg, rope ? 2 * d * LB_TILE : 0, &buf)) return t0;
-    float *ct = buf.extra, *sn = rope ? buf.extra + d * LB_TILE : NULL; /* [dim][16] */
+    if (end == t0 || lb_tile_buffers_make(pg, 2 * rope_channels * LB_TILE, &buf)) return t0;
+    float *ct = rope ? buf.extra : NULL, *sn = rope ? buf.extra + rope_channels * LB_TILE : NULL; /* [channels][16] */
     for (int64_t b = 0; b < pg->batch; b++) {
         lb_tile_tables(pg, b, st, &buf);
         for (int64_t t = t0; t < end; t += LB_TILE) {
-            if (rope) lb_rope_tile(job->rope, b, start + t, d, ct, sn);
+            if (rope) lb_rope_tile(job->rope, b, start + t, ct, sn);
             lb_decode_tiles(pg, b, t, buf.tables, buf.kts);
-            for (int64_t h = 0; h < H; h++) {
-                float *kt = buf.kts + h * d * LB_TILE;
-                if (rope) lb_rotate_tile(ct, sn, d, kt);
-                lb_scores_tile(job->q + (b * H + h) * G * d, G, d, kt,
+            for (int64_t h = 0; h < H; h++)
+                lb_scores_tile(job->q + (b * H + h) * G * d, G, d, buf.kts + h * d * LB_TILE, ct, sn, rope_channels,
                                job->scores + (b * H + h) * G * job->total + start + t, job->total, job->scaling);
-            }
         }
     }
     free(buf.kts), free(buf.tables), free(buf.extra);
@@ -568,7 +598,8 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
     const int64_t cg = pg->channel_group, ng = d / cg;
     int64_t tail = t0; /* the first token left to the rows below */
 #if LB_TILE
-    if (lb_tile_page(pg) && (!rope || (job->rope->cos_blocks && job->rope->sin_blocks && d % 2 == 0)))
+    if (lb_tile_page(pg) && (!rope || (job->rope->cos_blocks && job->rope->sin_blocks && d % 2 == 0 &&
+                                       (job->rope->block_channels == d || 2 * job->rope->block_channels == d))))
         tail = lb_scores_tiles(job, i, t0, t1, &st);
 #endif
     for (int64_t b = 0; b < pg->batch; b++)
