@@ -256,8 +256,8 @@ def compiled_decode_attention(
             scores.masked_fill_(~row, float("-inf"))
         else:
             scores += row.float()
-    top = scores.amax(-1, keepdim=True)  # [B, Hkv, G, 1]
-    p = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+    top = scores.amax(-1, keepdim=True)  # [B, Hkv, G, 1]; a row masked whole: -inf, taken as 0
+    p = scores.sub_(top.nan_to_num_(nan=float("nan"), posinf=0.0, neginf=0.0)).exp_()  # in place
     l = p.sum(-1, keepdim=True)  # [B, Hkv, G, 1]
 
     acc: dict[int, Tensor] = {}  # id of the value basis's rotation (0: none) -> [B, Hkv, G, D]
