@@ -31,6 +31,16 @@ fraction of the prefill time, and the only way past the model's 8,192 positions 
 tokens: the model's weights and the cache's shape, RoPE extrapolated). Decode steps are the
 whole model's.
 
+``--llama-cpp f16 q8_0 q4_0``: after lowbit's rows, in the same process, llama.cpp (the
+``gguf`` extra) runs the embedded model's own GGUF (Q4_1 weights, whose dequantized values are
+lowbit's float model) with each named K and V cache type (flash attention for the quantized
+ones) at every context: a real prefill of the same WikiText-2 prefix (llama.cpp's cache cannot
+be grown by copies; contexts are capped at the model's 8,192 positions), then ``--steps``
+greedy steps, the median step reported. Its rows form a second table, with ratios to the first
+cache type named: llama.cpp's quantized caches against its own f16 cache, as lowbit's rows
+against transformers' float cache (the two engines' weights differ, so their absolute speeds
+are not the caches' comparison).
+
 Command (docs/results/long-context.md)::
 
     nice python benchmarks/bench_long_context.py --contexts 1024 4096 8192 --steps 5
@@ -55,6 +65,7 @@ from common import PeakRSS, command_line, markdown_table, stamp  # noqa: E402
 
 WIKI = Path("/work/shared/data/wikitext-2-raw")
 CALIB_OFFSET = 800_000  # characters: calibration text starts far past the prompts
+MODEL_POSITIONS = 8192  # the embedded model's max_position_embeddings
 ROWS = {
     "float (DynamicCache)": None,
     "kv-int 4": ("kv-int", {"bits": 4}),
@@ -219,6 +230,38 @@ def _clone(page):
     return dataclasses.replace(page, **{k: t.clone() for k, t in page.stored_tensors().items()})
 
 
+def llama_cpp_table(
+    caches: list[str], contexts: list[int], tokenizer, steps: int, threads: int
+) -> str:
+    """llama.cpp's decode steps on the embedded GGUF with each K/V cache type after a real
+    prefill of each context (up to the model's positions), as a markdown table."""
+    from lowbit.eval.llama_cpp import decode_speed, gguf_kv_bytes_per_token
+    from lowbit.models.loader import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    rows = []
+    for context in contexts:
+        if context > MODEL_POSITIONS:
+            continue
+        prompt = _tokens(tokenizer, context)[0].tolist()
+        speed = {}
+        for cache in caches:
+            speed[cache] = decode_speed(
+                path, threads, steps, prompt=prompt, kv_cache=cache, median=True
+            )
+            nbytes = gguf_kv_bytes_per_token(path, cache) * context
+            base = caches[0]
+            rows.append(
+                [f"{context:,}", "real", f"llama.cpp {cache}", f"{1e3 / speed[cache]:,.0f}",
+                 f"{speed[cache]:.3g}", f"{speed[cache] / speed[base]:.2f}",
+                 f"{nbytes / 1e6:.1f}"]
+            )  # fmt: skip
+            print(rows[-1], flush=True)
+    header = ["context", "contents", "KV cache", "ms a step", "decode tok/s",
+              f"× {caches[0]} cache", "cache MB"]  # fmt: skip
+    return markdown_table(header, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -233,11 +276,17 @@ def main() -> None:
         "copies of its pages (0: a real prefill of the whole context)",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--llama-cpp", nargs="*", default=[], metavar="CACHE",
+        help="llama.cpp K/V cache types to time on the embedded GGUF (f16, q8_0, q4_0, ...): "
+        "a second table, ratios to the first one named",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    threads = torch.get_num_threads()
     lines = [stamp(command_line()), ""]  # after the threads are set: the stamp names them
     models, tokenizer = build_rows(args.rows, dtype, args.calib_tokens)
     contexts = sorted(args.contexts)
@@ -269,6 +318,8 @@ def main() -> None:
     header = ["context", "contents", "KV cache", "dtype", "ms a step", "decode tok/s", "× float",
               "cache MB", "× float bytes", "prefill peak MB above model"]  # fmt: skip
     lines.append(markdown_table(header, rows))
+    if args.llama_cpp:
+        lines += ["", llama_cpp_table(args.llama_cpp, contexts, tokenizer, args.steps, threads)]
     text = "\n".join(lines)
     print(text)
     if args.out:

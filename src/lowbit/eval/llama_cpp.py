@@ -39,7 +39,13 @@ KV_CACHE_ELEMENT_BYTES = {
 }  # fmt: skip
 
 
-def _llama(path: str | os.PathLike, n_ctx: int, threads: int, kv_cache: str = "f16"):
+def _llama(
+    path: str | os.PathLike,
+    n_ctx: int,
+    threads: int,
+    kv_cache: str = "f16",
+    all_logits: bool = True,
+):
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -60,7 +66,7 @@ def _llama(path: str | os.PathLike, n_ctx: int, threads: int, kv_cache: str = "f
         cache = dict(type_k=kind, type_v=kind, flash_attn=True)
     try:
         return Llama(
-            str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True,
+            str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=all_logits,
             verbose=False, **cache,
         )  # fmt: skip
     except (ValueError, RuntimeError) as err:
@@ -149,17 +155,36 @@ def gguf_kv_bytes_per_token(path: str | os.PathLike, kv_cache: str = "f16") -> f
     return float(elements * KV_CACHE_ELEMENT_BYTES[kv_cache])
 
 
-def decode_speed(path: str | os.PathLike, threads: int = 2, new_tokens: int = 64) -> float:
-    """llama.cpp's decode tokens/s at batch 1: greedy steps after an 8-token prompt."""
-    llm = _llama(path, n_ctx=new_tokens + 16, threads=threads)
-    prompt = llm.tokenize(b"The quick brown fox jumps over the", add_bos=True)[:8]
+def decode_speed(
+    path: str | os.PathLike,
+    threads: int = 2,
+    new_tokens: int = 64,
+    *,
+    prompt: list[int] | None = None,
+    kv_cache: str = "f16",
+    median: bool = False,
+) -> float:
+    """llama.cpp's decode tokens/s at batch 1: greedy steps after ``prompt`` (token ids; by
+    default an 8-token sentence), with ``kv_cache`` as its K and V cache type. The whole run's
+    rate, or with ``median`` one over the median step (a long context's steps, timed alone)."""
+    llm = _llama(
+        path, n_ctx=(len(prompt) if prompt else 8) + new_tokens + 16, threads=threads,
+        kv_cache=kv_cache, all_logits=False,
+    )  # fmt: skip
+    if prompt is None:
+        prompt = llm.tokenize(b"The quick brown fox jumps over the", add_bos=True)[:8]
     llm.eval(prompt)
     token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     llm.eval([token])  # one warm-up step
+    steps = []
     start = time.perf_counter()
     for _ in range(new_tokens):
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t0 = time.perf_counter()
         llm.eval([token])
+        steps.append(time.perf_counter() - t0)
+    if median:
+        return 1.0 / float(np.median(steps))
     return new_tokens / (time.perf_counter() - start)
 
 
