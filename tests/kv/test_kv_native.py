@@ -227,6 +227,43 @@ def test_decode_steps_take_the_compiled_path(monkeypatch, method, settings, comp
     assert taken == [compiled] * (3 * layers)
 
 
+def test_sink_keys_are_rotated_once_not_every_step(monkeypatch):
+    """KVQuant's fp16 first token: its pre-RoPE key is rotated on the first decode step and
+    reused after (the same scores as rotating it again, which the torch path does)."""
+    model = tiny_model("llama", head_dim=32)
+    quantize(model, get_recipe("kvquant", bits=4), calibration=CALIB, progress=False)
+    calls = []
+    key_rope_calls = []
+
+    def counting(layer, r0, r1, data, key_rope):
+        def counted_rope(keys, positions):
+            key_rope_calls.append((r0, r1))
+            return key_rope(keys, positions)
+
+        calls.append(r0)
+        return real(layer, r0, r1, data, counted_rope)
+
+    real = decode._rotated_fp_keys
+    monkeypatch.setattr(decode, "_rotated_fp_keys", counting)
+    ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    cache, reference = model.lowbit_make_cache(), model.lowbit_make_cache()
+    with torch.no_grad():
+        model(ids[:, :27], past_key_values=cache)
+        outs = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(27, 30)]
+        for layer in model.model.layers:
+            layer.self_attn.packed_attention = (
+                False  # the reference: every key dequantized, rotated
+            )
+        model(ids[:, :27], past_key_values=reference)
+        want = [model(ids[:, t : t + 1], past_key_values=reference).logits for t in range(27, 30)]
+    layers = model.config.num_hidden_layers
+    assert calls.count(0) == 3 * layers  # the sink's keys asked for at every step and layer
+    assert key_rope_calls.count((0, 1)) == layers  # and rotated on the first step only
+    for got, expected in zip(outs, want, strict=True):
+        # measured max |difference| 1.3e-7 (the sums in another order)
+        assert (got - expected).abs().max() < 1e-5
+
+
 def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))

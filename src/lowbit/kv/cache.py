@@ -291,6 +291,9 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _reset_storage(self) -> None:
         self.k = _Stream(self.key_quantizer, self.fp_window)
         self.v = _Stream(self.value_quantizer, self.fp_window)
+        #: decode attention's fp keys rotated to their positions, by first slot: (weak reference
+        #: to the stored tensor, its version and last slot, the rotated keys); a sink's never change
+        self.rotated_fp_keys: dict[int, tuple] = {}
         self.length = 0
         self.keys = self.values = None
         self.is_initialized = False
@@ -322,7 +325,12 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.track.append(positions)
         sink_room = max(self.sink_tokens - self.length, 0)
         pin = None
-        if self.sink_tokens and positions is not None and sink_room < steps:
+        if (
+            self.sink_tokens
+            and positions is not None
+            and sink_room < steps
+            and int(positions.min()) < self.sink_tokens  # left padding restarts positions
+        ):
             pin = positions < self.sink_tokens  # [B, S]
         for stream, states in ((self.k, key_states), (self.v, value_states)):
             stream.append(states, sink_room, self.residual_dtype, self.length, pin)

@@ -31,6 +31,7 @@ Decisions:
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -238,9 +239,11 @@ def compiled_decode_attention(
     packed = []  # (slot, descriptor) of each key page
     for (r0, r1, data), page in zip(regions["k"], pages["k"], strict=True):
         if page is None:  # fp sink or residual
-            k = data.float()
-            if key_rope is not None:
-                k = key_rope(k, layer.positions()[:, r0:r1])
+            k = (
+                data.float()
+                if key_rope is None
+                else _rotated_fp_keys(layer, r0, r1, data, key_rope)
+            )
             scores[..., r0:r1] = torch.matmul(qf, k.transpose(2, 3)) * scaling
         else:
             packed.append((r0, page[0]))
@@ -284,6 +287,24 @@ def compiled_decode_attention(
         out = part if out is None else out + part
     out = out / torch.where(l == 0, torch.ones_like(l), l)  # [B, Hkv, G, D]
     return out.view(b, hq, 1, d).transpose(1, 2).to(q.dtype)  # [B, 1, H_q, D]
+
+
+def _rotated_fp_keys(
+    layer: QuantizedKVLayer,
+    r0: int,
+    r1: int,
+    data: Tensor,
+    key_rope: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:
+    """The fp keys ``data`` ``[B, H, r1 - r0, D]`` of slots ``r0:r1`` rotated to their
+    positions, in float32; kept in ``layer.rotated_fp_keys`` while the same tensor, unchanged,
+    holds those slots (a sink's keys are rotated once, not every step)."""
+    kept = layer.rotated_fp_keys.get(r0)
+    if kept is not None and kept[0]() is data and kept[1] == (data._version, r1):
+        return kept[2]
+    k = key_rope(data.float(), layer.positions()[:, r0:r1])
+    layer.rotated_fp_keys[r0] = (weakref.ref(data), (data._version, r1), k)
+    return k
 
 
 def _masked(scores: Tensor, mask: Tensor | None, start: int, stop: int, s: int, total: int):
