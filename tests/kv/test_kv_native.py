@@ -264,6 +264,31 @@ def test_sink_keys_are_rotated_once_not_every_step(monkeypatch):
         assert (got - expected).abs().max() < 1e-5
 
 
+def test_a_negative_position_keeps_the_step_on_the_torch_path(monkeypatch):
+    """The kernels read cos/sin tables by position: a negative one is left to torch."""
+    model = tiny_model("llama", head_dim=32)
+    quantize(model, get_recipe("kvquant", bits=4), calibration=CALIB, progress=False)
+    taken = []
+    original = decode.compiled_decode_attention
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode, "compiled_decode_attention", counted)
+    ids = torch.randint(3, 256, (1, 21), generator=torch.Generator().manual_seed(2))
+    cache = model.lowbit_make_cache()
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache)
+        model(ids[:, 20:], past_key_values=cache)
+        assert taken and all(taken)
+        taken.clear()
+        cache.layers[0].track.positions[0, 5] = -1
+        model(ids[:, 20:], past_key_values=cache)
+    assert taken and not any(taken)
+
+
 def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))

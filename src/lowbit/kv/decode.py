@@ -191,7 +191,7 @@ def compiled_decode_attention(
     """One decode step's attention with the compiled kernels (:mod:`lowbit.kv.native`) reading
     the packed pages; None, before any work, where they cannot: no compiled library, more than
     one query per row, pinned sink tokens, a page format they do not read, keys in a rotated
-    basis, or pre-RoPE keys without ``rope_table``.
+    basis, or pre-RoPE keys without ``rope_table`` or at a negative position.
 
     Two passes over the layer instead of an online softmax: a decode step's scores are
     ``[B, H_kv, G, T]`` floats (36 MB for 9 query heads at a million tokens), so the kernels
@@ -227,7 +227,10 @@ def compiled_decode_attention(
     rope = None
     if key_rope is not None:
         positions = layer.track.positions.contiguous()  # [B, T] int32
-        top = int(positions.max()) + 1
+        low, high = (int(x) for x in torch.aminmax(positions))
+        if low < 0:  # the kernels index the tables by position
+            return None
+        top = high + 1
         cos, sin = rope_table.table(top, torch.float32, q.device)  # [P, D]
         cos_b, sin_b = rope_table.blocks(top, torch.float32, q.device)  # [P / 16 + 1, C, 16]
         rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0),
