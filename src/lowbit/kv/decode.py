@@ -270,13 +270,14 @@ def compiled_decode_attention(
     rotations: dict[int, Tensor] = {}
     by_basis: dict[int, list] = {}  # basis -> (slot, descriptor) of its pages
     for (r0, r1, data), page in zip(regions["v"], pages["v"], strict=True):
-        key = 0 if page is None or data.rotation is None else id(data.rotation)
+        rotation = None if page is None else data.rotation
+        key = 0 if rotation is None else id(rotation)
         if key not in acc:
             acc[key] = torch.zeros(b, hkv, groups, d, device=q.device)
         if page is None:
             acc[key] += torch.matmul(p[..., r0:r1], data.float())
         else:
-            rotations[key] = data.rotation
+            rotations[key] = rotation
             by_basis.setdefault(key, []).append((r0, page[0]))
     for key, group in by_basis.items():
         descs, starts = pages_c.page_array([desc for _, desc in group], [r0 for r0, _ in group])

@@ -280,12 +280,13 @@ static float lb_dot(const float *a, const float *b, int64_t d) {
 #define LB_TILE 16
 #define LB_MAX_WORDS (LB_MAX_DIM * 4 / 32)
 
-/* The tile road applies: a codebook of at most 4 bits, and either statistics shared by every
-   token (lb_load_stats' value table) or one group of them a token over a shared codebook. */
+/* The tile road applies: codes of at most 4 bits, and either a codebook with statistics shared
+   by every token (lb_load_stats' value table) or one group of statistics a token over a shared
+   codebook or integer levels (KVQuant's values, kv-int's per-token rows). */
 static int lb_tile_page(const lb_page *pg) {
-    if (!pg->levels || pg->bits > 4) return 0;
+    if (pg->bits > 4) return 0;
     const int token_stats = pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2];
-    if (!token_stats) return pg->dim * ((int64_t)1 << pg->bits) <= LB_TABLE;
+    if (!token_stats) return pg->levels && pg->dim * ((int64_t)1 << pg->bits) <= LB_TABLE;
     return pg->channel_group == pg->dim && !pg->levels_per_channel;
 }
 
@@ -323,7 +324,7 @@ static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, c
     __m512 levels = _mm512_setzero_ps(), zero = levels, scale = levels, offset = levels;
     if (!table16) { /* lb_decode_row's three scalars a token, one lane each */
         float lv[16];
-        for (int64_t l = 0; l < 16; l++) lv[l] = pg->levels[l & (n - 1)];
+        for (int64_t l = 0; l < 16; l++) lv[l] = lb_level(pg, 0, 0, (int)(l & (n - 1))); /* or code + bias */
         levels = _mm512_loadu_ps(lv);
         zero = lb_tile_stat(&pg->zero, pg, b, h, t, 0.0f);
         scale = lb_tile_stat(&pg->scale, pg, b, h, t, 1.0f);
@@ -618,7 +619,7 @@ static void lb_scores_page(const lb_job *job, int64_t i, int64_t t0, int64_t t1)
                         qsum[g][c] = sum;
                     }
                 }
-                for (int64_t t = t0; t < t1; t++) {
+                for (int64_t t = tail; t < t1; t++) {
                     float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2], scale[LB_MAX_DIM], constant[LB_MAX_DIM];
                     lb_nibble_row(lb_row(pg, b, h, t), d, lo, hi);
                     lb_group_affine(pg, b, h, t / pg->token_group, scale, constant);
@@ -671,7 +672,7 @@ static void lb_accumulate_page(const lb_job *job, int64_t i, int64_t t0, int64_t
             if (nib) { /* even and odd channels apart, then added in place */
                 float ae[LB_MAX_GROUPS][LB_MAX_DIM / 2] = {{0}}, ao[LB_MAX_GROUPS][LB_MAX_DIM / 2] = {{0}};
                 float add[LB_MAX_GROUPS][LB_MAX_DIM] = {{0}};
-                for (int64_t t = t0; t < t1; t++) {
+                for (int64_t t = tail; t < t1; t++) {
                     float lo[LB_MAX_DIM / 2], hi[LB_MAX_DIM / 2], scale[LB_MAX_DIM], constant[LB_MAX_DIM];
                     lb_nibble_row(lb_row(pg, b, h, t), d, lo, hi);
                     lb_group_affine(pg, b, h, t / pg->token_group, scale, constant);
