@@ -1,8 +1,12 @@
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Without CUDA, Triton kernels run in Triton's interpreter. The choice is made when triton is
 # imported (its own library functions are @jit-decorated then), and transformers imports triton
@@ -51,6 +55,23 @@ def tiny_model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_model(directory, "llama")
     return directory
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """``load(name)``: ``benchmarks/<name>.py`` as a module, kept in ``sys.modules`` (a
+    dataclass of its own looks its module up there)."""
+
+    def load(name: str):
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -1,25 +1,16 @@
 """The cost accounting of ``benchmarks/bench_decode.py`` (Table 3 of Li et al., 2024), without
 a GPU: the NVML energy meter against a fake NVML, the cost per million tokens by hand, the table."""
 
-import importlib.util
 import sys
 import time
 import types
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_decode", ROOT / "benchmarks" / "bench_decode.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("bench_decode")
 
 
 def _fake_nvml(energy_mj=None, watts=300.0):

@@ -1,25 +1,16 @@
 """``benchmarks/bench_long_context.py``'s llama.cpp rows: llama.cpp's decode steps after a real
 prefix with its own quantized K/V caches, on the embedded GGUF."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("llama_cpp")
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_long_context", ROOT / "benchmarks" / "bench_long_context.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("bench_long_context")
 
 
 @pytest.mark.slow

@@ -1,30 +1,18 @@
 """``benchmarks/make_shaped_model.py``: random-weight Llamas of real shapes, written as Hugging
 Face writes big models (bf16 shards + index), that lowbit loads as a float model directory."""
 
-import importlib.util
 import json
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from lowbit.errors import LowbitError
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def make():
-    spec = importlib.util.spec_from_file_location(
-        "make_shaped_model", ROOT / "benchmarks" / "make_shaped_model.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def make(load_benchmark):
+    return load_benchmark("make_shaped_model")
 
 
 @pytest.mark.parametrize(

@@ -192,6 +192,20 @@ def test_a_page_is_described_once_while_it_lives():
 CALIB = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(5))
 
 
+def _count_compiled_steps(monkeypatch) -> list[bool]:
+    """Whether each call of compiled_decode_attention from now on took the compiled path."""
+    taken = []
+    original = decode.compiled_decode_attention
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode, "compiled_decode_attention", counted)
+    return taken
+
+
 @pytest.mark.parametrize(
     "method, settings, compiled",
     [
@@ -207,15 +221,7 @@ def test_decode_steps_take_the_compiled_path(monkeypatch, method, settings, comp
     model = tiny_model("llama", head_dim=32)
     calibration = CALIB if recipe.needs_calibration else None
     quantize(model, recipe, calibration=calibration, progress=False)
-    taken = []
-    original = decode.compiled_decode_attention
-
-    def counted(*args, **kwargs):
-        out = original(*args, **kwargs)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decode, "compiled_decode_attention", counted)
+    taken = _count_compiled_steps(monkeypatch)
     ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(2))
     cache = model.lowbit_make_cache()
     with torch.no_grad():
@@ -268,15 +274,7 @@ def test_a_negative_position_keeps_the_step_on_the_torch_path(monkeypatch):
     """The kernels read cos/sin tables by position: a negative one is left to torch."""
     model = tiny_model("llama", head_dim=32)
     quantize(model, get_recipe("kvquant", bits=4), calibration=CALIB, progress=False)
-    taken = []
-    original = decode.compiled_decode_attention
-
-    def counted(*args, **kwargs):
-        out = original(*args, **kwargs)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decode, "compiled_decode_attention", counted)
+    taken = _count_compiled_steps(monkeypatch)
     ids = torch.randint(3, 256, (1, 21), generator=torch.Generator().manual_seed(2))
     cache = model.lowbit_make_cache()
     with torch.no_grad():
