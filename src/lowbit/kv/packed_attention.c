@@ -265,16 +265,17 @@ static float lb_dot(const float *a, const float *b, int64_t d) {
 
 /* Token tiles (AVX-512): 16 tokens of a head in the lanes of a vector.
 
-   A codebook page of at most 4 bits (KVQuant's keys and values) is decoded 16 tokens at a time,
-   channel by channel: the tile's code words are transposed once (word w of the 16 rows in one
-   vector), each channel's 16 codes shifted out of them and looked up by one permute in a
-   16-entry table: the channel's value table (statistics shared by every token), or the shared
-   codebook followed by each token's statistics. These are lb_decode_row's float32 operations,
-   so the values are the same bits. Outliers are patched into the tile, pre-RoPE keys rotated
-   with the cos/sin of the 16 positions (from the transposed tables: one load when the positions
-   run consecutively, else a gather), and a score vector is the sum over channels of q_d times
-   the 16 tokens' k_d; values add p(token) v_d(token) into 16-lane accumulators, summed across
-   the lanes once a head. */
+   A page of at most 4 bits (KVQuant's keys and values, kv-int's per-token rows) is decoded 16
+   tokens at a time, channel by channel: the tile's code words are transposed once (word w of
+   the 16 rows in one vector), each channel's 16 codes shifted out of them and looked up by one
+   permute in a 16-entry table: the channel's value table (statistics shared by every token), or
+   the shared codebook or integer levels followed by each token's statistics. These are
+   lb_decode_row's float32 operations, so the values are the same bits. Outliers are patched
+   into the tiles of all heads in one pass, pre-RoPE keys rotated with the cos/sin of the 16
+   positions (from the tables in blocks of 16 positions: two loads and a permute when the
+   positions run consecutively, else gathers), and a score vector is the sum over channels of
+   q_d times the 16 tokens' k_d; values add p(token) v_d(token) into 16-lane accumulators,
+   summed across the lanes once a batch row. */
 #if defined(__AVX512F__)
 #include <immintrin.h> /* again: F16C may be absent */
 #define LB_TILE 16
