@@ -150,9 +150,14 @@ static inline float lb_level(const lb_page *pg, int64_t h, int64_t i, int code) 
     return pg->levels_per_channel ? pg->levels[(h * pg->dim + i) * ((int64_t)1 << pg->bits) + code] : pg->levels[code];
 }
 
+/* Whether the page's statistics change from token group to token group (else one set a head). */
+static int lb_token_stats(const lb_page *pg) {
+    return pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2];
+}
+
 static void lb_load_stats(const lb_page *pg, int64_t b, int64_t h, int64_t tg, lb_stats *st) {
     /* statistics without a token (or batch) axis, per-channel ranges, are read once a head */
-    const int shared = !(pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2]);
+    const int shared = !lb_token_stats(pg);
     if (shared) tg = 0;
     if (!(pg->scale.stride[0] || pg->zero.stride[0] || pg->offset.stride[0])) b = 0;
     if (st->b == b && st->h == h && st->tg == tg) return;
@@ -212,7 +217,7 @@ static void lb_decode_row(const lb_page *pg, int64_t b, int64_t h, int64_t t, lb
         }
     }
     if (pg->channel_group == d && pg->levels && !pg->levels_per_channel &&
-        (pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2])) {
+        lb_token_stats(pg)) {
         /* one group of statistics a token over a shared codebook (KVQuant's per-token values):
            three scalars instead of a row of each, lb_affine's operations in its order */
         const int64_t tg = t / pg->token_group;
@@ -286,7 +291,7 @@ static float lb_dot(const float *a, const float *b, int64_t d) {
    codebook or integer levels (KVQuant's values, kv-int's per-token rows). */
 static int lb_tile_page(const lb_page *pg) {
     if (pg->bits > 4) return 0;
-    const int token_stats = pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2];
+    const int token_stats = lb_token_stats(pg);
     if (!token_stats) return pg->levels && pg->dim * ((int64_t)1 << pg->bits) <= LB_TABLE;
     return pg->channel_group == pg->dim && !pg->levels_per_channel;
 }
@@ -518,7 +523,7 @@ typedef struct {
 
 static int lb_tile_buffers_make(const lb_page *pg, int64_t extra, lb_tile_buffers *buf) {
     const int64_t n = pg->heads * pg->dim * LB_TILE;
-    const int token_stats = pg->scale.stride[2] || pg->zero.stride[2] || pg->offset.stride[2];
+    const int token_stats = lb_token_stats(pg);
     buf->kts = malloc((size_t)n * sizeof(float));
     buf->tables = token_stats ? NULL : malloc((size_t)n * sizeof(float));
     buf->extra = extra ? malloc((size_t)extra * sizeof(float)) : NULL;
