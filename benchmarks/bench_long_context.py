@@ -239,6 +239,8 @@ def llama_cpp_table(
     from lowbit.models.loader import embedded_gguf_path
 
     path = embedded_gguf_path()
+    per_token = {cache: gguf_kv_bytes_per_token(path, cache) for cache in caches}
+    base = caches[0]
     rows = []
     for context in contexts:
         if context > MODEL_POSITIONS:
@@ -249,8 +251,7 @@ def llama_cpp_table(
             speed[cache] = decode_speed(
                 path, threads, steps, prompt=prompt, kv_cache=cache, median=True
             )
-            nbytes = gguf_kv_bytes_per_token(path, cache) * context
-            base = caches[0]
+            nbytes = per_token[cache] * context
             rows.append(
                 [f"{context:,}", "real", f"llama.cpp {cache}", f"{1e3 / speed[cache]:,.0f}",
                  f"{speed[cache]:.3g}", f"{speed[cache] / speed[base]:.2f}",
