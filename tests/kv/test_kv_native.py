@@ -160,6 +160,39 @@ def test_scores_and_sums_match_torch(name, pre_rope):
     assert (acc - expected).abs().max() < 1e-5 * expected.abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("mask", [None, "float", "bool"])
+@pytest.mark.parametrize("fp_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_call_attention_equals_torch_path(monkeypatch, fp_dtype, mask):
+    """lb_attend (a layer's whole decode attention in one call) against the chunked torch path on
+    the same cache: fp sinks and an fp window in each dtype beside packed pages, values stored in
+    a rotated basis, 5 query heads a KV head, and masks that hide some slots of one batch row
+    and every slot of another."""
+    monkeypatch.setattr(kv_cache, "PAGE_TOKENS", 8)  # many pages, one of them open
+    layer = kv_cache.QuantizedKVLayer(
+        QUANTIZERS["kvquant3 token outliers"](), QUANTIZERS["kvquant4 rotated"](),
+        sink_tokens=2, fp_window=5, residual_dtype=fp_dtype,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, H, T + 1, D, 2, generator=g) * 2
+    layer.store(x[:, :, :T, :, 0], x[:, :, :T, :, 1])  # the prefill
+    layer.store(x[:, :, T:, :, 0], x[:, :, T:, :, 1])  # the step's token
+    q = torch.randn(3, H * 5, 1, D, generator=g)
+    full = None
+    if mask is not None:
+        allowed = torch.ones(3, 1, 1, T + 1, dtype=torch.bool)
+        allowed[1, ..., 3:17] = False
+        allowed[2] = False  # a row that may see nothing: zeros
+        full = allowed if mask == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    got = decode.compiled_decode_attention(q, layer, scaling=0.125, mask=full)
+    want = decode.chunked_attention(q, layer, scaling=0.125, mask=full, max_tokens=8)
+    assert got is not None and got.shape == (3, 1, H * 5, D)
+    # float32 sums in another order (and lb_exp): measured max |difference| 3.1e-6 on outputs
+    # of magnitude up to 4.8
+    assert (got - want).abs().max() < 1e-5
+    if mask is not None:
+        assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
 @pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="no AVX-512")
 def test_avx512_builds_take_16_token_tiles():
     """Codebook pages of at most 4 bits are read 16 tokens at a time where the CPU has AVX-512
@@ -402,6 +435,39 @@ def test_compiled_kvquant_store_equals_torch_quantizer(monkeypatch, name, tokens
     assert reference.col_val.numel() > 0 or quantizer.outlier_fraction == 0
     for field, tensor in reference.stored_tensors().items():
         assert torch.equal(compiled.stored_tensors()[field], tensor), field
+
+
+@pytest.mark.parametrize("name", list(KVQUANT_STORES))
+def test_kvquant_page_extended_in_place_equals_one_quantized_run(name):
+    """A decode step's open page: tokens written in place into the page's room (outliers' room
+    doubled as it fills) give the same stored bits as quantizing every token at once; the pages
+    of earlier steps keep their bits; extending one of them (a stale view) copies it first, and
+    a page at its capacity is joined instead."""
+    quantizer = KVQUANT_STORES[name]()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(B, H, 30, D, generator=g) * torch.rand(1, 1, 30, D, generator=g) * 4
+    page = quantizer.quantize(x[:, :, :3])
+    pages = {3: page}
+    for t in list(range(3, 20)) + list(range(20, 30, 2)):  # one token a step, then two
+        step = 1 if t < 20 else 2
+        page = quantizer.extend(page, x[:, :, t : t + step], 32)
+        pages[t + step] = page
+    assert page.room is not None and page.room.tokens == 30  # written in place
+
+    def assert_stores(got, tokens):
+        want = quantizer.quantize(tokens)
+        for field, tensor in want.stored_tensors().items():
+            assert torch.equal(got.stored_tensors()[field], tensor), field
+
+    assert_stores(page, x)
+    assert_stores(pages[8], x[:, :, :8])  # an earlier step's page, unchanged
+    branch = quantizer.extend(pages[8], x[:, :, 25:26], 32)  # a stale view: copied, not written over
+    assert branch.room is not page.room
+    assert_stores(branch, torch.cat([x[:, :, :8], x[:, :, 25:26]], 2))
+    assert_stores(page, x)
+    full = quantizer.extend(page, x[:, :, :3], 32)  # past the page's capacity: joined
+    assert full.room is None
+    assert_stores(full, torch.cat([x, x[:, :, :3]], 2))
 
 
 def test_compiled_kvquant_store_leaves_what_fp16_cannot_hold_to_torch():

@@ -4,8 +4,9 @@ Per layer and per stream (K, V) the layer stores, in token order:
 
 1. sink tokens: the first ``sink_tokens`` cache slots, kept in floating point;
 2. packed pages: :class:`~lowbit.kv.quantizer.PackedKV` objects of ``PAGE_TOKENS`` tokens each
-   (the last one open: new tokens are joined to it, so a step copies at most a page, never
-   the whole cache);
+   (the last one open: new tokens extend it, :meth:`~lowbit.kv.quantizer.KVQuantizer.extend`,
+   in place where the format keeps room for a page, else by a join that copies at most a
+   page, never the whole cache);
 3. an fp residual: tokens not yet quantized. After each update the oldest tokens leave the
    residual in whole ``token_group``s as long as at least ``fp_window`` tokens stay behind
    (KIVI's last 128 tokens; 0 for per-token formats, so then the residual is empty).
@@ -125,14 +126,15 @@ class _Stream:
             if room <= 0:
                 last, room = None, page
             take = min(n - done, room)
-            packed = self.quantizer.quantize(self.residual[:, :, done : done + take])
+            tokens = self.residual[:, :, done : done + take]
+            packed = None
             if last is not None:
-                try:  # O(page) per step, never O(cache)
-                    packed = type(packed).concat([last, packed])
+                try:  # O(page) per step at most, never O(cache)
+                    packed = self.quantizer.extend(last, tokens, page)
                     self.chunks.pop()
                 except NotImplementedError:
                     pass  # a format that cannot join its chunks keeps small pages
-            self.chunks.append(packed)
+            self.chunks.append(packed if packed is not None else self.quantizer.quantize(tokens))
             done += take
         rest = self.residual[:, :, n:]
         self.residual = rest.contiguous() if rest.shape[2] else None

@@ -41,6 +41,7 @@ import lowbit.kv.cache as kv_cache
 import lowbit.kv.native as native
 import lowbit.kv.page_descriptors as pages_c
 from lowbit.kv.cache import QuantizedKVLayer
+from lowbit.kv.quantizer import PackedKV
 
 __all__ = ["chunked_attention", "compiled_decode_attention", "RopeTable"]
 
@@ -193,11 +194,11 @@ def compiled_decode_attention(
     one query per row, pinned sink tokens, a page format they do not read, keys in a rotated
     basis, or pre-RoPE keys without ``rope_table`` or at a negative position.
 
-    Two passes over the layer instead of an online softmax: a decode step's scores are
-    ``[B, H_kv, G, T]`` floats (36 MB for 9 query heads at a million tokens), so the kernels
-    write every page's scores into one row, torch takes the softmax over it, and the kernels
-    add every page's ``p_t v_t``. The fp sink and residual are small and go through torch
-    matmuls. Arguments and result as for :func:`chunked_attention`.
+    One library call a layer (``lb_attend``): the scores of every slot (pages and fp runs) into
+    one row per query, the mask, the softmax over the row, the weighted sums of the values and
+    the division, the row being ``[B, H_kv, G, T]`` floats (36 MB for 9 query heads at a million
+    tokens) rather than an online softmax's running merges. Arguments and result as for
+    :func:`chunked_attention`.
     """
     lib = native.library()
     b, hq, s, d = q.shape
@@ -205,28 +206,15 @@ def compiled_decode_attention(
         return None
     if layer.k.pinned is not None or layer.v.pinned is not None:
         return None
-    regions = {"k": layer.k.regions(), "v": layer.v.regions()}
-    pages: dict[str, list] = {}
-    for name, parts in regions.items():
-        pages[name] = []
-        for _, _, data in parts:
-            if isinstance(data, Tensor):
-                pages[name].append(None)
-                continue
-            if name == "k" and data.rotation is not None:
-                return None
-            described = pages_c.page_descriptor(data)
-            if described is None:
-                return None
-            pages[name].append(described)
-    hkv = regions["k"][0][2].shape[1]
+    regions_k = layer.k.regions()
+    hkv = regions_k[0][2].shape[1]
     groups = hq // hkv
     if groups > native.MAX_GROUPS or d > native.MAX_DIM:
         return None
     total = layer.length
     rope = None
     if key_rope is not None:
-        positions = layer.track.positions.contiguous()  # [B, T] int32
+        positions = layer.track.positions  # [B, T] int32, contiguous (appended by torch.cat)
         low, high = (int(x) for x in torch.aminmax(positions))
         if low < 0:  # the kernels index the tables by position
             return None
@@ -235,62 +223,75 @@ def compiled_decode_attention(
         cos_b, sin_b = rope_table.blocks(top, torch.float32, q.device)  # [P / 16 + 1, C, 16]
         rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0),
                            cos_b.data_ptr(), sin_b.data_ptr(), cos_b.shape[1])  # fmt: skip
-    threads = torch.get_num_threads()
-
-    qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]
-    scores = torch.empty(b, hkv, groups, total, device=q.device)  # [B, Hkv, G, T]
-    packed = []  # (slot, descriptor) of each key page
-    for (r0, r1, data), page in zip(regions["k"], pages["k"], strict=True):
-        if page is None:  # fp sink or residual
-            k = (
-                data.float()
-                if key_rope is None
-                else _rotated_fp_keys(layer, r0, r1, data, key_rope)
-            )
-            scores[..., r0:r1] = torch.matmul(qf, k.transpose(2, 3)) * scaling
-        else:
-            packed.append((r0, page[0]))
-    if packed:
-        descs, starts = pages_c.page_array([desc for _, desc in packed], [r0 for r0, _ in packed])
-        status = lib.lb_scores(descs, starts, len(packed), None if rope is None else ctypes.byref(rope),
-                               qf.data_ptr(), groups, scores.data_ptr(), total, scaling, threads)  # fmt: skip
-        if status:
-            return None
+    keep: list = []  # everything the library's structures point into
+    keys = _stream(regions_k, keep, fp_keys=(layer, key_rope))
+    values = _stream(layer.v.regions(), keep)
+    if keys is None or values is None or keys[1] is not None:
+        return None  # a page the kernels do not read, or keys in a rotated basis
+    row = None
     if mask is not None:
-        row = mask[:, :, -1, :total].reshape(mask.shape[0], 1, 1, total)  # [B or 1, 1, 1, T]
-        if row.dtype == torch.bool:
-            scores.masked_fill_(~row, float("-inf"))
-        else:
-            scores += row.float()
-    top = scores.amax(-1, keepdim=True)  # [B, Hkv, G, 1]; a row masked whole: -inf, taken as 0
-    p = scores.sub_(top.nan_to_num_(nan=float("nan"), posinf=0.0, neginf=0.0)).exp_()  # in place
-    l = p.sum(-1, keepdim=True)  # [B, Hkv, G, 1]
-
-    acc: dict[int, Tensor] = {}  # id of the value basis's rotation (0: none) -> [B, Hkv, G, D]
-    rotations: dict[int, Tensor] = {}
-    by_basis: dict[int, list] = {}  # basis -> (slot, descriptor) of its pages
-    for (r0, r1, data), page in zip(regions["v"], pages["v"], strict=True):
-        rotation = None if page is None else data.rotation
-        key = 0 if rotation is None else id(rotation)
-        if key not in acc:
-            acc[key] = torch.zeros(b, hkv, groups, d, device=q.device)
-        if page is None:
-            acc[key] += torch.matmul(p[..., r0:r1], data.float())
-        else:
-            rotations[key] = rotation
-            by_basis.setdefault(key, []).append((r0, page[0]))
-    for key, group in by_basis.items():
-        descs, starts = pages_c.page_array([desc for _, desc in group], [r0 for r0, _ in group])
-        status = lib.lb_accumulate(descs, starts, len(group), p.data_ptr(), groups, total,
-                                   acc[key].data_ptr(), threads)  # fmt: skip
-        if status:
-            return None
-    out = None
-    for key, part in acc.items():
-        part = part if key == 0 else part @ rotations[key].float().T
-        out = part if out is None else out + part
-    out = out / torch.where(l == 0, torch.ones_like(l), l)  # [B, Hkv, G, D]
+        row = mask[:, 0, -1, :total]  # [B or 1, T]
+        row = (
+            torch.zeros(row.shape).masked_fill_(~row, float("-inf"))
+            if row.dtype == torch.bool
+            else row.float().contiguous()
+        )
+    value_rotation = None if values[1] is None else values[1].float().contiguous()
+    qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]
+    out = torch.empty(b, hkv, groups, d)  # [B, Hkv, G, D]
+    status = lib.lb_attend(
+        ctypes.byref(keys[0]), ctypes.byref(values[0]), None if rope is None else ctypes.byref(rope),
+        qf.data_ptr(), b, hkv, groups, d, total, scaling,
+        None if row is None else row.data_ptr(), 0 if row is None or row.shape[0] == 1 else total,
+        None if value_rotation is None else value_rotation.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        return None
     return out.view(b, hq, 1, d).transpose(1, 2).to(q.dtype)  # [B, 1, H_q, D]
+
+
+def _stream(
+    regions: list[tuple[int, int, Tensor | PackedKV]],
+    keep: list,
+    fp_keys: tuple[QuantizedKVLayer, Callable | None] | None = None,
+) -> tuple[native.Stream, Tensor | None] | None:
+    """The keys or values of a layer (``regions``, :meth:`~lowbit.kv.cache._Stream.regions`)
+    as the library's ``lb_stream``, and the rotation of its pages' stored basis (or None);
+    None where a page is not one the kernels read, or the pages differ in basis. Pre-RoPE fp
+    keys (``fp_keys`` holds the layer and its ``key_rope``) are given rotated to their positions.
+    The structures and the tensors they point into are appended to ``keep``."""
+    pages, starts, dense, rotations = [], [], [], set()
+    rotation = None
+    for r0, r1, data in regions:
+        if isinstance(data, Tensor):
+            if fp_keys is not None and fp_keys[1] is not None:
+                data = _rotated_fp_keys(fp_keys[0], r0, r1, data, fp_keys[1])
+            if data.dtype not in native.FLOAT_DTYPES or data.stride(-1) != 1:
+                data = data.float().contiguous()
+            part = native.Dense(data.data_ptr(), native.FLOAT_DTYPES[data.dtype], 0, r0, r1 - r0)
+            part.stride[:] = list(data.stride()[:3])
+            dense.append(part)
+            keep.append(data)
+            continue
+        described = pages_c.page_descriptor(data)
+        if described is None:
+            return None
+        pages.append(described[0])
+        starts.append(r0)
+        keep.append(described[1])
+        rotation = data.rotation
+        rotations.add(None if rotation is None else id(rotation))
+    if len(rotations) > 1:
+        return None
+    page_array, start_array = pages_c.page_array(pages, starts)
+    dense_array = (native.Dense * len(dense))(*dense)
+    keep += [page_array, start_array, dense_array]
+    stream = native.Stream(
+        ctypes.cast(page_array, ctypes.c_void_p), ctypes.cast(start_array, ctypes.c_void_p),
+        len(pages), ctypes.cast(dense_array, ctypes.c_void_p), len(dense),
+    )  # fmt: skip
+    return stream, rotation
 
 
 def _rotated_fp_keys(

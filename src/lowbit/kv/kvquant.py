@@ -65,7 +65,7 @@ from lowbit.formats.accounting import kvquant_bits
 from lowbit.formats.nuq import fit_codebook, nuq_dequantize, nuq_quantize
 from lowbit.formats.packing import pack_bits, packed_words_per_row, unpack_bits
 from lowbit.formats.sparse import pack_index_value, unpack_index_value
-from lowbit.kv.native import quantize_kvquant_tokens
+from lowbit.kv.native import kvquant_words, quantize_kvquant_tokens, store_kvquant_tokens
 from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
 from lowbit.transforms.hadamard import random_hadamard_matrix
 
@@ -118,6 +118,64 @@ def _check_settings(bits: int, num_heads: int, head_dim: int, outlier_fraction: 
 
 
 @dataclasses.dataclass
+class _PageRoom:
+    """An open page's buffers, with room for ``capacity`` tokens, written in place as tokens
+    come: the page objects made from it are views of the first ``tokens`` (and ``words``
+    outlier words), which later writes never touch."""
+
+    codes: Tensor  # [B, H, capacity, row bytes] uint8
+    center: Tensor | None  # [B, H, capacity, 1] fp16 (per-token ranges), else None
+    half_range: Tensor | None
+    row_ptr: Tensor  # [capacity * B + 1] int32
+    col_val: Tensor  # [room for words] int32, doubled when full
+    tokens: int
+    words: int
+
+    @classmethod
+    def holding(cls, page: KVQuantPackedKV, capacity: int) -> _PageRoom:
+        """A room for ``capacity`` tokens holding a copy of ``page``."""
+        b, h, t, _ = page.shape
+
+        def room(x: Tensor | None) -> Tensor | None:
+            if x is None:
+                return None
+            out = x.new_empty(b, h, capacity, x.shape[3])
+            out[:, :, :t] = x
+            return out
+
+        row_ptr = page.row_ptr.new_empty(capacity * b + 1)
+        row_ptr[: t * b + 1] = page.row_ptr
+        words = page.col_val.numel()
+        col_val = page.col_val.new_empty(max(2 * words, 64))
+        col_val[:words] = page.col_val
+        return cls(room(page.codes), room(page.center), room(page.half_range), row_ptr, col_val,
+                   t, words)  # fmt: skip
+
+    def holds(self, page: KVQuantPackedKV) -> bool:
+        """``page`` is this room's latest view (so tokens may be written after it)."""
+        return (
+            page.num_tokens == self.tokens
+            and page.shape[0] == self.codes.shape[0]
+            and page.codes.data_ptr() == self.codes.data_ptr()
+        )
+
+    def page(self, like: KVQuantPackedKV) -> KVQuantPackedKV:
+        """The tokens written so far as a page (views), with ``like``'s settings."""
+        b, h, _, d = like.shape
+        n = self.tokens
+        return dataclasses.replace(
+            like,
+            shape=torch.Size((b, h, n, d)),
+            codes=self.codes[:, :, :n],
+            center=None if self.center is None else self.center[:, :, :n],
+            half_range=None if self.half_range is None else self.half_range[:, :, :n],
+            row_ptr=self.row_ptr[: n * b + 1],
+            col_val=self.col_val[: self.words],
+            room=self,
+        )
+
+
+@dataclasses.dataclass
 class KVQuantPackedKV(PackedKV):
     """Packed KVQuant keys or values.
 
@@ -129,6 +187,8 @@ class KVQuantPackedKV(PackedKV):
             token-major order, so chunks append rows.
         col_val: int32 ``[nnz]`` words: channel ``h * D + d`` << 16 | fp16 bits of the value.
         quantizer: the quantizer (codebook, channel ranges: shared state, not per token).
+        room: the open page's buffers these tensors are views of, where the decode step writes
+            the next tokens in place (:meth:`KVQuantQuantizer.extend`); None for other pages.
     """
 
     codes: Tensor | None = None
@@ -137,6 +197,7 @@ class KVQuantPackedKV(PackedKV):
     row_ptr: Tensor | None = None
     col_val: Tensor | None = None
     quantizer: Any = None
+    room: _PageRoom | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def _outliers(self) -> tuple[Tensor, Tensor, Tensor]:
         """(row, channel, fp32 value) of every stored outlier."""
@@ -190,6 +251,7 @@ class KVQuantPackedKV(PackedKV):
             half_range=None if self.half_range is None else self.half_range[:, :, start:stop],
             row_ptr=row_ptr - first,
             col_val=self.col_val[first:last],
+            room=None,  # a room is written only through its latest page
         )
 
     def select_batch(self, index: Tensor) -> KVQuantPackedKV:
@@ -214,6 +276,7 @@ class KVQuantPackedKV(PackedKV):
             half_range=pick.get("half"),
             row_ptr=row_ptr,
             col_val=col_val,
+            room=None,  # a room is written only through its latest page
         )
 
     def head(self, tokens: int) -> KVQuantPackedKV:
@@ -229,6 +292,7 @@ class KVQuantPackedKV(PackedKV):
             half_range=None if self.half_range is None else self.half_range[:, :, :tokens],
             row_ptr=row_ptr,
             col_val=self.col_val[: int(row_ptr[-1])],
+            room=None,  # a room is written only through its latest page
         )
 
     @classmethod
@@ -255,6 +319,7 @@ class KVQuantPackedKV(PackedKV):
             half_range=cat("half_range"),
             row_ptr=torch.cat(ptrs),
             col_val=torch.cat([p.col_val for p in parts]),
+            room=None,  # a room is written only through its latest page
         )
 
 
@@ -541,15 +606,51 @@ class KVQuantQuantizer(KVQuantizer):
             return (xf - center).abs() > half
         return _top_magnitudes(xf, self.outliers_per_token)
 
-    def quantize(self, x: Tensor) -> KVQuantPackedKV:
+    def _coded_input(self, x: Tensor) -> Tensor:
+        """``x`` ``[B, H, T, D]`` checked, as the float32 the codes are taken of (rotated where
+        this quantizer rotates)."""
         check_kv(x, self.token_group)
-        b, h, t, d = x.shape
-        self.check(d)
-        if h != self.num_heads:
-            raise LowbitError(f"expected {self.num_heads} KV heads, got {h}")
+        self.check(x.shape[3])
+        if x.shape[1] != self.num_heads:
+            raise LowbitError(f"expected {self.num_heads} KV heads, got {x.shape[1]}")
         xf = x.float().contiguous()
         if self.rotate:
             xf = xf @ self.rotation.float()  # [B, H, T, D], each token's head vector rotated
+        return xf
+
+    def extend(self, page: PackedKV, x: Tensor, capacity: int) -> PackedKV:
+        """``page`` followed by ``x``, written in place into the page's room for ``capacity``
+        tokens (made on the first extension: one copy of the page) by the compiled store; the
+        joined page (:meth:`KVQuantizer.extend`) where the library cannot."""
+        b, h, t, _ = x.shape
+        room = page.room if isinstance(page, KVQuantPackedKV) else None
+        if room is None or not room.holds(page):
+            if not isinstance(page, KVQuantPackedKV) or page.num_tokens + t > capacity:
+                return super().extend(page, x, capacity)
+            room = _PageRoom.holding(page, capacity)
+        if room.tokens + t > room.codes.shape[2]:
+            return super().extend(page, x, capacity)
+        xf = self._coded_input(x)
+        need = room.words + kvquant_words(x.shape, self)
+        if need > room.col_val.numel():  # double the outliers' room
+            grown = room.col_val.new_empty(max(need, 2 * room.col_val.numel()))
+            grown[: room.words] = room.col_val[: room.words]
+            room.col_val = grown
+        n = room.tokens
+        words = store_kvquant_tokens(
+            xf, self, room.codes[:, :, n:],
+            None if room.center is None else room.center[:, :, n:],
+            None if room.half_range is None else room.half_range[:, :, n:],
+            room.row_ptr[n * b :], room.col_val,
+        )  # fmt: skip
+        if words is None:  # nothing of it kept: the torch quantizer says what was wrong
+            return super().extend(page, x, capacity)
+        room.tokens, room.words = n + t, words
+        return room.page(page)
+
+    def quantize(self, x: Tensor) -> KVQuantPackedKV:
+        xf = self._coded_input(x)
+        b, h, t, d = x.shape
         compiled = quantize_kvquant_tokens(xf, self)  # the compiled store where it is built
         if compiled is not None:
             codes, center16, half16, row_ptr, col_val = compiled

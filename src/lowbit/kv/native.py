@@ -25,8 +25,12 @@ __all__ = [
     "library",
     "quantize_int_tokens",
     "quantize_kvquant_tokens",
+    "store_kvquant_tokens",
+    "kvquant_words",
+    "Dense",
     "Page",
     "Rope",
+    "Stream",
     "Stat",
     "SOURCE",
     "rope_blocks",
@@ -93,6 +97,37 @@ class Rope(ctypes.Structure):
     ]
 
 
+class Dense(ctypes.Structure):
+    """``lb_dense``: a run of fp tokens beside the pages (a sink, the fp residual), ``[B, H, n,
+    D]`` rows with contiguous channels in float32, float16 or bfloat16, and its first slot."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("start", ctypes.c_int64),
+        ("tokens", ctypes.c_int64),
+        ("stride", ctypes.c_int64 * 3),
+    ]
+
+
+class Stream(ctypes.Structure):
+    """``lb_stream``: the keys or the values of a layer, as packed pages (and the slot of each
+    one's first token) and fp runs."""
+
+    _fields_ = [
+        ("pages", ctypes.c_void_p),
+        ("starts", ctypes.c_void_p),
+        ("n_pages", ctypes.c_int64),
+        ("dense", ctypes.c_void_p),
+        ("n_dense", ctypes.c_int64),
+    ]
+
+
+#: float dtypes the library reads (tokens to store, fp runs beside the pages)
+FLOAT_DTYPES = {torch.float32: _F32, torch.float16: _F16, torch.bfloat16: _BF16}
+
+
 def rope_blocks(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """cos and sin tables ``[P, D]`` in blocks of 16 positions, ``[ceil(P / 16) + 1, C, 16]``
     float32 (zeros past ``P``): a tile of 16 consecutive positions reads each channel's values
@@ -122,14 +157,13 @@ def library() -> ctypes.CDLL | None:
     lib.lb_accumulate.argtypes = [pointer, pointer, i64, pointer, i64, i64, pointer, c_int]
     lib.lb_scores.restype = lib.lb_accumulate.restype = c_int
     lib.lb_tile_width.argtypes, lib.lb_tile_width.restype = [], c_int
+    lib.lb_attend.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, f32, pointer, i64, pointer, pointer, c_int]  # fmt: skip
+    lib.lb_attend.restype = c_int
     lib.lb_quantize_int_rows.argtypes = [pointer, c_int, i64, i64, i64, c_int, f32, pointer, i64, pointer, pointer]  # fmt: skip
     lib.lb_quantize_int_rows.restype = c_int
-    lib.lb_quantize_kvquant.argtypes = [pointer, i64, i64, i64, i64, c_int, pointer, c_int, pointer, pointer, c_int, i64, pointer, i64, pointer, pointer, pointer, pointer, i64, pointer]  # fmt: skip
+    lib.lb_quantize_kvquant.argtypes = [pointer, i64, i64, i64, i64, c_int, pointer, c_int, pointer, pointer, c_int, i64, pointer, i64, pointer, pointer, i64, pointer, pointer, i64, pointer]  # fmt: skip
     lib.lb_quantize_kvquant.restype = c_int
     return lib
-
-
-_INPUT_DTYPES = {torch.float32: _F32, torch.float16: _F16, torch.bfloat16: _BF16}
 
 
 def quantize_int_tokens(
@@ -141,7 +175,7 @@ def quantize_int_tokens(
     equal bit for bit to :class:`~lowbit.kv.int_quant.IntTokenQuantizer`'s torch path. None
     where it cannot (no library, not on the CPU, another dtype, a NaN or an infinity)."""
     lib = library()
-    if lib is None or x.device.type != "cpu" or x.dtype not in _INPUT_DTYPES:
+    if lib is None or x.device.type != "cpu" or x.dtype not in FLOAT_DTYPES:
         return None
     b, h, t, d = x.shape
     rows = x.contiguous()
@@ -150,7 +184,7 @@ def quantize_int_tokens(
     scale = torch.empty(b, h, t, d // group, dtype=torch.float16, device=x.device)
     zero = torch.empty(b, h, t, d // group, dtype=torch.uint8, device=x.device)
     status = lib.lb_quantize_int_rows(
-        rows.data_ptr(), _INPUT_DTYPES[x.dtype], b * h * t, d, group, bits, clip,
+        rows.data_ptr(), FLOAT_DTYPES[x.dtype], b * h * t, d, group, bits, clip,
         codes.data_ptr(), row_bytes, scale.data_ptr(), zero.data_ptr(),
     )  # fmt: skip
     return None if status else (codes, scale, zero)
@@ -164,6 +198,44 @@ def quantize_kvquant_tokens(
     1] or None, half_range (same), row_ptr int32 [T * B + 1], col_val int32 [nnz])``, equal bit
     for bit to :meth:`~lowbit.kv.kvquant.KVQuantQuantizer.quantize`'s torch path. None where it
     cannot (no library, not on the CPU, a NaN or infinity, an outlier beyond fp16)."""
+    q = quantizer
+    b, h, t, d = x.shape
+    row_bytes = -(-d * q.bits // 8)
+    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8, device=x.device)
+    per_token = not q.per_channel
+    center = torch.empty(b, h, t, 1, dtype=torch.float16, device=x.device) if per_token else None
+    half = torch.empty(b, h, t, 1, dtype=torch.float16, device=x.device) if per_token else None
+    row_ptr = torch.zeros(t * b + 1, dtype=torch.int32, device=x.device)
+    col_val = torch.empty(kvquant_words(x.shape, q), dtype=torch.int32, device=x.device)
+    n = store_kvquant_tokens(x, q, codes, center, half, row_ptr, col_val)
+    if n is None:
+        return None
+    return codes, center, half, row_ptr, col_val[:n].clone() if n < col_val.numel() else col_val
+
+
+def kvquant_words(shape: torch.Size, quantizer) -> int:
+    """The most outlier words KVQuant's store of tokens ``shape`` ``[B, H, T, D]`` can write."""
+    b, h, t, d = shape
+    return b * h * t * d if quantizer.per_channel else b * t * quantizer.outliers_per_token
+
+
+def store_kvquant_tokens(
+    x: Tensor,
+    quantizer,
+    codes: Tensor,
+    center: Tensor | None,
+    half: Tensor | None,
+    row_ptr: Tensor,
+    col_val: Tensor,
+) -> int | None:
+    """Write KVQuant's codes of ``x`` ``[B, H, T, D]`` (as :func:`quantize_kvquant_tokens`) into
+    buffers with room for ``C >= T`` tokens a head, given from their first free token on:
+    ``codes`` ``[B, H, C, row bytes][:, :, n:]`` (contiguous at full size), ``center`` and
+    ``half`` the same of ``[B, H, C, 1]`` fp16 (per-token ranges; else None), ``row_ptr`` the CSR
+    rows from token ``n``'s first (its first entry the outliers already stored), ``col_val``
+    every word of the page with room for :func:`kvquant_words` more. Returns the outlier words
+    stored after the call, or None where the library cannot (see
+    :func:`quantize_kvquant_tokens`; then nothing written is to be trusted)."""
     lib = library()
     q = quantizer
     if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
@@ -174,14 +246,7 @@ def quantize_kvquant_tokens(
         return None  # the quantizer's state elsewhere (meta while a model is built): torch's
     b, h, t, d = x.shape
     rows = x.contiguous()
-    row_bytes = -(-d * q.bits // 8)
-    codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8, device=x.device)
-    per_token = not q.per_channel
-    center = torch.empty(b, h, t, 1, dtype=torch.float16, device=x.device) if per_token else None
-    half = torch.empty(b, h, t, 1, dtype=torch.float16, device=x.device) if per_token else None
-    row_ptr = torch.empty(t * b + 1, dtype=torch.int32, device=x.device)
-    capacity = b * h * t * d if q.per_channel else b * t * q.outliers_per_token
-    col_val = torch.empty(capacity, dtype=torch.int32, device=x.device)
+    row_bytes = codes.shape[-1]
     nnz = ctypes.c_int64(0)
     codebook = q.codebook.float().contiguous()
     stats = (q.center.contiguous(), q.half_range.contiguous()) if q.per_channel else None
@@ -190,10 +255,7 @@ def quantize_kvquant_tokens(
         stats[0].data_ptr() if stats else None, stats[1].data_ptr() if stats else None,
         int(q.outlier_fraction > 0), 0 if q.per_channel else q.outliers_per_token,
         codes.data_ptr(), row_bytes, None if center is None else center.data_ptr(),
-        None if half is None else half.data_ptr(), row_ptr.data_ptr(), col_val.data_ptr(),
-        capacity, ctypes.byref(nnz),
+        None if half is None else half.data_ptr(), codes.stride(1) // row_bytes,
+        row_ptr.data_ptr(), col_val.data_ptr(), col_val.numel(), ctypes.byref(nnz),
     )  # fmt: skip
-    if status:
-        return None
-    n = nnz.value
-    return codes, center, half, row_ptr, col_val[:n].clone() if n < capacity else col_val
+    return None if status else nnz.value

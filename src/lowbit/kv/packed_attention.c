@@ -17,9 +17,10 @@
    by table lookups.
 
    Two passes over a layer's pages: lb_scores writes q . k * scaling for every token into a score
-   row; lb_accumulate adds p_t * v_t into an accumulator. The softmax between them, over the
-   whole layer, is the caller's. Nothing larger than one token row is ever decoded (with AVX-512,
-   16 tokens of each head: see "Token tiles" below). Arithmetic is float32, and decoding and
+   row; lb_accumulate adds p_t * v_t into an accumulator. lb_attend is a decode step's whole
+   attention for a layer in one call: both passes, the fp tokens beside the pages (sink, fp
+   window), the mask and the softmax between them. Nothing larger than one token row is ever
+   decoded (with AVX-512, 16 tokens of each head: see "Token tiles" below). Arithmetic is float32, and decoding and
    rotation are written without fused multiply-adds (built with -ffp-contract=off), so a decoded
    value and a rotated key equal torch's bit for bit; the dot products' sums come in another
    order (the tiles' with fused multiply-adds).
@@ -47,7 +48,7 @@
 #define LB_MAX_GROUPS 64
 #define LB_TABLE 16384 /* floats: a page's per-channel value table, dim x 2^bits */
 
-enum { LB_NONE = 0, LB_F16 = 1, LB_F32 = 2, LB_U8 = 3 };
+enum { LB_NONE = 0, LB_F16 = 1, LB_F32 = 2, LB_U8 = 3, LB_BF16 = 4 };
 
 typedef struct {
     const void *data; /* NULL: absent */
@@ -788,6 +789,176 @@ int lb_accumulate(const lb_page *pages, const int64_t *starts, int64_t n_pages, 
     return 0;
 }
 
+/* One decode step's attention for a layer, in one call.
+
+   A stream (keys or values) is its packed pages and its fp runs (the sink, the fp residual;
+   pre-RoPE keys given already rotated to their positions), each a run of slots. The scores of
+   every slot go into one row per query (lb_scores' kernels, dot products for the fp runs), the
+   mask row is added, the softmax is taken in place over the whole row, and the weighted sums of
+   the values are added (lb_accumulate's kernels, the fp runs); out = sum / (sum of weights), or
+   0 for a row that every slot is masked from. value_rotation (NULL: none) is R [dim, dim] of
+   value pages stored in a rotated basis (value = stored R^T): their sum is rotated back once,
+   after the tokens are summed, and the fp runs' added unrotated. */
+typedef struct {
+    const void *data; /* [batch, heads, tokens, dim] rows, channels contiguous */
+    int32_t dtype;    /* LB_F32, LB_F16 or LB_BF16 */
+    int32_t pad;
+    int64_t start, tokens; /* the slot of the first token, how many */
+    int64_t stride[3];     /* elements: batch row, head, token */
+} lb_dense;
+
+typedef struct {
+    const lb_page *pages;
+    const int64_t *starts; /* slot of each page's first token */
+    int64_t n_pages;
+    const lb_dense *dense;
+    int64_t n_dense;
+} lb_stream;
+
+static void lb_dense_row(const lb_dense *x, int64_t b, int64_t h, int64_t t, int64_t d, float *out) {
+    const int64_t i = b * x->stride[0] + h * x->stride[1] + t * x->stride[2];
+    if (x->dtype == LB_F32) {
+        memcpy(out, (const float *)x->data + i, (size_t)d * sizeof(float));
+    } else if (x->dtype == LB_F16) {
+        for (int64_t j = 0; j < d; j++) out[j] = lb_half(((const uint16_t *)x->data)[i + j]);
+    } else {
+        for (int64_t j = 0; j < d; j++) {
+            const uint32_t bits32 = (uint32_t)((const uint16_t *)x->data)[i + j] << 16;
+            memcpy(&out[j], &bits32, 4);
+        }
+    }
+}
+
+/* e^x for x <= 0 (a score less its row's maximum), 0 below -87.3 (-inf included): x = n ln 2 + r
+   with |r| <= ln 2 / 2 and e^r by a degree-7 polynomial (Cephes' expf: a relative error of about
+   2e-7), branch-free so that loops over it vectorize. */
+static inline float lb_exp(float x) {
+    const float low = -87.3f, c = x < low ? low : x;
+    const float n = (c * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = c - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return x < low ? 0.0f : p * scale;
+}
+
+/* A row of n scores to e^(s - max) in place; returns their sum (0 where every score is -inf).
+   The max and the sum in 16 lanes, the map on its own: each loop vectorizes. */
+static float lb_softmax_row(float *s, int64_t n) {
+    float lanes[16], top = -INFINITY, sum = 0.0f;
+    int64_t t = 0;
+    for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
+    for (; t + 16 <= n; t += 16)
+        for (int l = 0; l < 16; l++) lanes[l] = s[t + l] > lanes[l] ? s[t + l] : lanes[l];
+    for (; t < n; t++) top = s[t] > top ? s[t] : top;
+    for (int l = 0; l < 16; l++) top = lanes[l] > top ? lanes[l] : top;
+    if (top == -INFINITY) top = 0.0f;
+    for (t = 0; t < n; t++) s[t] = lb_exp(s[t] - top);
+    for (int l = 0; l < 16; l++) lanes[l] = 0.0f;
+    for (t = 0; t + 16 <= n; t += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += s[t + l];
+    for (; t < n; t++) sum += s[t];
+    for (int l = 0; l < 16; l++) sum += lanes[l];
+    return sum;
+}
+
+static int lb_check_dense(const lb_dense *parts, int64_t n, int64_t total) {
+    for (int64_t i = 0; i < n; i++) {
+        const lb_dense *x = &parts[i];
+        if (x->start < 0 || x->tokens < 0 || x->start + x->tokens > total) return -1;
+        if (x->dtype != LB_F32 && x->dtype != LB_F16 && x->dtype != LB_BF16) return -1;
+    }
+    return 0;
+}
+
+/* q: [batch, heads, groups, dim] float32; mask: NULL or an additive row of `total` floats a batch
+   row (mask_stride 0: one row for all); out: [batch, heads, groups, dim] float32. Returns -1
+   (having written nothing to trust) when a page or run is not one this reads, or memory runs out. */
+int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rope, const float *q,
+              int64_t batch, int64_t heads, int64_t groups, int64_t dim, int64_t total, float scaling,
+              const float *mask, int64_t mask_stride, const float *value_rotation, float *out, int threads) {
+    if (dim <= 0 || dim > LB_MAX_DIM || total <= 0) return -1;
+    if (lb_check(keys->pages, keys->starts, keys->n_pages, groups, total) ||
+        lb_check(values->pages, values->starts, values->n_pages, groups, total) ||
+        lb_check_dense(keys->dense, keys->n_dense, total) || lb_check_dense(values->dense, values->n_dense, total))
+        return -1;
+    const int64_t rows = batch * heads * groups, acc_size = rows * dim;
+    const int n_threads = threads < 1 ? 1 : (threads > LB_MAX_THREADS ? LB_MAX_THREADS : threads);
+    float *scores = malloc((size_t)(rows * total) * sizeof(float)); /* [B, H, G, T] */
+    float *sums = malloc((size_t)rows * sizeof(float));
+    float *acc = calloc((size_t)(2 * acc_size), sizeof(float)); /* the pages', the fp runs' */
+    float *partials = n_threads > 1 ? malloc((size_t)(n_threads - 1) * (size_t)acc_size * sizeof(float)) : NULL;
+    if (!scores || !sums || !acc || (n_threads > 1 && !partials)) {
+        free(scores), free(sums), free(acc), free(partials);
+        return -1;
+    }
+    float *acc_dense = acc + acc_size;
+    if (keys->n_pages) {
+        lb_job job = {keys->pages, keys->starts, keys->n_pages, rope, q, NULL, scores, NULL, groups, total, 0, 0, scaling};
+        lb_run(&job, n_threads, lb_scores_job, NULL, 0);
+    }
+    float row[LB_MAX_DIM];
+    for (int64_t i = 0; i < keys->n_dense; i++) {
+        const lb_dense *x = &keys->dense[i];
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t h = 0; h < heads; h++)
+                for (int64_t t = 0; t < x->tokens; t++) {
+                    lb_dense_row(x, b, h, t, dim, row);
+                    for (int64_t g = 0; g < groups; g++)
+                        scores[((b * heads + h) * groups + g) * total + x->start + t] =
+                            lb_dot(q + ((b * heads + h) * groups + g) * dim, row, dim) * scaling;
+                }
+    }
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * total;
+        if (mask) {
+            const float *m = mask + (r / (heads * groups)) * mask_stride;
+            for (int64_t t = 0; t < total; t++) s[t] += m[t];
+        }
+        sums[r] = lb_softmax_row(s, total);
+    }
+    if (values->n_pages) {
+        lb_job job = {values->pages, values->starts, values->n_pages, NULL, NULL, scores, NULL, acc, groups, total, 0, 0, 1.0f};
+        lb_run(&job, n_threads, lb_accumulate_job, partials, acc_size);
+    }
+    for (int64_t i = 0; i < values->n_dense; i++) {
+        const lb_dense *x = &values->dense[i];
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t h = 0; h < heads; h++)
+                for (int64_t t = 0; t < x->tokens; t++) {
+                    lb_dense_row(x, b, h, t, dim, row);
+                    for (int64_t g = 0; g < groups; g++) {
+                        const int64_t r = (b * heads + h) * groups + g;
+                        const float w = scores[r * total + x->start + t];
+                        for (int64_t j = 0; j < dim; j++) acc_dense[r * dim + j] += w * row[j];
+                    }
+                }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *a = acc + r * dim;
+        const float l = sums[r] == 0.0f ? 1.0f : sums[r];
+        for (int64_t j = 0; j < dim; j++) {
+            float v = a[j];
+            if (value_rotation) {
+                v = 0.0f;
+                for (int64_t i = 0; i < dim; i++) v += a[i] * value_rotation[j * dim + i];
+            }
+            out[r * dim + j] = (v + acc_dense[r * dim + j]) / l;
+        }
+    }
+    free(scores), free(sums), free(acc), free(partials);
+    return 0;
+}
+
 /* Code ``code`` of channel i into a zeroed row's little-endian bit stream. */
 static void lb_put_code(uint8_t *row, int64_t i, int bits, unsigned code) {
     const int64_t bit = i * bits, byte = bit >> 3;
@@ -884,17 +1055,22 @@ static unsigned lb_nearest(const float *level, int64_t K, float v) {
    1) into token_center/half [B, H, T]. Codes: the nearest of the codebook's 2^bits levels (one
    [K] or one per channel [H * D, K]; ties to the lower) of ((x - center) / half) clamped to
    [-1, 1], packed into rows of row_bytes. Outliers: CSR rows (one per token and batch row,
-   token-major), words channel << 16 | fp16 bits, at most col_capacity of them; *nnz their count.
-   Returns nonzero, having written nothing to trust, for a NaN or infinity, an outlier beyond
-   fp16's range, or settings out of range. */
+   token-major), words channel << 16 | fp16 bits.
+
+   Where they go: codes and token_center/half have room for out_tokens >= T tokens a head (a
+   page's open buffers, passed at their first free token), the new tokens in the first T.
+   row_ptr[0] holds the number of outliers already in col_val (0 for a new page): the rows
+   continue that count and the words follow those, at most col_capacity words in all; *nnz is
+   the count after. Returns nonzero, having written nothing to trust, for a NaN or infinity, an
+   outlier beyond fp16's range, more outliers than col_capacity, or settings out of range. */
 int lb_quantize_kvquant(const float *x, int64_t B, int64_t H, int64_t T, int64_t D, int bits,
                         const float *codebook, int channel_codebooks, const uint16_t *channel_center,
                         const uint16_t *channel_half, int channel_outliers, int64_t k,
                         uint8_t *codes, int64_t row_bytes, uint16_t *token_center,
-                        uint16_t *token_half, int32_t *row_ptr, int32_t *col_val,
+                        uint16_t *token_half, int64_t out_tokens, int32_t *row_ptr, int32_t *col_val,
                         int64_t col_capacity, int64_t *nnz) {
     const int64_t n = H * D, K = (int64_t)1 << bits;
-    if (D <= 0 || D > LB_MAX_DIM || bits < 1 || bits > 8 || n > 65536 || k < 0 || k > n) return -1;
+    if (D <= 0 || D > LB_MAX_DIM || bits < 1 || bits > 8 || n > 65536 || k < 0 || k > n || out_tokens < T) return -1;
     uint8_t *outlier = malloc((size_t)n);
     float *mag = malloc((size_t)n * sizeof(float));
     if (!outlier || !mag) {
@@ -902,9 +1078,8 @@ int lb_quantize_kvquant(const float *x, int64_t B, int64_t H, int64_t T, int64_t
         return -1;
     }
     const float fmax = 3.40282347e+38f;
-    int64_t count = 0;
+    int64_t count = row_ptr[0];
     int status = 0;
-    row_ptr[0] = 0;
     for (int64_t t = 0; t < T && !status; t++) {
         for (int64_t b = 0; b < B && !status; b++) {
             /* x[b, h, t, :] of every head: element (h, d) at ((b * H + h) * T + t) * D + d */
@@ -936,7 +1111,7 @@ int lb_quantize_kvquant(const float *x, int64_t B, int64_t H, int64_t T, int64_t
             for (int64_t h = 0; h < H; h++) {
                 const float *xr = x + ((b * H + h) * T + t) * D;
                 float center = 0.0f, half = 1.0f;
-                const int64_t slot = (b * H + h) * T + t;
+                const int64_t slot = (b * H + h) * out_tokens + t;
                 if (!channel_center) {
                     float hi = -fmax, lo = fmax;
                     for (int64_t d = 0; d < D; d++) {

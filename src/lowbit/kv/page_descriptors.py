@@ -7,9 +7,10 @@ per-channel ranges, sparse outliers); other formats (K-sort + BFP) return None, 
 then takes the torch path. A descriptor points into the page's tensors: keep them (returned
 beside it) alive while the kernels run.
 
-Descriptors are kept per page object for as long as the page lives: a page is never changed in
-place (a join, a cut or a batch selection makes a new one), so a decode step describes only the
-page that changed since the last (its open page), not every page of the cache.
+Descriptors are kept per page object for as long as the page lives: a page object's tokens
+never change (a join, a cut, a batch selection or a token written into an open page's room makes
+a new object), so a decode step describes only the page that changed since the last (its open
+page), not every page of the cache.
 """
 
 from __future__ import annotations

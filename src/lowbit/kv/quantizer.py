@@ -193,6 +193,14 @@ class KVQuantizer(StoredFloatBuffers):
         """Pack ``x``: ``[B, H_kv, T, D]`` float, ``T`` a multiple of ``token_group``."""
         raise NotImplementedError
 
+    def extend(self, page: PackedKV, x: Tensor, capacity: int) -> PackedKV:
+        """``page`` followed by the tokens ``x``, as a new PackedKV equal to joining ``page``
+        and ``quantize(x)``; ``page`` is left as it was. ``capacity``: the most tokens the
+        cache will put in this page, so a format may keep room for them and write new tokens
+        in place (a decode step then costs one token, not a copy of the page). The default
+        joins (``concat``), which raises NotImplementedError where the format cannot."""
+        return type(page).concat([page, self.quantize(x)])
+
     def fake_quant(self, x: Tensor) -> Tensor:
         """Simulated face: ``quantize(x).dequantize()``, bit for bit; same shape and dtype."""
         return self.quantize(x).dequantize()
