@@ -77,7 +77,8 @@ def _stored(pages: list[PackedKV]) -> torch.Tensor:
 def _call(fn, pages, *args):
     described = [page_descriptors.page_descriptor(p) for p in pages]
     assert all(d is not None for d in described)
-    descs, starts = page_descriptors.page_array([d for d, _ in described], [0, pages[0].num_tokens])
+    firsts = [sum(p.num_tokens for p in pages[:i]) for i in range(len(pages))]
+    descs, starts = page_descriptors.page_array([d for d, _ in described], firsts)
     status = fn(descs, starts, len(pages), *args)
     assert status == 0
 
@@ -96,15 +97,34 @@ def test_decoded_rows_of_codes_not_a_whole_8(bits, monkeypatch):
     _check_decoded(_pages("odd", dim=20), 20, 1)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", ["int4 token", "kvquant3 token outliers", "kvquant4 rotated",
+                                  "kvquant2 channel"])  # fmt: skip
+def test_decoded_values_of_a_long_page(name, threads):
+    """A page of 150 tokens: runs of tiles decoded together (9 tiles and a tail of 6; with two
+    threads each thread's share), decoded exactly, and their weighted sums as torch's."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(B, H, 150, D, generator=g) * torch.rand(1, 1, 150, D, generator=g) * 3
+    pages = [QUANTIZERS[name]().quantize(x)]
+    _check_decoded(pages, D, threads)
+    p = torch.softmax(torch.randn(B, H, 5, 150, generator=g) * 3, -1)
+    acc = torch.zeros(B, H, 5, D)
+    _call(native.library().lb_accumulate, pages, p.data_ptr(), 5, 150, acc.data_ptr(), threads)
+    want = p @ _stored(pages)
+    # float32 sums in another order: measured max |difference| 2.4e-6 on sums of magnitude up to 6.6
+    assert (acc - want).abs().max() < 1e-5
+
+
 def _check_decoded(pages: list[PackedKV], dim: int, threads: int) -> None:
     lib = native.library()
     want = _stored(pages)  # [B, H, T, dim]
-    for first in range(0, T, 20):  # 20 query rows, each picking one token
-        tokens = torch.arange(first, min(first + 20, T))
-        p = torch.zeros(B, H, len(tokens), T)
+    total = want.shape[2]
+    for first in range(0, total, 20):  # 20 query rows, each picking one token
+        tokens = torch.arange(first, min(first + 20, total))
+        p = torch.zeros(B, H, len(tokens), total)
         p[:, :, torch.arange(len(tokens)), tokens] = 1.0
         acc = torch.zeros(B, H, len(tokens), dim)
-        _call(lib.lb_accumulate, pages, p.data_ptr(), len(tokens), T, acc.data_ptr(), threads)
+        _call(lib.lb_accumulate, pages, p.data_ptr(), len(tokens), total, acc.data_ptr(), threads)
         assert torch.equal(acc, want[:, :, tokens])
 
 

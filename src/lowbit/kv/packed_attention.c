@@ -317,15 +317,22 @@ static __m512 lb_tile_stat(const lb_stat *s, const lb_page *pg, int64_t b, int64
 static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, const float *table16, float *kt) {
     const int64_t d = pg->dim, bits = pg->bits, row_bytes = (d * bits + 7) / 8, full = row_bytes / 4;
     uint32_t words[LB_MAX_WORDS][LB_TILE]; /* [word of a row][token] */
-    for (int j = 0; j < LB_TILE; j++) {
-        const uint8_t *row = lb_row(pg, b, h, t + j);
-        for (int64_t w = 0; w < full; w++) memcpy(&words[w][j], row + 4 * w, 4);
-        if (row_bytes % 4) { /* the row's last bytes, not reading past it */
+    const uint8_t *row0 = lb_row(pg, b, h, t);
+    const int64_t step = pg->code_stride[2];
+    if (step <= INT32_MAX / LB_TILE) { /* word w of the 16 rows: one gather */
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)step));
+        for (int64_t w = 0; w < full; w++) _mm512_storeu_si512(words[w], _mm512_i32gather_epi32(at, row0 + 4 * w, 1));
+    } else {
+        for (int j = 0; j < LB_TILE; j++)
+            for (int64_t w = 0; w < full; w++) memcpy(&words[w][j], row0 + j * step + 4 * w, 4);
+    }
+    if (row_bytes % 4) /* the rows' last bytes, not reading past them */
+        for (int j = 0; j < LB_TILE; j++) {
             uint32_t last = 0;
-            memcpy(&last, row + 4 * full, (size_t)(row_bytes % 4));
+            memcpy(&last, row0 + j * step + 4 * full, (size_t)(row_bytes % 4));
             words[full][j] = last;
         }
-    }
     const int64_t n = (int64_t)1 << bits;
     const int has_z = pg->zero.data != NULL, has_s = has_z || pg->scale.data, has_o = pg->offset.data != NULL;
     __m512 levels = _mm512_setzero_ps(), zero = levels, scale = levels, offset = levels;
@@ -452,13 +459,34 @@ static void lb_scores_tile(const float *q, int64_t groups, int64_t d, const floa
     }
 }
 
-/* lanes[g][channel][16] += p_g(token) * v(token) over the tile's 16 tokens. */
-static void lb_accumulate_tile(const float *prow, int64_t groups, int64_t total, int64_t d, const float *vt, float *lanes) {
+/* Tiles decoded together before their values are summed: an accumulator vector is loaded and
+   stored once for this many tiles' multiply-adds, not once for each. */
+#define LB_TILE_RUN 4
+
+/* lanes[g][channel][16] += p_g(token) * v(token) over N tiles of 16 tokens (N a constant where it
+   is inlined); tile k's values at vt + k * tile_stride, its weights at prow + 16 k. */
+static inline __attribute__((always_inline)) void lb_accumulate_tiles_n(const float *prow, int64_t groups, int64_t total,
+                                                                        int64_t d, const float *vt, int64_t tile_stride,
+                                                                        float *lanes, const int N) {
     for (int64_t g = 0; g < groups; g++) {
-        const __m512 p = _mm512_loadu_ps(prow + g * total);
+        __m512 p[LB_TILE_RUN];
+        for (int k = 0; k < N; k++) p[k] = _mm512_loadu_ps(prow + g * total + k * LB_TILE);
         float *a = lanes + g * d * LB_TILE;
-        for (int64_t i = 0; i < d; i++)
-            _mm512_storeu_ps(a + i * LB_TILE, _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + i * LB_TILE), _mm512_loadu_ps(a + i * LB_TILE)));
+        for (int64_t i = 0; i < d; i++) {
+            __m512 sum = _mm512_loadu_ps(a + i * LB_TILE);
+            for (int k = 0; k < N; k++) sum = _mm512_fmadd_ps(p[k], _mm512_loadu_ps(vt + k * tile_stride + i * LB_TILE), sum);
+            _mm512_storeu_ps(a + i * LB_TILE, sum);
+        }
+    }
+}
+
+static void lb_accumulate_tile_run(const float *prow, int64_t groups, int64_t total, int64_t d, const float *vt,
+                                   int64_t tile_stride, float *lanes, int tiles) {
+    switch (tiles) {
+        case 4: lb_accumulate_tiles_n(prow, groups, total, d, vt, tile_stride, lanes, 4); break;
+        case 3: lb_accumulate_tiles_n(prow, groups, total, d, vt, tile_stride, lanes, 3); break;
+        case 2: lb_accumulate_tiles_n(prow, groups, total, d, vt, tile_stride, lanes, 2); break;
+        default: lb_accumulate_tiles_n(prow, groups, total, d, vt, tile_stride, lanes, 1); break;
     }
 }
 #else
@@ -515,17 +543,17 @@ static void lb_each_page(const lb_job *job, void (*fn)(const lb_job *, int64_t, 
 }
 
 #if LB_TILE
-/* The buffers of a page's tiles: every head's decoded tile [head][channel][16], the heads' value
-   tables [head][channel][16] (statistics shared by every token; NULL for per-token ones) and
-   `extra` floats for the caller; NULL where memory runs out. */
+/* The buffers of a page's tiles: every head's decoded tiles [tile][head][channel][16] (`tiles` of
+   them), the heads' value tables [head][channel][16] (statistics shared by every token; NULL for
+   per-token ones) and `extra` floats for the caller; NULL where memory runs out. */
 typedef struct {
     float *kts, *tables, *extra;
 } lb_tile_buffers;
 
-static int lb_tile_buffers_make(const lb_page *pg, int64_t extra, lb_tile_buffers *buf) {
+static int lb_tile_buffers_make(const lb_page *pg, int64_t tiles, int64_t extra, lb_tile_buffers *buf) {
     const int64_t n = pg->heads * pg->dim * LB_TILE;
     const int token_stats = lb_token_stats(pg);
-    buf->kts = malloc((size_t)n * sizeof(float));
+    buf->kts = malloc((size_t)(tiles * n) * sizeof(float));
     buf->tables = token_stats ? NULL : malloc((size_t)n * sizeof(float));
     buf->extra = extra ? malloc((size_t)extra * sizeof(float)) : NULL;
     if (buf->kts && (token_stats || buf->tables) && (!extra || buf->extra)) return 0;
@@ -552,7 +580,7 @@ static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t
     const int rope = job->rope && job->rope->cos;
     const int64_t rope_channels = rope ? job->rope->block_channels : 0;
     lb_tile_buffers buf;
-    if (end == t0 || lb_tile_buffers_make(pg, 2 * rope_channels * LB_TILE, &buf)) return t0;
+    if (end == t0 || lb_tile_buffers_make(pg, 1, 2 * rope_channels * LB_TILE, &buf)) return t0;
     float *ct = rope ? buf.extra : NULL, *sn = rope ? buf.extra + rope_channels * LB_TILE : NULL; /* [channels][16] */
     for (int64_t b = 0; b < pg->batch; b++) {
         lb_tile_tables(pg, b, st, &buf);
@@ -569,22 +597,24 @@ static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t
 }
 
 /* The whole tiles of tokens t0..t1 of page i for lb_accumulate_page: p_t v_t summed in 16 lanes a
-   channel, [head][group][channel][16], then across the lanes into the accumulator once a batch
-   row. Returns the first token left to the rows. */
+   channel, [head][group][channel][16], LB_TILE_RUN tiles decoded at a time, then across the
+   lanes into the accumulator once a batch row. Returns the first token left to the rows. */
 static int64_t lb_accumulate_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t t1, lb_stats *st) {
     const lb_page *pg = &job->pages[i];
     const int64_t d = pg->dim, G = job->groups, H = pg->heads, start = job->starts[i];
-    const int64_t end = t0 + (t1 - t0) / LB_TILE * LB_TILE, n = H * G * d;
+    const int64_t end = t0 + (t1 - t0) / LB_TILE * LB_TILE, n = H * G * d, tile_stride = H * d * LB_TILE;
     lb_tile_buffers buf;
-    if (end == t0 || lb_tile_buffers_make(pg, n * LB_TILE, &buf)) return t0;
+    if (end == t0 || lb_tile_buffers_make(pg, LB_TILE_RUN, n * LB_TILE, &buf)) return t0;
     for (int64_t b = 0; b < pg->batch; b++) {
         lb_tile_tables(pg, b, st, &buf);
         memset(buf.extra, 0, (size_t)(n * LB_TILE) * sizeof(float));
-        for (int64_t t = t0; t < end; t += LB_TILE) {
-            lb_decode_tiles(pg, b, t, buf.tables, buf.kts);
+        for (int64_t t = t0; t < end; t += LB_TILE_RUN * LB_TILE) {
+            const int64_t left = (end - t) / LB_TILE;
+            const int tiles = left < LB_TILE_RUN ? (int)left : LB_TILE_RUN;
+            for (int k = 0; k < tiles; k++) lb_decode_tiles(pg, b, t + k * LB_TILE, buf.tables, buf.kts + k * tile_stride);
             for (int64_t h = 0; h < H; h++)
-                lb_accumulate_tile(job->p + (b * H + h) * G * job->total + start + t, G, job->total, d,
-                                   buf.kts + h * d * LB_TILE, buf.extra + h * G * d * LB_TILE);
+                lb_accumulate_tile_run(job->p + (b * H + h) * G * job->total + start + t, G, job->total, d,
+                                       buf.kts + h * d * LB_TILE, tile_stride, buf.extra + h * G * d * LB_TILE, tiles);
         }
         float *acc = job->acc + b * n; /* [H][G][dim] of batch row b */
         for (int64_t j = 0; j < n; j++) acc[j] += _mm512_reduce_add_ps(_mm512_loadu_ps(buf.extra + j * LB_TILE));
