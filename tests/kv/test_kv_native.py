@@ -242,6 +242,24 @@ def test_a_page_is_described_once_while_it_lives():
     assert key not in page_descriptors._described
 
 
+
+def test_an_open_pages_descriptor_is_its_rooms_with_its_tokens():
+    """Pages written into one room share the room's descriptor, copied with their token count:
+    byte for byte what describing each page anew gives, as the first outliers come and the
+    outliers' room doubles."""
+    quantizer = KVQUANT_STORES["kvquant4 channel outliers"]()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, H, 40, D, generator=g) * 0.1  # inside the channel ranges: no outliers
+    x[0, 1, 6:, 5] = 100.0  # from token 6 on, one outlier a token
+    x[0, :, 20:] *= 40  # and from token 20 on, many
+    page = quantizer.quantize(x[:, :, :1])
+    for t in range(1, 40):
+        page = quantizer.extend(page, x[:, :, t : t + 1], 64)
+        got = page_descriptors.page_descriptor(page)[0]
+        assert bytes(got) == bytes(page_descriptors._describe(page)[0]), t
+    assert page.room is not None and page.col_val.numel() > 64  # the outliers' room grew
+
+
 CALIB = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(5))
 
 

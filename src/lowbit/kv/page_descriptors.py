@@ -52,15 +52,43 @@ def page_descriptor(page: PackedKV) -> tuple[native.Page, list[Tensor]] | None:
     entry = _described.get(key)
     if entry is not None and entry[0]() is page:
         return entry[1], entry[2]
-    described = _describe(page)
+    room = getattr(page, "room", None)
+    described = _describe(page) if room is None else _room_page(page, room)
     if described is not None:
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            if _described.get(key, (None,))[0] is ref:
-                del _described[key]
-
-        _described[key] = (weakref.ref(page, forget), *described)
+        _remember(_described, key, page, described)
     return described
+
+
+def _remember(table: dict, key: int, owner, value: tuple) -> None:
+    """``table[key] = (weak reference to owner, *value)``, dropped when ``owner`` goes."""
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if table.get(key, (None,))[0] is ref:
+            del table[key]
+
+    table[key] = (weakref.ref(owner, forget), *value)
+
+
+#: id of an open page's room (KVQuant) -> (weak reference to it, the descriptor of one of its
+#: pages, the tensors it points into, where the outlier words were then)
+_rooms: dict[int, tuple] = {}
+
+
+def _room_page(page: PackedKV, room) -> tuple[native.Page, list[Tensor]] | None:
+    """A page of an open page's room: every pointer is the room's buffers', so the room's
+    descriptor is copied with this page's token count (described anew only when the outliers'
+    room moved or the first outliers came)."""
+    words = (page.col_val.data_ptr(), page.col_val.numel() > 0)
+    entry = _rooms.get(id(room))
+    if entry is None or entry[0]() is not room or entry[3] != words:
+        described = _describe(page)
+        if described is None:
+            return None
+        _remember(_rooms, id(room), room, (*described, words))
+        entry = _rooms[id(room)]
+    desc = native.Page.from_buffer_copy(entry[1])
+    desc.tokens = page.num_tokens
+    return desc, entry[2]
 
 
 def _describe(page: PackedKV) -> tuple[native.Page, list[Tensor]] | None:
