@@ -163,14 +163,15 @@ class _PageRoom:
         """The tokens written so far as a page (views), with ``like``'s settings."""
         b, h, _, d = like.shape
         n = self.tokens
-        return dataclasses.replace(
-            like,
+        return KVQuantPackedKV(
             shape=torch.Size((b, h, n, d)),
+            dtype=like.dtype,
             codes=self.codes[:, :, :n],
             center=None if self.center is None else self.center[:, :, :n],
             half_range=None if self.half_range is None else self.half_range[:, :, :n],
             row_ptr=self.row_ptr[: n * b + 1],
             col_val=self.col_val[: self.words],
+            quantizer=like.quantizer,
             room=self,
         )
 

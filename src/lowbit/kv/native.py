@@ -240,16 +240,18 @@ def store_kvquant_tokens(
     q = quantizer
     if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    if q.per_channel and q.center.dtype != torch.float16:
+    state = q._buffers  # codebook, center, half_range (direct: a module's getattr is slow)
+    codebook, center_c, half_c = state["codebook"], state["center"], state["half_range"]
+    if q.per_channel and center_c.dtype != torch.float16:
         return None
-    if any(t.device.type != "cpu" for t in (q.codebook, q.center, q.half_range)):
+    if any(t.device.type != "cpu" for t in (codebook, center_c, half_c)):
         return None  # the quantizer's state elsewhere (meta while a model is built): torch's
     b, h, t, d = x.shape
     rows = x.contiguous()
     row_bytes = codes.shape[-1]
     nnz = ctypes.c_int64(0)
-    codebook = q.codebook.float().contiguous()
-    stats = (q.center.contiguous(), q.half_range.contiguous()) if q.per_channel else None
+    codebook = codebook.float().contiguous()
+    stats = (center_c.contiguous(), half_c.contiguous()) if q.per_channel else None
     status = lib.lb_quantize_kvquant(
         rows.data_ptr(), b, h, t, d, q.bits, codebook.data_ptr(), int(q.channel_codebooks),
         stats[0].data_ptr() if stats else None, stats[1].data_ptr() if stats else None,
