@@ -18,6 +18,9 @@ Decisions:
   format that breaks this overrides ``select_batch`` / ``concat`` / ``head``. State shared
   across tokens (a codebook) stays on the quantizer; a PackedKV may reference it, and it is not
   counted per token.
+* New tokens join the cache's open page through ``extend(page, x, capacity)``: the same stored
+  bits as joining ``page`` and ``quantize(x)``; the default joins (``concat``), a format may
+  write in place into room it keeps for the page (KVQuant's decode step).
 * Two faces, one result: ``fake_quant(x)`` (simulated) equals ``quantize(x).dequantize()`` bit
   for bit. The default ``fake_quant`` is exactly that; a faster override must keep it.
 * ``nbytes()`` is measured (``numel * element_size`` of the stored tensors), never computed from
