@@ -202,7 +202,11 @@ def test_one_call_attention_equals_torch_path(monkeypatch, fp_dtype, mask):
         allowed = torch.ones(3, 1, 1, T + 1, dtype=torch.bool)
         allowed[1, ..., 3:17] = False
         allowed[2] = False  # a row that may see nothing: zeros
-        full = allowed if mask == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        full = (
+            allowed
+            if mask == "bool"
+            else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        )
     got = decode.compiled_decode_attention(q, layer, scaling=0.125, mask=full)
     want = decode.chunked_attention(q, layer, scaling=0.125, mask=full, max_tokens=8)
     assert got is not None and got.shape == (3, 1, H * 5, D)
@@ -240,7 +244,6 @@ def test_a_page_is_described_once_while_it_lives():
     key = id(joined)
     del joined
     assert key not in page_descriptors._described
-
 
 
 def test_an_open_pages_descriptor_is_its_rooms_with_its_tokens():
@@ -499,7 +502,8 @@ def test_kvquant_page_extended_in_place_equals_one_quantized_run(name):
 
     assert_stores(page, x)
     assert_stores(pages[8], x[:, :, :8])  # an earlier step's page, unchanged
-    branch = quantizer.extend(pages[8], x[:, :, 25:26], 32)  # a stale view: copied, not written over
+    # a stale view: copied, not written over
+    branch = quantizer.extend(pages[8], x[:, :, 25:26], 32)
     assert branch.room is not page.room
     assert_stores(branch, torch.cat([x[:, :, :8], x[:, :, 25:26]], 2))
     assert_stores(page, x)

@@ -224,7 +224,13 @@ def compiled_decode_attention(
         rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0),
                            cos_b.data_ptr(), sin_b.data_ptr(), cos_b.shape[1])  # fmt: skip
     keep: list = []  # everything the library's structures point into
-    keys = _stream(regions_k, keep, fp_keys=(layer, key_rope))
+    rotated = None
+    if key_rope is not None:
+
+        def rotated(r0: int, r1: int, data: Tensor) -> Tensor:
+            return _rotated_fp_keys(layer, r0, r1, data, key_rope)
+
+    keys = _stream(regions_k, keep, rotated)
     values = _stream(layer.v.regions(), keep)
     if keys is None or values is None or keys[1] is not None:
         return None  # a page the kernels do not read, or keys in a rotated basis
@@ -254,19 +260,19 @@ def compiled_decode_attention(
 def _stream(
     regions: list[tuple[int, int, Tensor | PackedKV]],
     keep: list,
-    fp_keys: tuple[QuantizedKVLayer, Callable | None] | None = None,
+    rotated: Callable[[int, int, Tensor], Tensor] | None = None,
 ) -> tuple[native.Stream, Tensor | None] | None:
     """The keys or values of a layer (``regions``, :meth:`~lowbit.kv.cache._Stream.regions`)
     as the library's ``lb_stream``, and the rotation of its pages' stored basis (or None);
-    None where a page is not one the kernels read, or the pages differ in basis. Pre-RoPE fp
-    keys (``fp_keys`` holds the layer and its ``key_rope``) are given rotated to their positions.
-    The structures and the tensors they point into are appended to ``keep``."""
+    None where a page is not one the kernels read, or the pages differ in basis. ``rotated``:
+    ``(first slot, last slot + 1, fp keys) -> the keys rotated to their positions`` for
+    pre-RoPE keys. The structures and the tensors they point into are appended to ``keep``."""
     pages, starts, dense, rotations = [], [], [], set()
     rotation = None
     for r0, r1, data in regions:
         if isinstance(data, Tensor):
-            if fp_keys is not None and fp_keys[1] is not None:
-                data = _rotated_fp_keys(fp_keys[0], r0, r1, data, fp_keys[1])
+            if rotated is not None:
+                data = rotated(r0, r1, data)
             if data.dtype not in native.FLOAT_DTYPES or data.stride(-1) != 1:
                 data = data.float().contiguous()
             part = native.Dense(data.data_ptr(), native.FLOAT_DTYPES[data.dtype], 0, r0, r1 - r0)
