@@ -190,9 +190,9 @@ def compiled_decode_attention(
     rope_table: RopeTable | None = None,
 ) -> Tensor | None:
     """One decode step's attention with the compiled kernels (:mod:`lowbit.kv.native`) reading
-    the packed pages; None, before any work, where they cannot: no compiled library, more than
-    one query per row, pinned sink tokens, a page format they do not read, keys in a rotated
-    basis, or pre-RoPE keys without ``rope_table`` or at a negative position.
+    the packed pages; None, having changed nothing, where they cannot: no compiled library,
+    more than one query per row, pinned sink tokens, a page format they do not read, keys in a
+    rotated basis, or pre-RoPE keys without ``rope_table`` or at a negative position.
 
     One library call a layer (``lb_attend``): the scores of every slot (pages and fp runs) into
     one row per query, the mask, the softmax over the row, the weighted sums of the values and
