@@ -925,16 +925,12 @@ int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rop
     float *scores = malloc((size_t)(rows * total) * sizeof(float)); /* [B, H, G, T] */
     float *sums = malloc((size_t)rows * sizeof(float));
     float *acc = calloc((size_t)(2 * acc_size), sizeof(float)); /* the pages', the fp runs' */
-    float *partials = n_threads > 1 ? malloc((size_t)(n_threads - 1) * (size_t)acc_size * sizeof(float)) : NULL;
-    if (!scores || !sums || !acc || (n_threads > 1 && !partials)) {
-        free(scores), free(sums), free(acc), free(partials);
+    if (!scores || !sums || !acc) {
+        free(scores), free(sums), free(acc);
         return -1;
     }
     float *acc_dense = acc + acc_size;
-    if (keys->n_pages) {
-        lb_job job = {keys->pages, keys->starts, keys->n_pages, rope, q, NULL, scores, NULL, groups, total, 0, 0, scaling};
-        lb_run(&job, n_threads, lb_scores_job, NULL, 0);
-    }
+    lb_scores(keys->pages, keys->starts, keys->n_pages, rope, q, groups, scores, total, scaling, n_threads);
     float row[LB_MAX_DIM];
     for (int64_t i = 0; i < keys->n_dense; i++) {
         const lb_dense *x = &keys->dense[i];
@@ -956,10 +952,7 @@ int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rop
         }
         sums[r] = lb_softmax_row(s, total);
     }
-    if (values->n_pages) {
-        lb_job job = {values->pages, values->starts, values->n_pages, NULL, NULL, scores, NULL, acc, groups, total, 0, 0, 1.0f};
-        lb_run(&job, n_threads, lb_accumulate_job, partials, acc_size);
-    }
+    lb_accumulate(values->pages, values->starts, values->n_pages, scores, groups, total, acc, n_threads);
     for (int64_t i = 0; i < values->n_dense; i++) {
         const lb_dense *x = &values->dense[i];
         for (int64_t b = 0; b < batch; b++)
@@ -985,7 +978,7 @@ int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rop
             out[r * dim + j] = (v + acc_dense[r * dim + j]) / l;
         }
     }
-    free(scores), free(sums), free(acc), free(partials);
+    free(scores), free(sums), free(acc);
     return 0;
 }
 
