@@ -229,3 +229,20 @@ def test_layout_bits_per_element_is_the_mean_over_layers():
     # two outliers of 32 bits per token of 32 elements: 2 bits per element between the layers
     assert two.bits_per_element(16) - none.bits_per_element(16) == pytest.approx(2.0)
     assert values == pytest.approx(none.bits_per_element(16) + 1.0)
+
+
+def test_position_bounds_follow_the_positions_they_are_of(monkeypatch):
+    """A cache's least and greatest position: computed once while the positions stay as they
+    are (every layer of a decode step asks), again after an append or a write in place."""
+    from lowbit.kv.cache import PositionTrack
+
+    calls = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: calls.append(1) or aminmax(t))
+    track = PositionTrack()
+    track.append(torch.tensor([[3, 4, 5]]))
+    assert [track.bounds() for _ in range(3)] == [(3, 5)] * 3 and len(calls) == 1
+    track.append(torch.tensor([[9]]))
+    assert track.bounds() == (3, 9) and len(calls) == 2
+    track.positions[0, 1] = -2
+    assert track.bounds() == (-2, 9) and len(calls) == 3

@@ -46,6 +46,7 @@ Decisions:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch import Tensor
@@ -62,6 +63,16 @@ class PositionTrack:
 
     def __init__(self) -> None:
         self.positions: Tensor | None = None
+        self._bounds: tuple | None = None  # (weak reference to positions, its version, low, high)
+
+    def bounds(self) -> tuple[int, int]:
+        """The least and the greatest position held: computed once while the same tensor holds
+        the positions unchanged (a decode step asks once a layer)."""
+        kept = self._bounds
+        if kept is None or kept[0]() is not self.positions or kept[1] != self.positions._version:
+            low, high = (int(x) for x in torch.aminmax(self.positions))
+            kept = self._bounds = (weakref.ref(self.positions), self.positions._version, low, high)
+        return kept[2], kept[3]
 
     def append(self, positions: Tensor) -> None:
         positions = positions.to(torch.int32)

@@ -214,8 +214,8 @@ def compiled_decode_attention(
     total = layer.length
     rope = None
     if key_rope is not None:
-        positions = layer.track.positions  # [B, T] int32, contiguous (appended by torch.cat)
-        low, high = (int(x) for x in torch.aminmax(positions))
+        positions = layer.track.positions  # [B, T] int32, rows read by their stride
+        low, high = layer.track.bounds()
         if low < 0:  # the kernels index the tables by position
             return None
         top = high + 1
