@@ -379,11 +379,12 @@ class QuantizedKVLayer(CacheLayerMixin):
                 v, v_rot = self.v.decode(regions_v[iv], a, b, dtype)
                 yield a, b, k, k_rot, v, v_rot
 
-    def positions(self) -> Tensor:
-        """Positions of every cached token, [B, T] long (pre-RoPE caches only)."""
+    def positions(self, start: int = 0, stop: int | None = None) -> Tensor:
+        """Positions of the cached tokens in slots ``start:stop`` (all by default), [B, n] long
+        (pre-RoPE caches only)."""
         if self.track is None or self.track.positions is None:
             raise LowbitError("this KV cache does not track positions (keys are cached after RoPE)")
-        return self.track.positions.long()
+        return self.track.positions[:, start:stop].long()
 
     def get_seq_length(self) -> int:
         return self.length

@@ -313,7 +313,7 @@ def _rotated_fp_keys(
     kept = layer.rotated_fp_keys.get(r0)
     if kept is not None and kept[0]() is data and kept[1] == (data._version, r1):
         return kept[2]
-    k = key_rope(data.float(), layer.positions()[:, r0:r1])
+    k = key_rope(data.float(), layer.positions(r0, r1))
     layer.rotated_fp_keys[r0] = (weakref.ref(data), (data._version, r1), k)
     return k
 
