@@ -311,12 +311,10 @@ static __m512 lb_tile_stat(const lb_stat *s, const lb_page *pg, int64_t b, int64
     return _mm512_loadu_ps(v);
 }
 
-/* Tokens t..t+15 of row (b, h) decoded into kt[channel][16], outliers not yet patched in;
-   table16: the head's value table padded to 16 levels (lb_stats.table16), NULL for per-token
-   statistics. */
-static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, const float *table16, float *kt) {
+/* The code words of tokens t..t+15 of row (b, h) transposed: words[w][j] is word w of token t+j's
+   row (the rows' last bytes zero-padded to a word). */
+static void lb_tile_words(const lb_page *pg, int64_t b, int64_t h, int64_t t, uint32_t (*words)[LB_TILE]) {
     const int64_t d = pg->dim, bits = pg->bits, row_bytes = (d * bits + 7) / 8, full = row_bytes / 4;
-    uint32_t words[LB_MAX_WORDS][LB_TILE]; /* [word of a row][token] */
     const uint8_t *row0 = lb_row(pg, b, h, t);
     const int64_t step = pg->code_stride[2];
     if (step <= INT32_MAX / LB_TILE) { /* word w of the 16 rows: one gather */
@@ -333,6 +331,15 @@ static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, c
             memcpy(&last, row0 + j * step + 4 * full, (size_t)(row_bytes % 4));
             words[full][j] = last;
         }
+}
+
+/* Tokens t..t+15 of row (b, h) decoded into kt[channel][16], outliers not yet patched in;
+   table16: the head's value table padded to 16 levels (lb_stats.table16), NULL for per-token
+   statistics. */
+static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, const float *table16, float *kt) {
+    const int64_t d = pg->dim, bits = pg->bits;
+    uint32_t words[LB_MAX_WORDS][LB_TILE]; /* [word of a row][token] */
+    lb_tile_words(pg, b, h, t, words);
     const int64_t n = (int64_t)1 << bits;
     const int has_z = pg->zero.data != NULL, has_s = has_z || pg->scale.data, has_o = pg->offset.data != NULL;
     __m512 levels = _mm512_setzero_ps(), zero = levels, scale = levels, offset = levels;
@@ -489,6 +496,180 @@ static void lb_accumulate_tile_run(const float *prow, int64_t groups, int64_t to
         default: lb_accumulate_tiles_n(prow, groups, total, d, vt, tile_stride, lanes, 1); break;
     }
 }
+
+/* 4-bit tiles decoded where they are used. With 4-bit codes and a dim of whole 16s (each
+   rotate-half half whole words of eight channels), a channel's 16 codes are one transposed
+   word shifted by a constant, and its 16 values go from the permute straight into the
+   multiply-adds, never stored and loaded back; a tile's outliers are staged once for all its
+   heads (per channel: the lanes holding one, and their values) and blended in by a masked
+   load. The values are lb_decode_tile's, bit for bit. */
+static int lb_fused_page(const lb_page *pg) { return pg->bits == 4 && pg->dim % 16 == 0; }
+
+typedef struct {
+    const uint32_t *words; /* [dim / 8][16]: the head's transposed code words (lb_tile_words) */
+    const float *table;    /* [dim][16]: the head's value tables; NULL: levels, then token statistics */
+    __m512 levels, zero, scale, offset;
+    const uint16_t *mask; /* [dim]: the lanes holding outliers; NULL: the page has none */
+    const float *outlier; /* [dim][16]: their values */
+} lb_tile4;
+
+/* The outliers of tokens t..t+15 of batch row b, every head: mask[c] the lanes (tokens) holding
+   one in channel c = head * dim + channel of the head, value[c][lane] its value. */
+static void lb_tile_outliers(const lb_page *pg, int64_t b, int64_t t, uint16_t *mask, float *value) {
+    const int64_t n = pg->heads * pg->dim, base = pg->row_ptr[0];
+    memset(mask, 0, (size_t)n * sizeof(uint16_t));
+    for (int j = 0; j < LB_TILE; j++) {
+        const int64_t r = (t + j) * pg->batch + b;
+        for (int64_t e = pg->row_ptr[r] - base; e < pg->row_ptr[r + 1] - base; e++) {
+            const uint32_t word = (uint32_t)pg->col_val[e];
+            const int64_t channel = (int64_t)(word >> 16);
+            if (channel < n) {
+                mask[channel] |= (uint16_t)(1u << j);
+                value[channel * LB_TILE + j] = lb_half((uint16_t)(word & 0xffff));
+            }
+        }
+    }
+}
+
+/* Head h of the tile at token t: its words gathered into `words`, its table or statistics. */
+static void lb_tile4_make(const lb_page *pg, int64_t b, int64_t h, int64_t t, uint32_t (*words)[LB_TILE],
+                          const float *tables, const uint16_t *mask, const float *outlier, lb_tile4 *x) {
+    const int64_t d = pg->dim;
+    lb_tile_words(pg, b, h, t, words);
+    x->words = &words[0][0];
+    x->table = tables ? tables + h * d * 16 : NULL;
+    x->levels = x->zero = x->offset = _mm512_setzero_ps();
+    x->scale = _mm512_set1_ps(1.0f);
+    if (!tables) { /* lb_decode_tile's levels and statistics; an absent one is an identity */
+        float lv[16];
+        for (int l = 0; l < 16; l++) lv[l] = lb_level(pg, 0, 0, l);
+        x->levels = _mm512_loadu_ps(lv);
+        x->zero = lb_tile_stat(&pg->zero, pg, b, h, t, 0.0f);
+        if (pg->scale.data) x->scale = lb_tile_stat(&pg->scale, pg, b, h, t, 1.0f);
+        x->offset = lb_tile_stat(&pg->offset, pg, b, h, t, 0.0f);
+    }
+    x->mask = mask ? mask + h * d : NULL;
+    x->outlier = mask ? outlier + h * d * LB_TILE : NULL;
+}
+
+/* The 16 values of channel i (in word `word`, at bit `shift`); TABLE and MASKED constants where
+   inlined. (v - 0) * 1 + 0 is v, so absent statistics need no branch. */
+static inline __attribute__((always_inline)) __m512 lb_tile4_value(const lb_tile4 *x, __m512i word, const int shift,
+                                                                   int64_t i, const int TABLE, const int MASKED) {
+    const __m512i c = _mm512_srli_epi32(word, (unsigned)shift);
+    __m512 v;
+    if (TABLE) {
+        v = _mm512_permutexvar_ps(c, _mm512_loadu_ps(x->table + i * 16));
+    } else {
+        v = _mm512_permutexvar_ps(c, x->levels);
+        v = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, x->zero), x->scale), x->offset);
+    }
+    if (MASKED) v = _mm512_mask_loadu_ps(v, (__mmask16)x->mask[i], x->outlier + i * LB_TILE);
+    return v;
+}
+
+/* lb_scores_tile_n on a fused tile: queries g < N of the head, keys rotated as there. */
+static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, int64_t d, const lb_tile4 *x,
+                                                               const float *ct, const float *st, int64_t rope_channels,
+                                                               float *srow, int64_t total, float scaling, const int N,
+                                                               const int TABLE, const int MASKED, const int ROPE) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (ROPE) {
+        const int64_t half = d / 2, second = rope_channels == d ? half : 0;
+        for (int64_t i = 0; i < half; i += 8) {
+            const __m512i w = _mm512_loadu_si512(x->words + i * 2), w2 = _mm512_loadu_si512(x->words + (i + half) * 2);
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                const __m512 a = lb_tile4_value(x, w, 4 * s, i + s, TABLE, MASKED);
+                const __m512 a2 = lb_tile4_value(x, w2, 4 * s, i + half + s, TABLE, MASKED);
+                const __m512 c = _mm512_loadu_ps(ct + (i + s) * 16), sn = _mm512_loadu_ps(st + (i + s) * 16);
+                const __m512 c2 = _mm512_loadu_ps(ct + (i + s + second) * 16), s2 = _mm512_loadu_ps(st + (i + s + second) * 16);
+                const __m512 r = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(a2, sn));
+                const __m512 r2 = _mm512_add_ps(_mm512_mul_ps(a2, c2), _mm512_mul_ps(a, s2));
+                for (int j = 0; j < N; j++) {
+                    acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s]), r, acc[j]);
+                    acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s + half]), r2, acc[j]);
+                }
+            }
+        }
+    } else {
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m512i w = _mm512_loadu_si512(x->words + i * 2); /* word i / 8 of the 16 rows */
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                const __m512 k = lb_tile4_value(x, w, 4 * s, i + s, TABLE, MASKED);
+                for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s]), k, acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < N; j++) _mm512_storeu_ps(srow + j * total, _mm512_mul_ps(acc[j], _mm512_set1_ps(scaling)));
+}
+
+#define LB_SCORES4_N(T, M, R)                                                                                 \
+    switch (n) {                                                                                              \
+        case 4: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 4, T, M, R); break;         \
+        case 3: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 3, T, M, R); break;         \
+        case 2: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 2, T, M, R); break;         \
+        default: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 1, T, M, R); break;        \
+    }
+
+/* lb_scores_tile on a fused tile: every query of the head, four at a time. */
+static void lb_scores4(const float *q, int64_t groups, int64_t d, const lb_tile4 *x, const float *ct, const float *st,
+                       int64_t rope_channels, float *srow, int64_t total, float scaling) {
+    const int table = x->table != NULL, masked = x->mask != NULL, rope = ct != NULL;
+    for (int64_t g = 0; g < groups; g += 4) {
+        const int n = groups - g < 4 ? (int)(groups - g) : 4;
+        const float *qg = q + g * d;
+        float *sg = srow + g * total;
+        if (table && masked && rope) LB_SCORES4_N(1, 1, 1)
+        else if (table && masked) LB_SCORES4_N(1, 1, 0)
+        else if (table && rope) LB_SCORES4_N(1, 0, 1)
+        else if (table) LB_SCORES4_N(1, 0, 0)
+        else if (masked && rope) LB_SCORES4_N(0, 1, 1)
+        else if (masked) LB_SCORES4_N(0, 1, 0)
+        else if (rope) LB_SCORES4_N(0, 0, 1)
+        else LB_SCORES4_N(0, 0, 0)
+    }
+}
+
+/* lanes[g][channel][16] += p_g(token) v(token) over the N fused tiles xs (a run), as
+   lb_accumulate_tiles_n; tile k's weights at prow + 16 k. */
+static inline __attribute__((always_inline)) void lb_accumulate4_n(const float *prow, int64_t groups, int64_t total,
+                                                                   int64_t d, const lb_tile4 *xs, float *lanes,
+                                                                   const int N, const int TABLE, const int MASKED) {
+    for (int64_t i = 0; i < d; i += 8) {
+        __m512i w[LB_TILE_RUN];
+        for (int k = 0; k < N; k++) w[k] = _mm512_loadu_si512(xs[k].words + i * 2);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            __m512 v[LB_TILE_RUN];
+            for (int k = 0; k < N; k++) v[k] = lb_tile4_value(&xs[k], w[k], 4 * s, i + s, TABLE, MASKED);
+            for (int64_t g = 0; g < groups; g++) {
+                float *a = lanes + (g * d + i + s) * LB_TILE;
+                __m512 sum = _mm512_loadu_ps(a);
+                for (int k = 0; k < N; k++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(prow + g * total + k * LB_TILE), v[k], sum);
+                _mm512_storeu_ps(a, sum);
+            }
+        }
+    }
+}
+
+#define LB_ACCUMULATE4_N(T, M)                                                                 \
+    switch (tiles) {                                                                           \
+        case 4: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 4, T, M); break;           \
+        case 3: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 3, T, M); break;           \
+        case 2: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 2, T, M); break;           \
+        default: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 1, T, M); break;          \
+    }
+
+/* lb_accumulate_tile_run on fused tiles (`table`, `masked`: as every tile's). */
+static void lb_accumulate4(const float *prow, int64_t groups, int64_t total, int64_t d, const lb_tile4 *xs,
+                           float *lanes, int tiles, int table, int masked) {
+    if (table && masked) LB_ACCUMULATE4_N(1, 1)
+    else if (table) LB_ACCUMULATE4_N(1, 0)
+    else if (masked) LB_ACCUMULATE4_N(0, 1)
+    else LB_ACCUMULATE4_N(0, 0)
+}
 #else
 #define LB_TILE 0
 #endif
@@ -579,17 +760,29 @@ static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t
     const int64_t end = t0 + (t1 - t0) / LB_TILE * LB_TILE;
     const int rope = job->rope && job->rope->cos;
     const int64_t rope_channels = rope ? job->rope->block_channels : 0;
-    lb_tile_buffers buf;
-    if (end == t0 || lb_tile_buffers_make(pg, 1, 2 * rope_channels * LB_TILE, &buf)) return t0;
+    const int fused = lb_fused_page(pg);
+    lb_tile_buffers buf; /* extra: cos, sin, then (fused) the outliers' lane masks [H * dim] */
+    if (end == t0 || lb_tile_buffers_make(pg, 1, 2 * rope_channels * LB_TILE + (H * d + 1) / 2, &buf)) return t0;
     float *ct = rope ? buf.extra : NULL, *sn = rope ? buf.extra + rope_channels * LB_TILE : NULL; /* [channels][16] */
+    uint16_t *mask = pg->row_ptr ? (uint16_t *)(buf.extra + 2 * rope_channels * LB_TILE) : NULL;
+    uint32_t words[LB_MAX_WORDS][LB_TILE];
     for (int64_t b = 0; b < pg->batch; b++) {
         lb_tile_tables(pg, b, st, &buf);
         for (int64_t t = t0; t < end; t += LB_TILE) {
             if (rope) lb_rope_tile(job->rope, b, start + t, ct, sn);
-            lb_decode_tiles(pg, b, t, buf.tables, buf.kts);
-            for (int64_t h = 0; h < H; h++)
-                lb_scores_tile(job->q + (b * H + h) * G * d, G, d, buf.kts + h * d * LB_TILE, ct, sn, rope_channels,
-                               job->scores + (b * H + h) * G * job->total + start + t, job->total, job->scaling);
+            if (fused && mask) lb_tile_outliers(pg, b, t, mask, buf.kts);
+            else if (!fused) lb_decode_tiles(pg, b, t, buf.tables, buf.kts);
+            for (int64_t h = 0; h < H; h++) {
+                const float *q = job->q + (b * H + h) * G * d;
+                float *srow = job->scores + (b * H + h) * G * job->total + start + t;
+                if (fused) {
+                    lb_tile4 x;
+                    lb_tile4_make(pg, b, h, t, words, buf.tables, mask, buf.kts, &x);
+                    lb_scores4(q, G, d, &x, ct, sn, rope_channels, srow, job->total, job->scaling);
+                } else {
+                    lb_scores_tile(q, G, d, buf.kts + h * d * LB_TILE, ct, sn, rope_channels, srow, job->total, job->scaling);
+                }
+            }
         }
     }
     free(buf.kts), free(buf.tables), free(buf.extra);
@@ -603,18 +796,34 @@ static int64_t lb_accumulate_tiles(const lb_job *job, int64_t i, int64_t t0, int
     const lb_page *pg = &job->pages[i];
     const int64_t d = pg->dim, G = job->groups, H = pg->heads, start = job->starts[i];
     const int64_t end = t0 + (t1 - t0) / LB_TILE * LB_TILE, n = H * G * d, tile_stride = H * d * LB_TILE;
-    lb_tile_buffers buf;
-    if (end == t0 || lb_tile_buffers_make(pg, LB_TILE_RUN, n * LB_TILE, &buf)) return t0;
+    const int fused = lb_fused_page(pg);
+    lb_tile_buffers buf; /* extra: the lanes, then (fused) the outliers' lane masks [run][H * dim] */
+    if (end == t0 || lb_tile_buffers_make(pg, LB_TILE_RUN, n * LB_TILE + (LB_TILE_RUN * H * d + 1) / 2, &buf)) return t0;
+    uint16_t *masks = pg->row_ptr ? (uint16_t *)(buf.extra + n * LB_TILE) : NULL;
+    uint32_t words[LB_TILE_RUN][LB_MAX_WORDS][LB_TILE];
     for (int64_t b = 0; b < pg->batch; b++) {
         lb_tile_tables(pg, b, st, &buf);
         memset(buf.extra, 0, (size_t)(n * LB_TILE) * sizeof(float));
         for (int64_t t = t0; t < end; t += LB_TILE_RUN * LB_TILE) {
             const int64_t left = (end - t) / LB_TILE;
             const int tiles = left < LB_TILE_RUN ? (int)left : LB_TILE_RUN;
-            for (int k = 0; k < tiles; k++) lb_decode_tiles(pg, b, t + k * LB_TILE, buf.tables, buf.kts + k * tile_stride);
-            for (int64_t h = 0; h < H; h++)
-                lb_accumulate_tile_run(job->p + (b * H + h) * G * job->total + start + t, G, job->total, d,
-                                       buf.kts + h * d * LB_TILE, tile_stride, buf.extra + h * G * d * LB_TILE, tiles);
+            for (int k = 0; k < tiles; k++) {
+                if (fused && masks) lb_tile_outliers(pg, b, t + k * LB_TILE, masks + k * H * d, buf.kts + k * tile_stride);
+                else if (!fused) lb_decode_tiles(pg, b, t + k * LB_TILE, buf.tables, buf.kts + k * tile_stride);
+            }
+            for (int64_t h = 0; h < H; h++) {
+                const float *prow = job->p + (b * H + h) * G * job->total + start + t;
+                float *lanes = buf.extra + h * G * d * LB_TILE;
+                if (fused) {
+                    lb_tile4 xs[LB_TILE_RUN];
+                    for (int k = 0; k < tiles; k++)
+                        lb_tile4_make(pg, b, h, t + k * LB_TILE, words[k], buf.tables, masks ? masks + k * H * d : NULL,
+                                      buf.kts + k * tile_stride, &xs[k]);
+                    lb_accumulate4(prow, G, job->total, d, xs, lanes, tiles, buf.tables != NULL, masks != NULL);
+                } else {
+                    lb_accumulate_tile_run(prow, G, job->total, d, buf.kts + h * d * LB_TILE, tile_stride, lanes, tiles);
+                }
+            }
         }
         float *acc = job->acc + b * n; /* [H][G][dim] of batch row b */
         for (int64_t j = 0; j < n; j++) acc[j] += _mm512_reduce_add_ps(_mm512_loadu_ps(buf.extra + j * LB_TILE));
