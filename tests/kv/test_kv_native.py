@@ -53,6 +53,8 @@ QUANTIZERS = {
         bits=3, per_channel=True, channel_codebooks=True, outlier_fraction=0.05
     ),
     "kvquant2 channel": lambda: _kvquant(bits=2, per_channel=True, outlier_fraction=0.0),
+    # KVQuant's keys: 4 bits, per-channel ranges, outliers beyond them (the fused 4-bit tiles)
+    "kvquant4 channel": lambda: _kvquant(bits=4, per_channel=True, outlier_fraction=0.01),
 }
 
 
@@ -99,7 +101,7 @@ def test_decoded_rows_of_codes_not_a_whole_8(bits, monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", ["int4 token", "kvquant3 token outliers", "kvquant4 rotated",
-                                  "kvquant2 channel"])  # fmt: skip
+                                  "kvquant2 channel", "kvquant4 channel"])  # fmt: skip
 def test_decoded_values_of_a_long_page(name, threads):
     """A page of 150 tokens: runs of tiles decoded together (9 tiles and a tail of 6; with two
     threads each thread's share), decoded exactly, and their weighted sums as torch's."""
@@ -215,6 +217,32 @@ def test_one_call_attention_equals_torch_path(monkeypatch, fp_dtype, mask):
     assert (got - want).abs().max() < 1e-5
     if mask is not None:
         assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_decode_streams_kept_between_steps_equal_ones_built_anew(monkeypatch):
+    """A layer's library structures are kept from step to step (the open page's token count
+    updated in place) and built anew only when a page closes: each step's attention equals, bit
+    for bit, that of structures built from nothing, across pages that close and outliers whose
+    room moves."""
+    monkeypatch.setattr(kv_cache, "PAGE_TOKENS", 8)
+    layer = kv_cache.QuantizedKVLayer(
+        QUANTIZERS["kvquant4 channel"](), QUANTIZERS["kvquant4 rotated"](), sink_tokens=1
+    )
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, H, 40, D, 2, generator=g) * 3
+    layer.store(x[:, :, :5, :, 0], x[:, :, :5, :, 1])
+    q = torch.randn(1, H * 5, 1, D, generator=g)
+    kept = rebuilt = 0
+    for t in range(5, 40):
+        layer.store(x[:, :, t : t + 1, :, 0], x[:, :, t : t + 1, :, 1])
+        before = layer.decode_streams.get("k")
+        got = decode.compiled_decode_attention(q, layer, scaling=0.125)
+        after = layer.decode_streams["k"]
+        kept, rebuilt = (kept + 1, rebuilt) if after is before else (kept, rebuilt + 1)
+        layer.decode_streams.clear()
+        assert torch.equal(got, decode.compiled_decode_attention(q, layer, scaling=0.125)), t
+    # rebuilt when a page closes (every 8 tokens) or an outliers' room moves: measured 16 of 35
+    assert kept >= 15 and rebuilt >= 5
 
 
 @pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="no AVX-512")

@@ -119,14 +119,15 @@ class _Stream:
                 self.pinned = _cat(self.pinned, values)
         if sink_room > 0:
             head, x = x[:, :, :sink_room], x[:, :, sink_room:]
-            self.sink = head if self.sink is None else torch.cat([self.sink, head], 2)
-        if x.shape[2] == 0:
+            # its own storage, not a view holding the whole prompt's keys or values alive
+            self.sink = head.contiguous() if self.sink is None else torch.cat([self.sink, head], 2)
+        if x.shape[2] == 0 or self._extend_open_page(x):
             return
         self.residual = x if self.residual is None else torch.cat([self.residual, x], 2)
         if self.quantizer is None:
             return
         group = self.quantizer.token_group
-        page = -(-PAGE_TOKENS // group) * group  # a whole number of token groups
+        page = _page_tokens(group)
         n = max(self.residual.shape[2] - self.fp_window, 0) // group * group
         if n == 0:
             return
@@ -149,6 +150,22 @@ class _Stream:
             done += take
         rest = self.residual[:, :, n:]
         self.residual = rest.contiguous() if rest.shape[2] else None
+
+    def _extend_open_page(self, x: Tensor) -> bool:
+        """A decode step's common case, what :meth:`append` would do without its residual
+        bookkeeping: nothing waiting in the residual, no fp window, and ``x`` whole token groups
+        that fit in the open page, so they extend it. False (nothing done) otherwise."""
+        q = self.quantizer
+        if q is None or self.residual is not None or self.fp_window or not self.chunks:
+            return False
+        page, last, t = _page_tokens(q.token_group), self.chunks[-1], x.shape[2]
+        if t % q.token_group or last.num_tokens + t > page:
+            return False
+        try:
+            self.chunks[-1] = q.extend(last, x, page)
+        except NotImplementedError:
+            return False
+        return True
 
     def regions(self) -> list[tuple[int, int, Tensor | PackedKV]]:
         """``(start, stop, data)`` of the sink, each packed page and the residual, in slot
@@ -257,6 +274,12 @@ class _Stream:
 PAGE_TOKENS = 1024
 
 
+def _page_tokens(token_group: int) -> int:
+    """Tokens of a page of a format that quantizes ``token_group`` tokens together: a whole
+    number of groups, at least ``PAGE_TOKENS``."""
+    return -(-PAGE_TOKENS // token_group) * token_group
+
+
 def _cat(old: Tensor | None, new: Tensor) -> Tensor:
     return new if old is None else torch.cat([old, new])
 
@@ -307,6 +330,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         #: decode attention's fp keys rotated to their positions, by first slot: (weak reference
         #: to the stored tensor, its version and last slot, the rotated keys); a sink's never change
         self.rotated_fp_keys: dict[int, tuple] = {}
+        #: decode attention's library structures of the keys and values, kept between steps
+        #: (:func:`lowbit.kv.decode._stream`)
+        self.decode_streams: dict[str, tuple] = {}
         self.length = 0
         self.keys = self.values = None
         self.is_initialized = False

@@ -230,8 +230,8 @@ def compiled_decode_attention(
         def rotated(r0: int, r1: int, data: Tensor) -> Tensor:
             return _rotated_fp_keys(layer, r0, r1, data, key_rope)
 
-    keys = _stream(regions_k, keep, rotated)
-    values = _stream(layer.v.regions(), keep)
+    keys = _stream(regions_k, keep, rotated, layer.decode_streams, "k")
+    values = _stream(layer.v.regions(), keep, None, layer.decode_streams, "v")
     if keys is None or values is None or keys[1] is not None:
         return None  # a page the kernels do not read, or keys in a rotated basis
     row = None
@@ -261,42 +261,73 @@ def _stream(
     regions: list[tuple[int, int, Tensor | PackedKV]],
     keep: list,
     rotated: Callable[[int, int, Tensor], Tensor] | None = None,
+    plans: dict | None = None,
+    name: str = "",
 ) -> tuple[native.Stream, Tensor | None] | None:
     """The keys or values of a layer (``regions``, :meth:`~lowbit.kv.cache._Stream.regions`)
     as the library's ``lb_stream``, and the rotation of its pages' stored basis (or None);
     None where a page is not one the kernels read, or the pages differ in basis. ``rotated``:
     ``(first slot, last slot + 1, fp keys) -> the keys rotated to their positions`` for
-    pre-RoPE keys. The structures and the tensors they point into are appended to ``keep``."""
-    pages, starts, dense, rotations = [], [], [], set()
-    rotation = None
+    pre-RoPE keys. The structures and the tensors they point into are appended to ``keep``.
+
+    ``plans`` (a layer's ``decode_streams``) keeps the result under ``name`` between decode
+    steps: while every region is the same object as last step, but for the open page of a
+    :class:`~lowbit.kv.kvquant.KVQuantPackedKV` room that grew in place, the kept structures are
+    reused with that page's token count updated, not described anew."""
+    parts, key = [], []
     for r0, r1, data in regions:
         if isinstance(data, Tensor):
             if rotated is not None:
                 data = rotated(r0, r1, data)
             if data.dtype not in native.FLOAT_DTYPES or data.stride(-1) != 1:
                 data = data.float().contiguous()
+            key.append((r0, r1, id(data)))
+        else:
+            room = getattr(data, "room", None)
+            key.append(
+                (r0, r1, id(data)) if room is None
+                else (r0, id(room), room.col_val.data_ptr(), room.words > 0)
+            )  # fmt: skip
+        parts.append((r0, r1, data))
+    key = tuple(key)
+    kept = None if plans is None else plans.get(name)
+    if kept is not None and kept[0] == key:
+        _, stream, rotation, page_array, room_pages, held = kept
+        for index, part in room_pages:  # the open page's tokens, written since
+            page_array[index].tokens = parts[part][2].num_tokens
+        keep.append(held)
+        return stream, rotation
+    pages, starts, dense, rotations, room_pages, held = [], [], [], set(), [], []
+    rotation = None
+    for i, (r0, r1, data) in enumerate(parts):
+        held.append(data)
+        if isinstance(data, Tensor):
             part = native.Dense(data.data_ptr(), native.FLOAT_DTYPES[data.dtype], 0, r0, r1 - r0)
             part.stride[:] = list(data.stride()[:3])
             dense.append(part)
-            keep.append(data)
             continue
         described = pages_c.page_descriptor(data)
         if described is None:
             return None
+        if getattr(data, "room", None) is not None:
+            room_pages.append((len(pages), i))
         pages.append(described[0])
         starts.append(r0)
-        keep.append(described[1])
+        held.append(described[1])
         rotation = data.rotation
         rotations.add(None if rotation is None else id(rotation))
     if len(rotations) > 1:
         return None
     page_array, start_array = pages_c.page_array(pages, starts)
     dense_array = (native.Dense * len(dense))(*dense)
-    keep += [page_array, start_array, dense_array]
+    held += [page_array, start_array, dense_array]
     stream = native.Stream(
         ctypes.cast(page_array, ctypes.c_void_p), ctypes.cast(start_array, ctypes.c_void_p),
         len(pages), ctypes.cast(dense_array, ctypes.c_void_p), len(dense),
     )  # fmt: skip
+    keep.append(held)
+    if plans is not None:
+        plans[name] = (key, stream, rotation, page_array, room_pages, held)
     return stream, rotation
 
 
