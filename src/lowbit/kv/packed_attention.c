@@ -568,12 +568,15 @@ static inline __attribute__((always_inline)) __m512 lb_tile4_value(const lb_tile
     return v;
 }
 
-/* lb_scores_tile_n on a fused tile: queries g < N of the head, keys rotated as there. */
+/* lb_scores_tile_n on a fused tile: queries g < N of the head, keys rotated as there. Two sums a
+   query (even and odd channels; with RoPE, each pair's two halves), added at the end: one chain
+   of multiply-adds a query would wait on their latency. */
 static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, int64_t d, const lb_tile4 *x,
                                                                const float *ct, const float *st, int64_t rope_channels,
                                                                float *srow, int64_t total, float scaling, const int N,
                                                                const int TABLE, const int MASKED, const int ROPE) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[4], acc2[4];
+    for (int j = 0; j < 4; j++) acc[j] = acc2[j] = _mm512_setzero_ps();
     if (ROPE) {
         const int64_t half = d / 2, second = rope_channels == d ? half : 0;
         for (int64_t i = 0; i < half; i += 8) {
@@ -588,7 +591,7 @@ static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, i
                 const __m512 r2 = _mm512_add_ps(_mm512_mul_ps(a2, c2), _mm512_mul_ps(a, s2));
                 for (int j = 0; j < N; j++) {
                     acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s]), r, acc[j]);
-                    acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s + half]), r2, acc[j]);
+                    acc2[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s + half]), r2, acc2[j]);
                 }
             }
         }
@@ -596,13 +599,18 @@ static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, i
         for (int64_t i = 0; i < d; i += 8) {
             const __m512i w = _mm512_loadu_si512(x->words + i * 2); /* word i / 8 of the 16 rows */
 #pragma GCC unroll 8
-            for (int s = 0; s < 8; s++) {
+            for (int s = 0; s < 8; s += 2) {
                 const __m512 k = lb_tile4_value(x, w, 4 * s, i + s, TABLE, MASKED);
-                for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s]), k, acc[j]);
+                const __m512 k2 = lb_tile4_value(x, w, 4 * s + 4, i + s + 1, TABLE, MASKED);
+                for (int j = 0; j < N; j++) {
+                    acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s]), k, acc[j]);
+                    acc2[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s + 1]), k2, acc2[j]);
+                }
             }
         }
     }
-    for (int j = 0; j < N; j++) _mm512_storeu_ps(srow + j * total, _mm512_mul_ps(acc[j], _mm512_set1_ps(scaling)));
+    for (int j = 0; j < N; j++)
+        _mm512_storeu_ps(srow + j * total, _mm512_mul_ps(_mm512_add_ps(acc[j], acc2[j]), _mm512_set1_ps(scaling)));
 }
 
 #define LB_SCORES4_N(T, M, R)                                                                                 \
@@ -708,7 +716,26 @@ typedef struct {
     float *scores, *acc;
     int64_t groups, total, t0, t1; /* tokens t0..t1 of the pages, counted over all of them */
     float scaling;
+    struct lb_table_cache *tables; /* the job's value tables, kept from page to page (lb_tile_tables) */
 } lb_job;
+
+/* The heads' value tables of the last page a job read: a layer's pages share their statistics
+   (KVQuant's keys: the quantizer's per-channel ranges), so they are built once a call, not once
+   a page. */
+typedef struct lb_table_cache {
+    lb_page of;    /* the page they were built for (only its statistics are compared) */
+    int64_t b;     /* its batch row; -1: none yet */
+    float *tables; /* [heads][dim][16] */
+} lb_table_cache;
+
+/* Whether pages a and b turn codes into the same values (same levels and statistics). */
+static int lb_same_stats(const lb_page *a, const lb_page *b) {
+    return a->heads == b->heads && a->dim == b->dim && a->bits == b->bits && a->levels == b->levels &&
+           a->levels_per_channel == b->levels_per_channel && a->level_bias == b->level_bias &&
+           a->token_group == b->token_group && a->channel_group == b->channel_group &&
+           !memcmp(&a->scale, &b->scale, sizeof(lb_stat)) && !memcmp(&a->zero, &b->zero, sizeof(lb_stat)) &&
+           !memcmp(&a->offset, &b->offset, sizeof(lb_stat));
+}
 
 /* Calls fn(job, page, local t0, local t1) for the part of each page inside the job's range. */
 static void lb_each_page(const lb_job *job, void (*fn)(const lb_job *, int64_t, int64_t, int64_t)) {
@@ -743,12 +770,22 @@ static int lb_tile_buffers_make(const lb_page *pg, int64_t tiles, int64_t extra,
 }
 
 /* The heads' value tables of batch row b into buf->tables (nothing for per-token statistics). */
-static void lb_tile_tables(const lb_page *pg, int64_t b, lb_stats *st, lb_tile_buffers *buf) {
+static void lb_tile_tables(const lb_page *pg, int64_t b, lb_stats *st, lb_tile_buffers *buf, lb_table_cache *cache) {
     if (!buf->tables) return;
+    const size_t bytes = (size_t)(pg->heads * pg->dim * 16) * sizeof(float);
+    if (cache && cache->tables && cache->b == b && lb_same_stats(&cache->of, pg)) {
+        memcpy(buf->tables, cache->tables, bytes);
+        return;
+    }
     for (int64_t h = 0; h < pg->heads; h++) {
         lb_load_stats(pg, b, h, 0, st);
         memcpy(buf->tables + h * pg->dim * 16, st->table16, (size_t)(pg->dim * 16) * sizeof(float));
     }
+    if (!cache) return;
+    free(cache->tables);
+    cache->tables = malloc(bytes);
+    if (cache->tables) memcpy(cache->tables, buf->tables, bytes);
+    cache->of = *pg, cache->b = b;
 }
 
 /* The whole tiles of tokens t0..t1 of page i for lb_scores_page, every batch row and head: tiles
@@ -767,7 +804,7 @@ static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t
     uint16_t *mask = pg->row_ptr ? (uint16_t *)(buf.extra + 2 * rope_channels * LB_TILE) : NULL;
     uint32_t words[LB_MAX_WORDS][LB_TILE];
     for (int64_t b = 0; b < pg->batch; b++) {
-        lb_tile_tables(pg, b, st, &buf);
+        lb_tile_tables(pg, b, st, &buf, job->tables);
         for (int64_t t = t0; t < end; t += LB_TILE) {
             if (rope) lb_rope_tile(job->rope, b, start + t, ct, sn);
             if (fused && mask) lb_tile_outliers(pg, b, t, mask, buf.kts);
@@ -802,7 +839,7 @@ static int64_t lb_accumulate_tiles(const lb_job *job, int64_t i, int64_t t0, int
     uint16_t *masks = pg->row_ptr ? (uint16_t *)(buf.extra + n * LB_TILE) : NULL;
     uint32_t words[LB_TILE_RUN][LB_MAX_WORDS][LB_TILE];
     for (int64_t b = 0; b < pg->batch; b++) {
-        lb_tile_tables(pg, b, st, &buf);
+        lb_tile_tables(pg, b, st, &buf, job->tables);
         memset(buf.extra, 0, (size_t)(n * LB_TILE) * sizeof(float));
         for (int64_t t = t0; t < end; t += LB_TILE_RUN * LB_TILE) {
             const int64_t left = (end - t) / LB_TILE;
@@ -983,8 +1020,11 @@ static void lb_run(lb_job *base, int threads, void *(*fn)(void *), float *partia
     if (n > LB_MAX_THREADS) n = LB_MAX_THREADS;
     if (n > tokens / 256) n = tokens / 256 > 0 ? tokens / 256 : 1;
     lb_job jobs[LB_MAX_THREADS];
+    lb_table_cache tables[LB_MAX_THREADS];
     for (int64_t i = 0; i < n; i++) {
         jobs[i] = *base;
+        tables[i].b = -1, tables[i].tables = NULL;
+        jobs[i].tables = &tables[i];
         jobs[i].t0 = tokens * i / n;
         jobs[i].t1 = tokens * (i + 1) / n;
         if (partials && i > 0) {
@@ -994,6 +1034,7 @@ static void lb_run(lb_job *base, int threads, void *(*fn)(void *), float *partia
     }
 #pragma omp parallel for num_threads(n) schedule(static, 1)
     for (int64_t i = 0; i < n; i++) fn(&jobs[i]);
+    for (int64_t i = 0; i < n; i++) free(tables[i].tables);
     if (partials)
         for (int64_t i = 1; i < n; i++)
             for (int64_t j = 0; j < acc_size; j++) base->acc[j] += jobs[i].acc[j];
@@ -1005,7 +1046,7 @@ static void lb_run(lb_job *base, int threads, void *(*fn)(void *), float *partia
 int lb_scores(const lb_page *pages, const int64_t *starts, int64_t n_pages, const lb_rope *rope,
               const float *q, int64_t groups, float *scores, int64_t total, float scaling, int threads) {
     if (lb_check(pages, starts, n_pages, groups, total)) return -1;
-    lb_job job = {pages, starts, n_pages, rope, q, NULL, scores, NULL, groups, total, 0, 0, scaling};
+    lb_job job = {pages, starts, n_pages, rope, q, NULL, scores, NULL, groups, total, 0, 0, scaling, NULL};
     lb_run(&job, threads, lb_scores_job, NULL, 0);
     return 0;
 }
@@ -1022,7 +1063,7 @@ int lb_accumulate(const lb_page *pages, const int64_t *starts, int64_t n_pages, 
         partials = malloc((size_t)(threads - 1) * (size_t)acc_size * sizeof(float));
         if (!partials) threads = 1;
     }
-    lb_job job = {pages, starts, n_pages, NULL, NULL, p, NULL, acc, groups, total, 0, 0, 1.0f};
+    lb_job job = {pages, starts, n_pages, NULL, NULL, p, NULL, acc, groups, total, 0, 0, 1.0f, NULL};
     lb_run(&job, threads, lb_accumulate_job, partials, acc_size);
     free(partials);
     return 0;
