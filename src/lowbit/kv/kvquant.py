@@ -623,7 +623,7 @@ class KVQuantQuantizer(KVQuantizer):
         """``page`` followed by ``x``, written in place into the page's room for ``capacity``
         tokens (made on the first extension: one copy of the page) by the compiled store; the
         joined page (:meth:`KVQuantizer.extend`) where the library cannot."""
-        b, h, t, _ = x.shape
+        t = x.shape[2]
         room = page.room if isinstance(page, KVQuantPackedKV) else None
         if room is None or not room.holds(page):
             if not isinstance(page, KVQuantPackedKV) or page.num_tokens + t > capacity:
@@ -639,11 +639,8 @@ class KVQuantQuantizer(KVQuantizer):
             room.col_val = grown
         n = room.tokens
         words = store_kvquant_tokens(
-            xf, self, room.codes[:, :, n:],
-            None if room.center is None else room.center[:, :, n:],
-            None if room.half_range is None else room.half_range[:, :, n:],
-            room.row_ptr[n * b :], room.col_val,
-        )  # fmt: skip
+            xf, self, room.codes, room.center, room.half_range, room.row_ptr, room.col_val, n
+        )
         if words is None:  # nothing of it kept: the torch quantizer says what was wrong
             return super().extend(page, x, capacity)
         room.tokens, room.words = n + t, words

@@ -227,37 +227,57 @@ def store_kvquant_tokens(
     half: Tensor | None,
     row_ptr: Tensor,
     col_val: Tensor,
+    first: int = 0,
 ) -> int | None:
     """Write KVQuant's codes of ``x`` ``[B, H, T, D]`` (as :func:`quantize_kvquant_tokens`) into
-    buffers with room for ``C >= T`` tokens a head, given from their first free token on:
-    ``codes`` ``[B, H, C, row bytes][:, :, n:]`` (contiguous at full size), ``center`` and
-    ``half`` the same of ``[B, H, C, 1]`` fp16 (per-token ranges; else None), ``row_ptr`` the CSR
-    rows from token ``n``'s first (its first entry the outliers already stored), ``col_val``
-    every word of the page with room for :func:`kvquant_words` more. Returns the outlier words
-    stored after the call, or None where the library cannot (see
-    :func:`quantize_kvquant_tokens`; then nothing written is to be trusted)."""
+    buffers with room for ``C >= first + T`` tokens a head, from token ``first`` on: ``codes``
+    ``[B, H, C, row bytes]`` (contiguous), ``center`` and ``half`` the same of ``[B, H, C, 1]``
+    fp16 (per-token ranges; else None), ``row_ptr`` ``[C * B + 1]`` the CSR rows (entry
+    ``first * B`` the outliers already stored), ``col_val`` every word of the page with room
+    for :func:`kvquant_words` more. Returns the outlier words stored after the call, or None
+    where the library cannot (see :func:`quantize_kvquant_tokens`; then nothing written is to
+    be trusted)."""
     lib = library()
-    q = quantizer
     if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    state = q._buffers  # codebook, center, half_range (direct: a module's getattr is slow)
-    codebook, center_c, half_c = state["codebook"], state["center"], state["half_range"]
-    if q.per_channel and center_c.dtype != torch.float16:
+    constants = _kvquant_constants(quantizer)
+    if constants is None:
         return None
-    if any(t.device.type != "cpu" for t in (codebook, center_c, half_c)):
-        return None  # the quantizer's state elsewhere (meta while a model is built): torch's
     b, h, t, d = x.shape
     rows = x.contiguous()
     row_bytes = codes.shape[-1]
     nnz = ctypes.c_int64(0)
-    codebook = codebook.float().contiguous()
-    stats = (center_c.contiguous(), half_c.contiguous()) if q.per_channel else None
     status = lib.lb_quantize_kvquant(
-        rows.data_ptr(), b, h, t, d, q.bits, codebook.data_ptr(), int(q.channel_codebooks),
-        stats[0].data_ptr() if stats else None, stats[1].data_ptr() if stats else None,
-        int(q.outlier_fraction > 0), 0 if q.per_channel else q.outliers_per_token,
-        codes.data_ptr(), row_bytes, None if center is None else center.data_ptr(),
-        None if half is None else half.data_ptr(), codes.stride(1) // row_bytes,
-        row_ptr.data_ptr(), col_val.data_ptr(), col_val.numel(), ctypes.byref(nnz),
+        rows.data_ptr(), b, h, t, d, *constants[0],
+        codes.data_ptr() + first * row_bytes, row_bytes,
+        None if center is None else center.data_ptr() + 2 * first,
+        None if half is None else half.data_ptr() + 2 * first, codes.shape[2],
+        row_ptr.data_ptr() + 4 * first * b, col_val.data_ptr(), col_val.numel(), ctypes.byref(nnz),
     )  # fmt: skip
     return None if status else nnz.value
+
+
+def _kvquant_constants(quantizer) -> tuple | None:
+    """``lb_quantize_kvquant``'s arguments that come from ``quantizer`` alone (bits, codebook,
+    ranges, outliers), kept on it while its state is unchanged; None where the library cannot
+    read it (state off the CPU, or ranges not in fp16)."""
+    q = quantizer
+    state = q._buffers  # codebook, center, half_range (direct: a module's getattr is slow)
+    codebook, center, half = state["codebook"], state["center"], state["half_range"]
+    key = tuple((t.data_ptr(), t._version) for t in (codebook, center, half))
+    kept = q.__dict__.get("_native_constants")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    if any(t.device.type != "cpu" for t in (codebook, center, half)):
+        return None  # the quantizer's state elsewhere (meta while a model is built): torch's
+    if q.per_channel and center.dtype != torch.float16:
+        return None
+    levels = codebook.float().contiguous()
+    stats = (center.contiguous(), half.contiguous()) if q.per_channel else None
+    arguments = (
+        q.bits, levels.data_ptr(), int(q.channel_codebooks),
+        stats[0].data_ptr() if stats else None, stats[1].data_ptr() if stats else None,
+        int(q.outlier_fraction > 0), 0 if q.per_channel else q.outliers_per_token,
+    )  # fmt: skip
+    q.__dict__["_native_constants"] = (key, (arguments, levels, stats))
+    return arguments, levels, stats
