@@ -50,6 +50,18 @@ def test_sinks_packed_chunks_and_residual():
     assert layer.get_mask_sizes(3) == (23, 0)
 
 
+def test_sinks_hold_their_own_storage_not_the_prompts():
+    """A sink is a copy of its tokens: not a view that keeps the whole prompt's keys and values
+    (as converted to the residual dtype) alive for the cache's lifetime."""
+    layer = QuantizedKVLayer(
+        IntTokenQuantizer(4), IntTokenQuantizer(4), sink_tokens=1, residual_dtype=torch.float16
+    )
+    k, v = _kv(1, 64)
+    layer.store(k, v)
+    for sink in (layer.k.sink, layer.v.sink):
+        assert sink.untyped_storage().nbytes() == sink.numel() * sink.element_size()  # 64 B, not 4 KB
+
+
 def test_sinks_follow_positions_under_left_padding():
     layer = QuantizedKVLayer(IntTokenQuantizer(2), IntTokenQuantizer(2), sink_tokens=1)
     k, v = _kv(2, 6)

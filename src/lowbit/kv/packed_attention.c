@@ -281,7 +281,10 @@ static float lb_dot(const float *a, const float *b, int64_t d) {
    positions (from the tables in blocks of 16 positions: two loads and a permute when the
    positions run consecutively, else gathers), and a score vector is the sum over channels of
    q_d times the 16 tokens' k_d; values add p(token) v_d(token) into 16-lane accumulators,
-   summed across the lanes once a batch row. */
+   summed across the lanes once a batch row. 4-bit pages whose dim is a multiple of 16 (the
+   usual case: KVQuant 4, kv-int 4) skip the decoded tile in memory: each channel's values go
+   from the permute into the multiply-adds, and the outliers are blended in by masked loads
+   (lb_tile4). The value tables are built once a call for the pages that share them. */
 #if defined(__AVX512F__)
 #include <immintrin.h> /* again: F16C may be absent */
 #define LB_TILE 16
