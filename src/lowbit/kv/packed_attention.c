@@ -731,6 +731,7 @@ typedef struct lb_table_cache {
     float *tables; /* [heads][dim][16] */
 } lb_table_cache;
 
+#if LB_TILE
 /* Whether pages a and b turn codes into the same values (same levels and statistics). */
 static int lb_same_stats(const lb_page *a, const lb_page *b) {
     return a->heads == b->heads && a->dim == b->dim && a->bits == b->bits && a->levels == b->levels &&
@@ -739,6 +740,7 @@ static int lb_same_stats(const lb_page *a, const lb_page *b) {
            !memcmp(&a->scale, &b->scale, sizeof(lb_stat)) && !memcmp(&a->zero, &b->zero, sizeof(lb_stat)) &&
            !memcmp(&a->offset, &b->offset, sizeof(lb_stat));
 }
+#endif
 
 /* Calls fn(job, page, local t0, local t1) for the part of each page inside the job's range. */
 static void lb_each_page(const lb_job *job, void (*fn)(const lb_job *, int64_t, int64_t, int64_t)) {
