@@ -16,8 +16,9 @@ float row by default).
 Columns: the median decode step in ms and decode tokens/s (1 / median step, batch 1), the
 ratio to the first row's tokens/s, the cache's bytes measured from its stored tensors (lowbit:
 ``QuantizedKVCache.nbytes``, sinks and fp residual in float16; float: every key and value
-tensor), and the peak resident memory above what was resident before the row's prefill
-(sampled every 20 ms: prefill and its first decode step).
+tensor), the seconds of the row's real prefill (chunks of ``--chunk`` tokens), and the peak
+resident memory above what was resident before the row's prefill (sampled every 20 ms: prefill
+and its first decode step).
 
 ``kvquant`` rows calibrate on ``--calib-tokens`` tokens of WikiText-2's test text from character
 800,000 on, far past the prompts (speed does not depend on the codebook; accuracy is
@@ -297,9 +298,11 @@ def main() -> None:
         if caches is None or not args.replicate_from:  # a real prefill (once when replicating)
             prompt = _tokens(tokenizer, real)
             caches, nxt, info = prefill_rows(models, prompt, args.chunk)
-            measured = {name: f"{i['peak_mb']:.0f}" for name, i in info.items()}
+            measured = {
+                n: [f"{i['prefill_s']:.1f}", f"{i['peak_mb']:.0f}"] for n, i in info.items()
+            }
         else:
-            measured = dict.fromkeys(models, "")
+            measured = {name: ["", ""] for name in models}
         for name in models:
             if caches[name].get_seq_length() < context:
                 grow(caches[name], context)
@@ -313,11 +316,11 @@ def main() -> None:
                 [f"{context:,}", contents, name, args.dtype, f"{step[name] * 1e3:,.0f}",
                  f"{1 / step[name]:.3g}",
                  f"{step[base] / step[name]:.2f}", f"{nbytes / 1e6:.1f}",
-                 f"{nbytes / base_bytes:.3f}", measured[name]]
+                 f"{nbytes / base_bytes:.3f}", *measured[name]]
             )  # fmt: skip
             print(rows[-1], flush=True)
     header = ["context", "contents", "KV cache", "dtype", "ms a step", "decode tok/s", "× float",
-              "cache MB", "× float bytes", "prefill peak MB above model"]  # fmt: skip
+              "cache MB", "× float bytes", "prefill s", "prefill peak MB above model"]  # fmt: skip
     lines.append(markdown_table(header, rows))
     if args.llama_cpp:
         lines += ["", llama_cpp_table(args.llama_cpp, contexts, tokenizer, args.steps, threads)]

@@ -8,7 +8,9 @@ true positions, takes the scores, and merges them into a running max, sum and we
 sum (Dao et al.'s online softmax). The work per step is one pass over the stored codes; the
 float memory is one chunk's. A decode step (one query per row) goes first to
 :func:`compiled_decode_attention`, the same computation in compiled C (:mod:`lowbit.kv.native`)
-for the formats it reads.
+for the formats it reads. A prefill step (several queries per row) whose layer K/V take at most
+``DENSE_PREFILL_BYTES`` in float32 reads them dequantized whole, by torch's fused attention
+(:func:`_dense_attention`): one layer's float K/V at a time, never the whole model's cache.
 
 Decisions:
 
@@ -47,6 +49,9 @@ __all__ = ["chunked_attention", "compiled_decode_attention", "RopeTable"]
 
 #: most score elements of one chunk (4 M fp32: 16 MB) when many queries come at once
 SCORE_ELEMENTS = 1 << 22
+#: most float32 bytes of a layer's keys and values read whole by a prefill step (torch's fused
+#: attention over them); beyond it the step goes chunk by chunk
+DENSE_PREFILL_BYTES = 64 << 20
 
 
 class RopeTable:
@@ -114,7 +119,9 @@ def chunked_attention(
     """Attention of queries over every token ``layer`` holds, the new ones included.
 
     A decode step (one query per row) goes to :func:`compiled_decode_attention` when it can
-    read the layer's pages; everything else is computed here, chunk by chunk, in torch.
+    read the layer's pages, a prefill step to :func:`_dense_attention` when the layer's K/V
+    are small enough to read whole; everything else is computed here, chunk by chunk, in torch
+    (and any call that gives ``max_tokens``).
 
     Args:
         q: ``[B, H_q, S, D]`` queries, ready for ``q kᵀ`` (RoPE, Hadamard, query quantizer done).
@@ -137,6 +144,10 @@ def chunked_attention(
         out = compiled_decode_attention(
             q, layer, scaling=scaling, mask=mask, key_rope=key_rope, rope_table=rope_table
         )
+        if out is not None:
+            return out
+    if s > 1 and max_tokens is None:
+        out = _dense_attention(q, layer, scaling=scaling, mask=mask, key_rope=key_rope)
         if out is not None:
             return out
     total = layer.length
@@ -178,6 +189,42 @@ def chunked_attention(
         out = part if out is None else out + part
     out = out / torch.where(l == 0, torch.ones_like(l), l)  # [B, Hkv, G*S, D]
     return out.view(b, hq, s, d).transpose(1, 2).to(q.dtype)  # [B, S, H_q, D]
+
+
+def _dense_attention(
+    q: Tensor,
+    layer: QuantizedKVLayer,
+    *,
+    scaling: float,
+    mask: Tensor | None,
+    key_rope: Callable[[Tensor, Tensor], Tensor] | None,
+) -> Tensor | None:
+    """Attention of several queries a row (a prefill chunk) over the layer's keys and values
+    dequantized whole, in float32, by torch's fused attention: the chunked path's per-chunk
+    scores, exponentials and merges cost several times the float cache's attention on a long
+    prompt. None where they would take more than ``DENSE_PREFILL_BYTES`` (then chunk by chunk,
+    so a prefill's float memory stays one layer's bounded share). Arguments and result as for
+    :func:`chunked_attention`; a query row that may see nothing gets zeros, as there."""
+    b, hq, s, d = q.shape
+    total = layer.length
+    hkv = layer.k.regions()[0][2].shape[1]
+    if 2 * b * hkv * total * d * 4 > DENSE_PREFILL_BYTES:
+        return None
+    keys, values = layer.k.full(torch.float32), layer.v.full(torch.float32)  # [B, Hkv, T, D]
+    if key_rope is not None:
+        keys = key_rope(keys, layer.positions())
+    if mask is None:  # the queries are the last S slots; query i sees slots <= T - S + i
+        slots = torch.arange(total, device=q.device)
+        allowed = slots[None, :] <= (total - s) + torch.arange(s, device=q.device)[:, None]
+    else:
+        allowed = mask[..., :total]  # [B or 1, 1, S, T]
+        allowed = allowed.float() if allowed.dtype != torch.bool else allowed
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys, values, attn_mask=allowed, scale=scaling, enable_gqa=hq != hkv
+    )  # [B, H_q, S, D]
+    seen = allowed if allowed.dtype == torch.bool else allowed > float("-inf")
+    out = torch.where(seen.any(-1, keepdim=True), out, 0.0)  # not SDPA's NaN for such rows
+    return out.transpose(1, 2).to(q.dtype)  # [B, S, H_q, D]
 
 
 def compiled_decode_attention(
