@@ -283,10 +283,19 @@ def main() -> None:
         help="llama.cpp K/V cache types to time on the embedded GGUF (f16, q8_0, q4_0, ...): "
         "a second table, ratios to the first one named",
     )  # fmt: skip
+    parser.add_argument(
+        "--chunked-prefill", action="store_true",
+        help="every prefill step reads the cache chunk by chunk (the road past "
+        "lowbit.kv.decode.DENSE_PREFILL_BYTES), not the layer whole",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
+    if args.chunked_prefill:
+        from lowbit.kv import decode
+
+        decode.DENSE_PREFILL_BYTES = 0
     torch.set_num_threads(args.threads or torch.get_num_threads())
     threads = torch.get_num_threads()
     lines = [stamp(command_line()), ""]  # after the threads are set: the stamp names them
