@@ -264,12 +264,12 @@ def _kvquant_constants(quantizer) -> tuple | None:
     q = quantizer
     state = q._buffers  # codebook, center, half_range (direct: a module's getattr is slow)
     codebook, center, half = state["codebook"], state["center"], state["half_range"]
+    if any(t.device.type != "cpu" for t in (codebook, center, half)):
+        return None  # the quantizer's state elsewhere (meta while a model is built): torch's
     key = tuple((t.data_ptr(), t._version) for t in (codebook, center, half))
     kept = q.__dict__.get("_native_constants")
     if kept is not None and kept[0] == key:
         return kept[1]
-    if any(t.device.type != "cpu" for t in (codebook, center, half)):
-        return None  # the quantizer's state elsewhere (meta while a model is built): torch's
     if q.per_channel and center.dtype != torch.float16:
         return None
     levels = codebook.float().contiguous()

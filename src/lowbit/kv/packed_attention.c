@@ -571,9 +571,8 @@ static inline __attribute__((always_inline)) __m512 lb_tile4_value(const lb_tile
     return v;
 }
 
-/* lb_scores_tile_n on a fused tile: queries g < N of the head, keys rotated as there. Two sums a
-   query (even and odd channels; with RoPE, each pair's two halves), added at the end: one chain
-   of multiply-adds a query would wait on their latency. */
+/* lb_scores_tile_n on a fused tile: queries g < N of the head, keys rotated as there; two sums a
+   query (even and odd channels; with RoPE, each pair's two halves), added at the end. */
 static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, int64_t d, const lb_tile4 *x,
                                                                const float *ct, const float *st, int64_t rope_channels,
                                                                float *srow, int64_t total, float scaling, const int N,
