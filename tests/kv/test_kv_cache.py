@@ -58,8 +58,8 @@ def test_sinks_hold_their_own_storage_not_the_prompts():
     )
     k, v = _kv(1, 64)
     layer.store(k, v)
-    for sink in (layer.k.sink, layer.v.sink):
-        assert sink.untyped_storage().nbytes() == sink.numel() * sink.element_size()  # 64 B, not 4 KB
+    for sink in (layer.k.sink, layer.v.sink):  # 64 bytes of storage, not the prompt's 4 KB
+        assert sink.untyped_storage().nbytes() == sink.numel() * sink.element_size()
 
 
 def test_sinks_follow_positions_under_left_padding():
