@@ -219,15 +219,15 @@ def test_one_call_attention_equals_torch_path(monkeypatch, fp_dtype, mask):
         assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
-def test_decode_streams_kept_between_steps_equal_ones_built_anew(monkeypatch):
+@pytest.mark.parametrize("key, value", [("kvquant4 channel", "kvquant4 rotated"),
+                                        ("int4 token", "int4 token g16")])  # fmt: skip
+def test_decode_streams_kept_between_steps_equal_ones_built_anew(monkeypatch, key, value):
     """A layer's library structures are kept from step to step (the open page's token count
     updated in place) and built anew only when a page closes: each step's attention equals, bit
     for bit, that of structures built from nothing, across pages that close and outliers whose
     room moves."""
     monkeypatch.setattr(kv_cache, "PAGE_TOKENS", 8)
-    layer = kv_cache.QuantizedKVLayer(
-        QUANTIZERS["kvquant4 channel"](), QUANTIZERS["kvquant4 rotated"](), sink_tokens=1
-    )
+    layer = kv_cache.QuantizedKVLayer(QUANTIZERS[key](), QUANTIZERS[value](), sink_tokens=1)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(1, H, 40, D, 2, generator=g) * 3
     layer.store(x[:, :, :5, :, 0], x[:, :, :5, :, 1])
@@ -506,13 +506,23 @@ def test_compiled_kvquant_store_equals_torch_quantizer(monkeypatch, name, tokens
         assert torch.equal(compiled.stored_tensors()[field], tensor), field
 
 
-@pytest.mark.parametrize("name", list(KVQUANT_STORES))
-def test_kvquant_page_extended_in_place_equals_one_quantized_run(name):
+#: formats whose open page is written in place: KVQuant's room (CSR outliers) and the per-token
+#: integer formats' TokenRoom
+ROOM_FORMATS = {
+    **KVQUANT_STORES,
+    **{name: QUANTIZERS[name] for name in QUANTIZERS if name.startswith("int") and "token" in name},
+    "int2 symmetric": QUANTIZERS["int2 symmetric"],
+    "int5 fp16 min": QUANTIZERS["int5 fp16 min"],
+}
+
+
+@pytest.mark.parametrize("name", list(ROOM_FORMATS))
+def test_page_extended_in_place_equals_one_quantized_run(name):
     """A decode step's open page: tokens written in place into the page's room (outliers' room
     doubled as it fills) give the same stored bits as quantizing every token at once; the pages
     of earlier steps keep their bits; extending one of them (a stale view) copies it first, and
     a page at its capacity is joined instead."""
-    quantizer = KVQUANT_STORES[name]()
+    quantizer = ROOM_FORMATS[name]()
     g = torch.Generator().manual_seed(8)
     x = torch.randn(B, H, 30, D, generator=g) * torch.rand(1, 1, 30, D, generator=g) * 4
     page = quantizer.quantize(x[:, :, :3])
@@ -530,6 +540,9 @@ def test_kvquant_page_extended_in_place_equals_one_quantized_run(name):
 
     assert_stores(page, x)
     assert_stores(pages[8], x[:, :, :8])  # an earlier step's page, unchanged
+    # and described as anew: the room's descriptor with the page's tokens
+    got, want = page_descriptors.page_descriptor(pages[12]), page_descriptors._describe(pages[12])
+    assert bytes(got[0]) == bytes(want[0])
     # a stale view: copied, not written over
     branch = quantizer.extend(pages[8], x[:, :, 25:26], 32)
     assert branch.room is not page.room

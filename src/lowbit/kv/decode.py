@@ -318,9 +318,9 @@ def _stream(
     pre-RoPE keys. The structures and the tensors they point into are appended to ``keep``.
 
     ``plans`` (a layer's ``decode_streams``) keeps the result under ``name`` between decode
-    steps: while every region is the same object as last step, but for the open page of a
-    :class:`~lowbit.kv.kvquant.KVQuantPackedKV` room that grew in place, the kept structures are
-    reused with that page's token count updated, not described anew."""
+    steps: while every region is the same object as last step, but for the open page of a room
+    that grew in place (same buffers), the kept structures are reused with that page's token
+    count updated, not described anew."""
     parts, key = [], []
     for r0, r1, data in regions:
         if isinstance(data, Tensor):
@@ -330,11 +330,8 @@ def _stream(
                 data = data.float().contiguous()
             key.append((r0, r1, id(data)))
         else:
-            room = getattr(data, "room", None)
-            key.append(
-                (r0, r1, id(data)) if room is None
-                else (r0, id(room), room.col_val.data_ptr(), room.words > 0)
-            )  # fmt: skip
+            room = data.room
+            key.append((r0, r1, id(data)) if room is None else (r0, id(room), pages_c.layout(data)))
         parts.append((r0, r1, data))
     key = tuple(key)
     kept = None if plans is None else plans.get(name)
@@ -356,7 +353,7 @@ def _stream(
         described = pages_c.page_descriptor(data)
         if described is None:
             return None
-        if getattr(data, "room", None) is not None:
+        if data.room is not None:
             room_pages.append((len(pages), i))
         pages.append(described[0])
         starts.append(r0)

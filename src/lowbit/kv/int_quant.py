@@ -28,7 +28,13 @@ from lowbit.errors import LowbitError
 from lowbit.formats.intq import int_quantize_with, int_scale_zero
 from lowbit.formats.packing import pack_bits, packed_words_per_row, unpack_bits
 from lowbit.kv.native import quantize_int_tokens
-from lowbit.kv.quantizer import KVQuantizer, PackedKV, check_kv, register_kv_quantizer
+from lowbit.kv.quantizer import (
+    KVQuantizer,
+    PackedKV,
+    TokenRoom,
+    check_kv,
+    register_kv_quantizer,
+)
 
 __all__ = ["IntPackedKV", "IntTokenQuantizer", "IntChannelQuantizer"]
 
@@ -224,6 +230,19 @@ class IntTokenQuantizer(_IntKVQuantizer):
 
     def _groups(self, head_dim: int) -> tuple[int, int]:
         return 1, self.group_size or head_dim
+
+    def extend(self, page: PackedKV, x: Tensor, capacity: int) -> PackedKV:
+        """``page`` followed by ``x``: the new tokens quantized and copied into the page's
+        :class:`~lowbit.kv.quantizer.TokenRoom` for ``capacity`` tokens (made on the first
+        extension: one copy of the page), every stored tensor being one row a token; joined
+        (:meth:`KVQuantizer.extend`) where they do not fit."""
+        room = page.room
+        if not isinstance(room, TokenRoom) or not room.holds(page):
+            if page.num_tokens + x.shape[2] > capacity or not TokenRoom.takes(page):
+                return super().extend(page, x, capacity)
+            room = TokenRoom(page, capacity)
+        part = self.quantize(x)
+        return room.page(page) if room.write(part) else type(page).concat([page, part])
 
     def settings(self) -> dict[str, Any]:
         return dict(

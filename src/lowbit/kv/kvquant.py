@@ -198,7 +198,6 @@ class KVQuantPackedKV(PackedKV):
     row_ptr: Tensor | None = None
     col_val: Tensor | None = None
     quantizer: Any = None
-    room: _PageRoom | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def _outliers(self) -> tuple[Tensor, Tensor, Tensor]:
         """(row, channel, fp32 value) of every stored outlier."""

@@ -52,7 +52,7 @@ def page_descriptor(page: PackedKV) -> tuple[native.Page, list[Tensor]] | None:
     entry = _described.get(key)
     if entry is not None and entry[0]() is page:
         return entry[1], entry[2]
-    room = getattr(page, "room", None)
+    room = page.room
     described = _describe(page) if room is None else _room_page(page, room)
     if described is not None:
         _remember(_described, key, page, described)
@@ -69,22 +69,28 @@ def _remember(table: dict, key: int, owner, value: tuple) -> None:
     table[key] = (weakref.ref(owner, forget), *value)
 
 
-#: id of an open page's room (KVQuant) -> (weak reference to it, the descriptor of one of its
-#: pages, the tensors it points into, where the outlier words were then)
+#: id of an open page's room -> (weak reference to it, the descriptor of one of its pages, the
+#: tensors it points into, that page's layout)
 _rooms: dict[int, tuple] = {}
 
 
+def layout(page: PackedKV) -> tuple:
+    """What a page's descriptor holds besides its token count: where each stored tensor starts
+    and whether it is empty. The pages of one room share it until the room's buffers move (the
+    outliers' room doubling) or the first outliers come."""
+    return tuple((t.data_ptr(), t.numel() > 0) for t in page.stored_tensors().values())
+
+
 def _room_page(page: PackedKV, room) -> tuple[native.Page, list[Tensor]] | None:
-    """A page of an open page's room: every pointer is the room's buffers', so the room's
-    descriptor is copied with this page's token count (described anew only when the outliers'
-    room moved or the first outliers came)."""
-    words = (page.col_val.data_ptr(), page.col_val.numel() > 0)
+    """A page of an open page's room: the room's descriptor copied with this page's token
+    count, described anew when the page's layout is not the described one."""
+    shape = layout(page)
     entry = _rooms.get(id(room))
-    if entry is None or entry[0]() is not room or entry[3] != words:
+    if entry is None or entry[0]() is not room or entry[3] != shape:
         described = _describe(page)
         if described is None:
             return None
-        _remember(_rooms, id(room), room, (*described, words))
+        _remember(_rooms, id(room), room, (*described, shape))
         entry = _rooms[id(room)]
     desc = native.Page.from_buffer_copy(entry[1])
     desc.tokens = page.num_tokens

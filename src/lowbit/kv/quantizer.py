@@ -68,6 +68,10 @@ class PackedKV:
 
     shape: torch.Size  # [B, H_kv, T, D] of the original tensor
     dtype: torch.dtype  # dtype ``dequantize()`` returns by default
+    #: the open page's buffers these tensors are views of, where the next tokens are written in
+    #: place (:meth:`KVQuantizer.extend`); None for every other page (a cut, a join or a batch
+    #: selection makes one)
+    room: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The values, ``[B, H_kv, T, D]`` in ``dtype`` (default: the quantized input's)."""
@@ -94,7 +98,8 @@ class PackedKV:
         picked = {
             k: t.index_select(0, index.to(t.device)) for k, t in self.stored_tensors().items()
         }
-        return dataclasses.replace(self, shape=torch.Size((len(index), *self.shape[1:])), **picked)
+        shape = torch.Size((len(index), *self.shape[1:]))
+        return dataclasses.replace(self, shape=shape, room=None, **picked)
 
     def head(self, tokens: int) -> PackedKV:
         """The first ``tokens`` tokens (a multiple of the format's token group): each stored
@@ -104,7 +109,7 @@ class PackedKV:
             raise LowbitError(f"cannot keep {tokens} of {n} tokens")
         cut = {k: t[:, :, : tokens * t.shape[2] // n] for k, t in self.stored_tensors().items()}
         shape = torch.Size((*self.shape[:2], tokens, self.shape[3]))
-        return dataclasses.replace(self, shape=shape, **cut)
+        return dataclasses.replace(self, shape=shape, room=None, **cut)
 
     @property
     def token_stride(self) -> int:
@@ -130,7 +135,7 @@ class PackedKV:
             for k, t in self.stored_tensors().items()
         }
         shape = torch.Size((*self.shape[:2], stop - start, self.shape[3]))
-        return dataclasses.replace(self, shape=shape, **cut)
+        return dataclasses.replace(self, shape=shape, room=None, **cut)
 
     def dequantize_tokens(
         self, start: int, stop: int, dtype: torch.dtype, *, rotate_back: bool = True
@@ -159,7 +164,55 @@ class PackedKV:
         }
         tokens = sum(p.num_tokens for p in parts)
         shape = torch.Size((first.shape[0], first.shape[1], tokens, first.shape[3]))
-        return dataclasses.replace(first, shape=shape, **joined)
+        return dataclasses.replace(first, shape=shape, room=None, **joined)
+
+
+class TokenRoom:
+    """An open page's buffers with room for ``capacity`` tokens, for formats that store one row
+    a token in every tensor (axis 2): new tokens are copied in (a decode step copies a token,
+    not the page), and the pages made from it are views of its first ``tokens``, which later
+    writes never touch."""
+
+    def __init__(self, page: PackedKV, capacity: int) -> None:
+        self.buffers: dict[str, Tensor] = {}  # name -> [B, H, capacity, ...]
+        for name, t in page.stored_tensors().items():
+            self.buffers[name] = t.new_empty(*t.shape[:2], capacity, *t.shape[3:])
+            self.buffers[name][:, :, : t.shape[2]] = t
+        self.tokens = page.num_tokens
+
+    @staticmethod
+    def takes(page: PackedKV) -> bool:
+        """Whether every stored tensor of ``page`` holds one row a token."""
+        return all(t.shape[2] == page.num_tokens for t in page.stored_tensors().values())
+
+    def holds(self, page: PackedKV) -> bool:
+        """``page`` is this room's latest view (so tokens may be written after it)."""
+        ours = self.buffers.get("codes")
+        theirs = page.stored_tensors().get("codes")
+        return (
+            page.num_tokens == self.tokens
+            and ours is not None and theirs is not None
+            and theirs.data_ptr() == ours.data_ptr() and theirs.shape[0] == ours.shape[0]
+        )  # fmt: skip
+
+    def write(self, part: PackedKV) -> bool:
+        """Copy ``part``'s tokens in after the room's; False (nothing written) where they do
+        not fit or ``part`` stores other tensors."""
+        tensors, n, t = part.stored_tensors(), self.tokens, part.num_tokens
+        fits = n + t <= next(iter(self.buffers.values())).shape[2]
+        if not fits or tensors.keys() != self.buffers.keys():
+            return False
+        for name, tensor in tensors.items():
+            self.buffers[name][:, :, n : n + t] = tensor
+        self.tokens = n + t
+        return True
+
+    def page(self, like: PackedKV) -> PackedKV:
+        """The tokens written so far as a page (views), with ``like``'s settings."""
+        n = self.tokens
+        views = {name: t[:, :, :n] for name, t in self.buffers.items()}
+        shape = torch.Size((*like.shape[:2], n, like.shape[3]))
+        return dataclasses.replace(like, shape=shape, room=self, **views)
 
 
 #: every KV quantizer class by ``kind``
