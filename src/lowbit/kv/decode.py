@@ -330,8 +330,8 @@ def _stream(
                 data = data.float().contiguous()
             key.append((r0, r1, id(data)))
         else:
-            room = data.room
-            key.append((r0, r1, id(data)) if room is None else (r0, id(room), pages_c.layout(data)))
+            room = data.room  # the open page (and full ones) of a room: the room's layout
+            key.append((r0, r1, id(data)) if room is None else (r0, id(room), room.layout()))
         parts.append((r0, r1, data))
     key = tuple(key)
     kept = None if plans is None else plans.get(name)

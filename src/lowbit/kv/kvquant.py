@@ -151,6 +151,11 @@ class _PageRoom:
         return cls(room(page.codes), room(page.center), room(page.half_range), row_ptr, col_val,
                    t, words)  # fmt: skip
 
+    def layout(self) -> tuple:
+        """What its latest page's descriptor holds besides the token count and buffers that
+        never move: where the outliers' words are, and whether there are any yet."""
+        return self.col_val.data_ptr(), self.words > 0
+
     def holds(self, page: KVQuantPackedKV) -> bool:
         """``page`` is this room's latest view (so tokens may be written after it)."""
         return (

@@ -74,7 +74,7 @@ def _remember(table: dict, key: int, owner, value: tuple) -> None:
 _rooms: dict[int, tuple] = {}
 
 
-def layout(page: PackedKV) -> tuple:
+def _layout(page: PackedKV) -> tuple:
     """What a page's descriptor holds besides its token count: where each stored tensor starts
     and whether it is empty. The pages of one room share it until the room's buffers move (the
     outliers' room doubling) or the first outliers come."""
@@ -84,7 +84,7 @@ def layout(page: PackedKV) -> tuple:
 def _room_page(page: PackedKV, room) -> tuple[native.Page, list[Tensor]] | None:
     """A page of an open page's room: the room's descriptor copied with this page's token
     count, described anew when the page's layout is not the described one."""
-    shape = layout(page)
+    shape = _layout(page)
     entry = _rooms.get(id(room))
     if entry is None or entry[0]() is not room or entry[3] != shape:
         described = _describe(page)

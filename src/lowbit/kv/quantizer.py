@@ -185,6 +185,11 @@ class TokenRoom:
         """Whether every stored tensor of ``page`` holds one row a token."""
         return all(t.shape[2] == page.num_tokens for t in page.stored_tensors().values())
 
+    def layout(self) -> tuple:
+        """What its pages' descriptors hold besides the token count: nothing, the buffers
+        never move."""
+        return ()
+
     def holds(self, page: PackedKV) -> bool:
         """``page`` is this room's latest view (so tokens may be written after it)."""
         ours = self.buffers.get("codes")
