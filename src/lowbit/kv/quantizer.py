@@ -49,6 +49,7 @@ from lowbit.settings import check_fields, field_annotations
 
 __all__ = [
     "PackedKV",
+    "TokenRoom",
     "KVQuantizer",
     "register_kv_quantizer",
     "kv_quantizer_from_dict",
