@@ -121,13 +121,13 @@ class _Stream:
             head, x = x[:, :, :sink_room], x[:, :, sink_room:]
             # its own storage, not a view holding the whole prompt's keys or values alive
             self.sink = head.contiguous() if self.sink is None else torch.cat([self.sink, head], 2)
-        if x.shape[2] == 0 or self._extend_open_page(x):
+        if x.shape[2] == 0:
             return
         self.residual = x if self.residual is None else torch.cat([self.residual, x], 2)
         if self.quantizer is None:
             return
         group = self.quantizer.token_group
-        page = _page_tokens(group)
+        page = -(-PAGE_TOKENS // group) * group  # a whole number of token groups
         n = max(self.residual.shape[2] - self.fp_window, 0) // group * group
         if n == 0:
             return
@@ -138,7 +138,8 @@ class _Stream:
             if room <= 0:
                 last, room = None, page
             take = min(n - done, room)
-            tokens = self.residual[:, :, done : done + take]
+            whole = take == self.residual.shape[2]  # a decode step's one token: no view to cut
+            tokens = self.residual if whole else self.residual[:, :, done : done + take]
             packed = None
             if last is not None:
                 try:  # O(page) per step at most, never O(cache)
@@ -148,24 +149,8 @@ class _Stream:
                     pass  # a format that cannot join its chunks keeps small pages
             self.chunks.append(packed if packed is not None else self.quantizer.quantize(tokens))
             done += take
-        rest = self.residual[:, :, n:]
-        self.residual = rest.contiguous() if rest.shape[2] else None
-
-    def _extend_open_page(self, x: Tensor) -> bool:
-        """A decode step's common case, what :meth:`append` would do without its residual
-        bookkeeping: nothing waiting in the residual, no fp window, and ``x`` whole token groups
-        that fit in the open page, so they extend it. False (nothing done) otherwise."""
-        q = self.quantizer
-        if q is None or self.residual is not None or self.fp_window or not self.chunks:
-            return False
-        page, last, t = _page_tokens(q.token_group), self.chunks[-1], x.shape[2]
-        if t % q.token_group or last.num_tokens + t > page:
-            return False
-        try:
-            self.chunks[-1] = q.extend(last, x, page)
-        except NotImplementedError:
-            return False
-        return True
+        rest = None if n == self.residual.shape[2] else self.residual[:, :, n:]
+        self.residual = rest.contiguous() if rest is not None else None
 
     def regions(self) -> list[tuple[int, int, Tensor | PackedKV]]:
         """``(start, stop, data)`` of the sink, each packed page and the residual, in slot
@@ -272,12 +257,6 @@ class _Stream:
 #: tokens per packed page: storage grows a page at a time, and chunked attention decodes one
 #: page (or less) at a time
 PAGE_TOKENS = 1024
-
-
-def _page_tokens(token_group: int) -> int:
-    """Tokens of a page of a format that quantizes ``token_group`` tokens together: a whole
-    number of groups, at least ``PAGE_TOKENS``."""
-    return -(-PAGE_TOKENS // token_group) * token_group
 
 
 def _cat(old: Tensor | None, new: Tensor) -> Tensor:
