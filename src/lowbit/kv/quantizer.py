@@ -175,6 +175,7 @@ class TokenRoom:
     writes never touch."""
 
     def __init__(self, page: PackedKV, capacity: int) -> None:
+        self.capacity = capacity
         self.buffers: dict[str, Tensor] = {}  # name -> [B, H, capacity, ...]
         for name, t in page.stored_tensors().items():
             self.buffers[name] = t.new_empty(*t.shape[:2], capacity, *t.shape[3:])
@@ -193,8 +194,7 @@ class TokenRoom:
 
     def holds(self, page: PackedKV) -> bool:
         """``page`` is this room's latest view (so tokens may be written after it)."""
-        ours = self.buffers.get("codes")
-        theirs = page.stored_tensors().get("codes")
+        ours, theirs = self.buffers.get("codes"), getattr(page, "codes", None)
         return (
             page.num_tokens == self.tokens
             and ours is not None and theirs is not None
@@ -205,8 +205,7 @@ class TokenRoom:
         """Copy ``part``'s tokens in after the room's; False (nothing written) where they do
         not fit or ``part`` stores other tensors."""
         tensors, n, t = part.stored_tensors(), self.tokens, part.num_tokens
-        fits = n + t <= next(iter(self.buffers.values())).shape[2]
-        if not fits or tensors.keys() != self.buffers.keys():
+        if n + t > self.capacity or tensors.keys() != self.buffers.keys():
             return False
         for name, tensor in tensors.items():
             self.buffers[name][:, :, n : n + t] = tensor
