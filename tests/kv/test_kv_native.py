@@ -6,6 +6,7 @@ back to the torch path."""
 import copy
 import ctypes
 import shutil
+import sys
 
 import pytest
 import torch
@@ -146,7 +147,7 @@ ROPES = [
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_scores_and_sums_match_torch(name, pre_rope):
     lib = native.library()
-    pages = _pages(name)
+    pages = _pages(name, D)
     keys = _stored(pages)  # [B, H, T, D]
     g = torch.Generator().manual_seed(2)
     q = torch.randn(B, H, 5, D, generator=g)  # 5 query heads per KV head: 4 at once, then 1
@@ -180,6 +181,18 @@ def test_scores_and_sums_match_torch(name, pre_rope):
     _call(lib.lb_accumulate, pages, p.data_ptr(), 5, T, acc.data_ptr(), 2)
     expected = p @ keys if not pre_rope else p @ _stored(pages)
     assert (acc - expected).abs().max() < 1e-5 * expected.abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize(
+    "name", ["int4 token", "int2 symmetric", "kvquant4 rotated", "kvquant4 channel"]
+)
+def test_rows_of_whole_8_code_words(name, dim, monkeypatch):
+    """Rows of a multiple of 8 code words (64 or 128 channels of 4 bits, 128 of 2), whose tiles
+    are transposed by shuffles rather than gathers: decoded exactly, scored as torch."""
+    monkeypatch.setattr(sys.modules[__name__], "D", dim)
+    _check_decoded(_pages(name, dim), dim, 2)
+    test_scores_and_sums_match_torch(name, "consecutive, blocks")
 
 
 @pytest.mark.parametrize("mask", [None, "float", "bool"])

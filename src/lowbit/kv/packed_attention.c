@@ -320,7 +320,30 @@ static void lb_tile_words(const lb_page *pg, int64_t b, int64_t h, int64_t t, ui
     const int64_t d = pg->dim, bits = pg->bits, row_bytes = (d * bits + 7) / 8, full = row_bytes / 4;
     const uint8_t *row0 = lb_row(pg, b, h, t);
     const int64_t step = pg->code_stride[2];
-    if (step <= INT32_MAX / LB_TILE) { /* word w of the 16 rows: one gather */
+    if (full % 8 == 0) { /* blocks of 8 words: two 8 x 8 transposes side by side, no gathers */
+        for (int64_t w0 = 0; w0 < full; w0 += 8) {
+            __m512i r[8], u[8], v[8]; /* r[k]: words w0.. of rows k and k + 8 */
+            for (int k = 0; k < 8; k++)
+                r[k] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row0 + k * step + 4 * w0))),
+                    _mm256_loadu_si256((const __m256i *)(row0 + (k + 8) * step + 4 * w0)), 1);
+            for (int k = 0; k < 8; k += 2) { /* pairs of rows interleaved by word, in each 128 bits */
+                u[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+                u[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
+            }
+            for (int k = 0; k < 8; k += 4) { /* v[k + j], 128 bits l: word j (l even) or j + 4 of 4 rows */
+                v[k] = _mm512_unpacklo_epi64(u[k], u[k + 2]);
+                v[k + 1] = _mm512_unpackhi_epi64(u[k], u[k + 2]);
+                v[k + 2] = _mm512_unpacklo_epi64(u[k + 1], u[k + 3]);
+                v[k + 3] = _mm512_unpackhi_epi64(u[k + 1], u[k + 3]);
+            }
+            const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+            for (int k = 0; k < 4; k++) { /* rows 0-3, 4-7, 8-11, 12-15 of a word */
+                _mm512_storeu_si512(words[w0 + k], _mm512_permutex2var_epi64(v[k], lo, v[k + 4]));
+                _mm512_storeu_si512(words[w0 + k + 4], _mm512_permutex2var_epi64(v[k], hi, v[k + 4]));
+            }
+        }
+    } else if (step <= INT32_MAX / LB_TILE) { /* word w of the 16 rows: one gather */
         const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32((int)step));
         for (int64_t w = 0; w < full; w++) _mm512_storeu_si512(words[w], _mm512_i32gather_epi32(at, row0 + 4 * w, 1));
@@ -571,6 +594,14 @@ static inline __attribute__((always_inline)) __m512 lb_tile4_value(const lb_tile
     return v;
 }
 
+/* Whether channels i..i+7 hold an outlier in any lane of the tile (a block without one skips the
+   masked loads). */
+static inline __attribute__((always_inline)) int lb_tile4_any(const lb_tile4 *x, int64_t i) {
+    uint64_t a, b;
+    memcpy(&a, x->mask + i, 8), memcpy(&b, x->mask + i + 4, 8);
+    return (a | b) != 0;
+}
+
 /* lb_scores_tile_n on a fused tile: queries g < N of the head, keys rotated as there; two sums a
    query (even and odd channels; with RoPE, each pair's two halves), added at the end. */
 static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, int64_t d, const lb_tile4 *x,
@@ -583,10 +614,11 @@ static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, i
         const int64_t half = d / 2, second = rope_channels == d ? half : 0;
         for (int64_t i = 0; i < half; i += 8) {
             const __m512i w = _mm512_loadu_si512(x->words + i * 2), w2 = _mm512_loadu_si512(x->words + (i + half) * 2);
+            const int m = MASKED && lb_tile4_any(x, i), m2 = MASKED && lb_tile4_any(x, i + half);
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
-                const __m512 a = lb_tile4_value(x, w, 4 * s, i + s, TABLE, MASKED);
-                const __m512 a2 = lb_tile4_value(x, w2, 4 * s, i + half + s, TABLE, MASKED);
+                const __m512 a = lb_tile4_value(x, w, 4 * s, i + s, TABLE, m);
+                const __m512 a2 = lb_tile4_value(x, w2, 4 * s, i + half + s, TABLE, m2);
                 const __m512 c = _mm512_loadu_ps(ct + (i + s) * 16), sn = _mm512_loadu_ps(st + (i + s) * 16);
                 const __m512 c2 = _mm512_loadu_ps(ct + (i + s + second) * 16), s2 = _mm512_loadu_ps(st + (i + s + second) * 16);
                 const __m512 r = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(a2, sn));
@@ -600,10 +632,11 @@ static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, i
     } else {
         for (int64_t i = 0; i < d; i += 8) {
             const __m512i w = _mm512_loadu_si512(x->words + i * 2); /* word i / 8 of the 16 rows */
+            const int m = MASKED && lb_tile4_any(x, i);
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s += 2) {
-                const __m512 k = lb_tile4_value(x, w, 4 * s, i + s, TABLE, MASKED);
-                const __m512 k2 = lb_tile4_value(x, w, 4 * s + 4, i + s + 1, TABLE, MASKED);
+                const __m512 k = lb_tile4_value(x, w, 4 * s, i + s, TABLE, m);
+                const __m512 k2 = lb_tile4_value(x, w, 4 * s + 4, i + s + 1, TABLE, m);
                 for (int j = 0; j < N; j++) {
                     acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s]), k, acc[j]);
                     acc2[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s + 1]), k2, acc2[j]);
@@ -649,11 +682,15 @@ static inline __attribute__((always_inline)) void lb_accumulate4_n(const float *
                                                                    const int N, const int TABLE, const int MASKED) {
     for (int64_t i = 0; i < d; i += 8) {
         __m512i w[LB_TILE_RUN];
-        for (int k = 0; k < N; k++) w[k] = _mm512_loadu_si512(xs[k].words + i * 2);
+        int m[LB_TILE_RUN];
+        for (int k = 0; k < N; k++) {
+            w[k] = _mm512_loadu_si512(xs[k].words + i * 2);
+            m[k] = MASKED && lb_tile4_any(&xs[k], i);
+        }
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             __m512 v[LB_TILE_RUN];
-            for (int k = 0; k < N; k++) v[k] = lb_tile4_value(&xs[k], w[k], 4 * s, i + s, TABLE, MASKED);
+            for (int k = 0; k < N; k++) v[k] = lb_tile4_value(&xs[k], w[k], 4 * s, i + s, TABLE, m[k]);
             for (int64_t g = 0; g < groups; g++) {
                 float *a = lanes + (g * d + i + s) * LB_TILE;
                 __m512 sum = _mm512_loadu_ps(a);
@@ -1015,6 +1052,18 @@ static int lb_check(const lb_page *pages, const int64_t *starts, int64_t n_pages
     return 0;
 }
 
+/* Token t of the pages' run moved down to a whole 16 tokens into its page, so that a job's part
+   of a page is whole tiles but for the page's own last tokens. */
+static int64_t lb_split(const lb_job *job, int64_t t) {
+    int64_t before = 0;
+    for (int64_t i = 0; i < job->n_pages; i++) {
+        const int64_t n = job->pages[i].tokens;
+        if (t < before + n) return before + (t - before) / 16 * 16;
+        before += n;
+    }
+    return t;
+}
+
 /* Split the pages' tokens over `threads` jobs (at least 256 tokens each), run them, join. With
    `partials`, job i > 0 accumulates into its own zeroed block, added to job 0's at the end. */
 static void lb_run(lb_job *base, int threads, void *(*fn)(void *), float *partials, int64_t acc_size) {
@@ -1029,8 +1078,8 @@ static void lb_run(lb_job *base, int threads, void *(*fn)(void *), float *partia
         jobs[i] = *base;
         tables[i].b = -1, tables[i].tables = NULL;
         jobs[i].tables = &tables[i];
-        jobs[i].t0 = tokens * i / n;
-        jobs[i].t1 = tokens * (i + 1) / n;
+        jobs[i].t0 = lb_split(base, tokens * i / n);
+        jobs[i].t1 = lb_split(base, tokens * (i + 1) / n);
         if (partials && i > 0) {
             jobs[i].acc = partials + (i - 1) * acc_size;
             memset(jobs[i].acc, 0, (size_t)acc_size * sizeof(float));
