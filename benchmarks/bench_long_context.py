@@ -194,8 +194,11 @@ def time_rows(models, caches, nxt, steps):
 
 def grow(cache, tokens: int) -> None:
     """Grow a prefilled cache to ``tokens`` slots with copies of its own contents: a lowbit
-    cache appends clones of its packed pages (cut to fit) before the fp residual, a
-    ``DynamicCache`` repeats its keys and values; pre-RoPE positions become ``0..tokens-1``."""
+    cache's packed tokens repeated, in pages of ``PAGE_TOKENS`` as a prefill of that length
+    would lay them out, before the fp residual; a ``DynamicCache`` repeats its keys and values;
+    pre-RoPE positions become ``0..tokens-1``."""
+    from lowbit.kv.cache import PAGE_TOKENS
+
     for layer in cache.layers:
         if not hasattr(layer, "k"):  # transformers' DynamicLayer
             reps = -(-tokens // layer.keys.shape[2])
@@ -205,21 +208,27 @@ def grow(cache, tokens: int) -> None:
         for stream in (layer.k, layer.v):
             fixed = sum(t.shape[2] for t in (stream.sink, stream.residual) if t is not None)
             need = tokens - fixed - sum(p.num_tokens for p in stream.chunks)
-            source = list(stream.chunks)
-            if not source:  # a stream kept in floating point: repeat its residual
+            if not stream.chunks:  # a stream kept in floating point: repeat its residual
                 if need > 0:
                     kept = stream.residual.shape[2] + need
                     reps = -(-kept // stream.residual.shape[2])
                     stream.residual = stream.residual.repeat(1, 1, reps, 1)[:, :, :kept]
                 continue
-            i = 0
+            source = type(stream.chunks[0]).concat(stream.chunks)  # every packed token once
+            group = stream.quantizer.token_group
+            page = -(-PAGE_TOKENS // group) * group
+            at = 0  # next token of the source to copy
             while need > 0:
-                page = source[i % len(source)]
-                if page.num_tokens > need:
-                    page = page.head(need)
-                stream.chunks.append(_clone(page))
-                need -= page.num_tokens
-                i += 1
+                last = stream.chunks[-1]
+                room = page - last.num_tokens
+                take = min(need, room if room > 0 else page, source.num_tokens - at)
+                piece = _clone(source.slice_tokens(at, at + take))
+                if room > 0:
+                    stream.chunks[-1] = type(last).concat([last, piece])
+                else:
+                    stream.chunks.append(piece)
+                need -= take
+                at = (at + take) % source.num_tokens
         layer.length = tokens
         if layer.track is not None and layer.owns_positions:
             layer.track.positions = torch.arange(tokens, dtype=torch.int32)[None]
