@@ -39,6 +39,9 @@
 #               g128 first (three stages ended before it, behind fp16, which two runs measured),
 #               then fp16 and 2/4/16 (with eager rows as well: over 240 s before W4 compiled)
 #   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
+#   kv-decode   bench_packed_decode: one layer's decode attention over packed KV pages (Triton,
+#               kv-int and KVQuant without outliers) beside torch's SDPA over an fp16 cache, at
+#               4k, 32k and 128k tokens of Llama-3-8B's KV shape (not yet run)
 #   tests       every `gpu` test of the repository: 41 tests in 95 s, not finished (second run:
 #               41 passed in 82 s, then the 2/4/16 kernel refused at 4096x11008; third, H100:
 #               41 passed in 120 s, the 42nd still running at the limit)
@@ -84,7 +87,7 @@ gemv_int() {  # gemv_int NAME SHAPE: 4-bit g128 beside cuBLAS fp16 and torch's i
         --shapes "$2" --out "$dest/${1}_$stamp.md"
 }
 
-stages="smoke irregular int-4096 int-11008 int-28672 spqr mixed prefill decode decode-spqr tests"
+stages="smoke irregular int-4096 int-11008 int-28672 spqr mixed prefill decode decode-spqr kv-decode tests"
 if [ $# -eq 0 ]; then
     echo "usage: bash tools/gpu_session.sh STAGE[:SECONDS] ..., STAGE in: $stages" >&2
     exit 2
@@ -124,6 +127,8 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | 
         --out "$dest/decode_$stamp.md" ;;
     decode-spqr) run decode-spqr "$py" benchmarks/bench_decode.py --device cuda --compiled-only \
         --new-tokens 128 --rows fp16 "SpQR w3 1%" "SpQR w3 0%" --out "$dest/decode_spqr_$stamp.md" ;;
+    kv-decode) run kv-decode "$py" benchmarks/bench_packed_decode.py --device cuda \
+        --contexts 4096 32768 131072 --out "$dest/kv_decode_$stamp.md" ;;
     tests) run tests "$py" -m pytest -q -p no:cacheprovider -m gpu tests ;;
     esac
     [ -n "$archive" ] && tar czf "$archive" -C "$dest" .

@@ -28,6 +28,7 @@ from kernel_sass import (  # noqa: E402
     compile_decode_kernel,
     compile_dequant_kernel,
     compile_for,
+    compile_kv_decode_kernel,
     compile_prefill_kernel,
     compile_spqr_dense_kernel,
     compile_spqr_kernel,
@@ -189,6 +190,21 @@ def kernel_variants(arch: int = 90, even_k: bool = False):
         "fp16",
         lambda: _outlier_spmv(arch),
     )
+    # packed KV decode attention: its heaviest variants (128 channels, kv-int's fp16 scale and
+    # uint8 zero point, KVQuant's pre-RoPE keys on per-channel ranges, channel codebooks)
+    for name, variant, options in (
+        ("scores", "4-bit int zero", dict(stats=(1, 3, 0), levels=0)),
+        ("scores", "4-bit codebook pre-RoPE", dict(rope=True)),
+        ("scores", "3-bit channel codebooks pre-RoPE", dict(bits=3, rope=True, levels=2)),
+        ("accumulate", "4-bit int zero", dict(stats=(1, 3, 0), levels=0)),
+        ("accumulate", "3-bit codebook", dict(bits=3)),
+    ):
+        yield (
+            f"KV decode {name}",
+            "BLOCK_T 16 warps 4",
+            f"{variant}, 128 channels",
+            lambda n=name, o=options: compile_kv_decode_kernel(n, arch, **o),
+        )
 
 
 def resource_rows(arch: int = 90, even_k: bool = False):

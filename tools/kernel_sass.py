@@ -151,6 +151,35 @@ def compile_spqr_dense_kernel(arch, block_tr=2, block_g=4):
                        "stride_on"], constants, arch, num_warps=4)  # fmt: skip
 
 
+def compile_kv_decode_kernel(
+    name, arch, dim=128, bits=4, rope=False, stats=(1, 0, 1), levels=1, groups=4, num_warps=4
+):  # fmt: skip
+    """:mod:`lowbit.kv.triton_decode`'s ``_scores_kernel`` or ``_accumulate_kernel`` (``name``
+    "scores" or "accumulate") for pages of ``bits``-bit codes of ``dim`` channels, 8 KV heads
+    of ``groups`` queries; ``stats``: the dtype codes of scale, zero and offset (native's: 1
+    fp16, 2 fp32, 3 uint8, 0 absent); ``levels``: 0 integer, 1 a codebook, 2 one a channel."""
+    import triton
+
+    from lowbit.kv import triton_decode
+
+    kernel = getattr(triton_decode, f"_{name}_kernel")
+    pointers = {"table": "*i64", "levels": "*fp32", "q": "*fp32", "scores": "*fp32",
+                "positions": "*i32", "cos": "*fp32", "sin": "*fp32", "p": "*fp32",
+                "partial": "*fp32", "scaling": "fp32"}  # fmt: skip
+    scale, zero, offset = stats
+    constants = dict(
+        HEADS=8, G=groups, GP=triton.next_power_of_2(groups), D=dim,
+        DP=triton.next_power_of_2(dim // 2 if rope else dim), ROPE=rope,
+        BLOCK=triton_decode.BLOCK_T, BITS=bits, ROW_BYTES=-(-dim * bits // 8), LEVELS=levels,
+        LEVEL_BIAS=0.0, TG=1, CG=dim, SCALE=scale, ZERO=zero, OFFSET=offset,
+    )  # fmt: skip
+    names = kernel.arg_names
+    pointers = {k: v for k, v in pointers.items() if k in names}
+    constants = {k: v for k, v in constants.items() if k in names}
+    scalars = [n for n in ("total", "positions_stride", "blocks") if n in names]
+    return compile_for(kernel, pointers, scalars, constants, arch, num_warps=num_warps)
+
+
 def spqr_table(arch: int, latency: int) -> None:
     """Instructions per decoded 3-bit code of the SpQR kernel's main loop (one chunk of
     ``BLOCK_TR`` x 16 rows x ``BLOCK_G`` tiles per iteration), and its round trips a chunk."""

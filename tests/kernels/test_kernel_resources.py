@@ -79,7 +79,14 @@ def test_every_kernel_and_tuning_candidate_launches_on_sm90():
     assert got["sm_80 spill"] == 0
     rows = got["rows"]
     kernels = {row["kernel"] for row in rows}
-    assert {"int decode", "int prefill", "spqr decode", "2/4/16 decode"} <= kernels
+    assert {
+        "int decode",
+        "int prefill",
+        "spqr decode",
+        "2/4/16 decode",
+        "KV decode scores",
+        "KV decode accumulate",
+    } <= kernels
     assert len(rows) >= 20
     for row in rows:
         name = f"{row['kernel']} {row['config']} {row['variant']}"

@@ -44,6 +44,7 @@ import lowbit.kv.native as native
 import lowbit.kv.page_descriptors as pages_c
 from lowbit.kv.cache import QuantizedKVLayer
 from lowbit.kv.quantizer import PackedKV
+from lowbit.kv.triton_decode import triton_decode_attention
 
 __all__ = ["chunked_attention", "compiled_decode_attention", "RopeTable"]
 
@@ -144,6 +145,8 @@ def chunked_attention(
         out = compiled_decode_attention(
             q, layer, scaling=scaling, mask=mask, key_rope=key_rope, rope_table=rope_table
         )
+        if out is None and q.device.type == "cuda":
+            out = _triton_decode(q, layer, scaling, mask, key_rope, rope_table)
         if out is not None:
             return out
     if s > 1 and max_tokens is None:
@@ -373,6 +376,28 @@ def _stream(
     if plans is not None:
         plans[name] = (key, stream, rotation, page_array, room_pages, held)
     return stream, rotation
+
+
+def _triton_decode(
+    q: Tensor,
+    layer: QuantizedKVLayer,
+    scaling: float,
+    mask: Tensor | None,
+    key_rope: Callable[[Tensor, Tensor], Tensor] | None,
+    rope_table: RopeTable | None,
+) -> Tensor | None:
+    """:func:`~lowbit.kv.triton_decode.triton_decode_attention` with this module's rotation of
+    pre-RoPE fp keys (a sink's rotated once)."""
+    fp_keys = None
+    if key_rope is not None:
+
+        def fp_keys(r0: int, r1: int, data: Tensor) -> Tensor:
+            return _rotated_fp_keys(layer, r0, r1, data, key_rope)
+
+    return triton_decode_attention(
+        q, layer, scaling=scaling, mask=mask, fp_keys=fp_keys,
+        rope_table=rope_table if key_rope is not None else None,
+    )  # fmt: skip
 
 
 def _rotated_fp_keys(

@@ -101,7 +101,7 @@ def _describe(page: PackedKV) -> tuple[native.Page, list[Tensor]] | None:
     b, h, t, d = page.shape
     if not isinstance(page, (IntPackedKV, KVQuantPackedKV)):
         return None
-    if d > native.MAX_DIM or page.codes is None or page.codes.device.type != "cpu":
+    if d > native.MAX_DIM or page.codes is None:  # on the page's device (C: CPU; Triton: CUDA)
         return None
     codes = page.codes
     if codes.stride(-1) != 1:
