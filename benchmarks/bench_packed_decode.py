@@ -8,8 +8,9 @@ token is not), the median of ``--steps`` calls after two warm-up calls. On CUDA 
 run lowbit's Triton kernels (:mod:`lowbit.kv.triton_decode`), on the CPU its compiled C kernels;
 the peer is ``torch.nn.functional.scaled_dot_product_attention`` over the float cache in
 ``--dtype`` (float16 on CUDA by default), in the same process. Keys are cached as given (no
-RoPE in either row); the packed formats store no sparse outliers (KVQuant's default 1 % ones
-are read by the C kernels, not yet by the Triton ones). Random data: for time and memory only.
+RoPE in either row); KVQuant's rows keep 1 % sparse outliers (keys: the elements outside their
+channel's range, set to the normal distribution's 1 % tails; values: each token's 1 % largest)
+or none. Random data: for time and memory only.
 
     python benchmarks/bench_packed_decode.py --device cuda --contexts 4096 32768 131072
     python benchmarks/bench_packed_decode.py --device cpu --dtype float32 --contexts 8192
@@ -37,11 +38,12 @@ def _kv_int(bits):
     return lambda heads, dim: (IntTokenQuantizer(bits), IntTokenQuantizer(bits))
 
 
-def _kvquant(bits):
+def _kvquant(bits, outliers):
     def make(heads, dim):
-        keys = KVQuantQuantizer(bits, heads, dim, per_channel=True, outlier_fraction=0.0)
-        keys.half_range.fill_(2.0)  # the random keys' range, as calibration would set it
-        return keys, KVQuantQuantizer(bits, heads, dim, outlier_fraction=0.0)
+        keys = KVQuantQuantizer(bits, heads, dim, per_channel=True, outlier_fraction=outliers)
+        # the random keys' range as calibration would set it: 1 % outside, or 3.3 sigma
+        keys.half_range.fill_(2.576 if outliers else 3.3)
+        return keys, KVQuantQuantizer(bits, heads, dim, outlier_fraction=outliers)
 
     return make
 
@@ -50,8 +52,9 @@ def _kvquant(bits):
 ROWS = {
     "kv-int 4": _kv_int(4),
     "kv-int 2": _kv_int(2),
-    "kvquant 4, no outliers": _kvquant(4),
-    "kvquant 3, no outliers": _kvquant(3),
+    "kvquant 4": _kvquant(4, 0.01),
+    "kvquant 3": _kvquant(3, 0.01),
+    "kvquant 4, no outliers": _kvquant(4, 0.0),
 }
 CHUNK = 4096  # tokens a prefill call stores
 

@@ -39,8 +39,8 @@
 #               g128 first (three stages ended before it, behind fp16, which two runs measured),
 #               then fp16 and 2/4/16 (with eager rows as well: over 240 s before W4 compiled)
 #   decode-spqr bench_decode: fp16, SpQR w3 1 % and 0 %
-#   kv-decode   bench_packed_decode: one layer's decode attention over packed KV pages (Triton,
-#               kv-int and KVQuant without outliers) beside torch's SDPA over an fp16 cache, at
+#   kv-decode   bench_packed_decode: one layer's decode attention over packed KV pages (Triton:
+#               kv-int, KVQuant with and without outliers) beside torch's SDPA over fp16, at
 #               4k, 32k and 128k tokens of Llama-3-8B's KV shape (not yet run)
 #   tests       every `gpu` test of the repository: 41 tests in 95 s, not finished (second run:
 #               41 passed in 82 s, then the 2/4/16 kernel refused at 4096x11008; third, H100:

@@ -191,13 +191,14 @@ def kernel_variants(arch: int = 90, even_k: bool = False):
         lambda: _outlier_spmv(arch),
     )
     # packed KV decode attention: its heaviest variants (128 channels, kv-int's fp16 scale and
-    # uint8 zero point, KVQuant's pre-RoPE keys on per-channel ranges, channel codebooks)
+    # uint8 zero point, KVQuant's pre-RoPE keys on per-channel ranges with sparse outliers,
+    # channel codebooks)
     for name, variant, options in (
         ("scores", "4-bit int zero", dict(stats=(1, 3, 0), levels=0)),
-        ("scores", "4-bit codebook pre-RoPE", dict(rope=True)),
+        ("scores", "4-bit codebook pre-RoPE outliers", dict(rope=True, outliers=True)),
         ("scores", "3-bit channel codebooks pre-RoPE", dict(bits=3, rope=True, levels=2)),
         ("accumulate", "4-bit int zero", dict(stats=(1, 3, 0), levels=0)),
-        ("accumulate", "3-bit codebook", dict(bits=3)),
+        ("accumulate", "3-bit codebook outliers", dict(bits=3, outliers=True)),
     ):
         yield (
             f"KV decode {name}",

@@ -152,12 +152,14 @@ def compile_spqr_dense_kernel(arch, block_tr=2, block_g=4):
 
 
 def compile_kv_decode_kernel(
-    name, arch, dim=128, bits=4, rope=False, stats=(1, 0, 1), levels=1, groups=4, num_warps=4
+    name, arch, dim=128, bits=4, rope=False, stats=(1, 0, 1), levels=1, groups=4, outliers=False,
+    num_warps=4,
 ):  # fmt: skip
     """:mod:`lowbit.kv.triton_decode`'s ``_scores_kernel`` or ``_accumulate_kernel`` (``name``
     "scores" or "accumulate") for pages of ``bits``-bit codes of ``dim`` channels, 8 KV heads
     of ``groups`` queries; ``stats``: the dtype codes of scale, zero and offset (native's: 1
-    fp16, 2 fp32, 3 uint8, 0 absent); ``levels``: 0 integer, 1 a codebook, 2 one a channel."""
+    fp16, 2 fp32, 3 uint8, 0 absent); ``levels``: 0 integer, 1 a codebook, 2 one a channel;
+    ``outliers``: KVQuant's sparse outliers read (batch 1)."""
     import triton
 
     from lowbit.kv import triton_decode
@@ -171,7 +173,8 @@ def compile_kv_decode_kernel(
         HEADS=8, G=groups, GP=triton.next_power_of_2(groups), D=dim,
         DP=triton.next_power_of_2(dim // 2 if rope else dim), ROPE=rope,
         BLOCK=triton_decode.BLOCK_T, BITS=bits, ROW_BYTES=-(-dim * bits // 8), LEVELS=levels,
-        LEVEL_BIAS=0.0, TG=1, CG=dim, SCALE=scale, ZERO=zero, OFFSET=offset,
+        LEVEL_BIAS=0.0, TG=1, CG=dim, SCALE=scale, ZERO=zero, OFFSET=offset, OUTLIERS=outliers,
+        BATCH=1, ROWS=triton_decode.BLOCK_T,
     )  # fmt: skip
     names = kernel.arg_names
     pointers = {k: v for k, v in pointers.items() if k in names}

@@ -24,9 +24,12 @@ C kernels and torch's dequantization (Triton may contract a multiply and an add,
 equal torch's within float32 rounding, not bit for bit).
 
 Formats: every page :func:`~lowbit.kv.page_descriptors.page_descriptor` reads (integer pages
-per token or per channel, KVQuant's codebooks and ranges) that stores no sparse outliers;
-KVQuant's dense-and-sparse pages, pinned sink tokens and keys in a rotated basis return None
-(the torch path runs them).
+per token or per channel, KVQuant's codebooks and ranges and its sparse outliers). A block's
+outliers are read from its tokens' CSR rows, a few words at a time: each one's stored value
+minus what its code decodes to, times the query (for pre-RoPE keys, at the channel and its
+rotate-half partner, rotated to the token's position) or times the token's weight, is added to
+the block's scores or sums. Pinned sink tokens and keys in a rotated basis return None (the
+torch path runs them).
 """
 
 from __future__ import annotations
@@ -61,10 +64,13 @@ if triton is not None:
 
     # a page's row of the descriptor table (_pages): codes and their strides (bytes: batch row,
     # head, token), token count, first slot, then scale, zero and offset, each a pointer and 4
-    # strides (elements)
+    # strides (elements), then the sparse outliers' CSR row pointers and words (0: none)
     _CODES, _TOKENS, _START = tl.constexpr(0), tl.constexpr(4), tl.constexpr(5)
     _SCALE, _ZERO, _OFFSET = tl.constexpr(6), tl.constexpr(11), tl.constexpr(16)
-    _COLUMNS = tl.constexpr(21)
+    _ROW_PTR, _COL_VAL, _COLUMNS = tl.constexpr(21), tl.constexpr(22), tl.constexpr(23)
+    #: outlier words the scores kernel takes at a time, and the weighted sums' (theirs scatter
+    #: over every channel: [G, words, channels] at once)
+    _WORDS, _VALUE_WORDS = tl.constexpr(16), tl.constexpr(8)
 
     @triton.jit
     def _stat(row, col: tl.constexpr, KIND: tl.constexpr, b, h, tg, cg, valid):
@@ -124,11 +130,40 @@ if triton is not None:
         return tl.where(valid, v, 0.0)
 
     @triton.jit
+    def _outlier_words(
+        row, levels, b, h, r0, r1, e, BATCH: tl.constexpr, ROWS: tl.constexpr,
+        D: tl.constexpr, BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
+        LEVEL_BIAS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr,
+        SCALE: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+    ):  # fmt: skip
+        """The outlier words ``e`` [W] (CSR indices, those < the end of row r1 - 1) among the
+        page's rows r0..r1 - 1 (row = token * BATCH + batch row; ROWS: a power of two >=
+        r1 - r0): each one's token, channel of its head, and stored value minus the value its
+        code decodes to; ``ok``: words of batch row b and head h."""
+        row_ptr = tl.load(row + _ROW_PTR).to(tl.pointer_type(tl.int32))
+        col_val = tl.load(row + _COL_VAL).to(tl.pointer_type(tl.int32))
+        k = tl.arange(0, ROWS)
+        ends = tl.load(row_ptr + r0 + 1 + k, mask=r0 + 1 + k <= r1, other=2147483647)
+        inside = e < tl.load(row_ptr + r1)
+        r = r0 + tl.sum((ends[None, :] <= e[:, None]).to(tl.int32), axis=1)  # [W]
+        word = tl.load(col_val + e - tl.load(row_ptr), mask=inside, other=0)
+        channel = (word >> 16) & 0xFFFF  # head * D + channel of the head
+        t = r // BATCH
+        d = channel % D
+        ok = inside & (r % BATCH == b) & (channel // D == h)
+        value = (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        coded = _decode(
+            row, levels, b, h, t, d, ok,
+            D, BITS, ROW_BYTES, LEVELS, LEVEL_BIAS, TG, CG, SCALE, ZERO, OFFSET,
+        )  # fmt: skip
+        return t, d, tl.where(ok, value - coded, 0.0), ok
+
+    @triton.jit
     def _scores_kernel(
         table, levels, q, scores, positions, cos, sin, total, positions_stride, scaling, blocks,
         HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         DP: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
-        BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
+        OUTLIERS: tl.constexpr, BATCH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
         LEVEL_BIAS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr,
         SCALE: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
     ):  # fmt: skip
@@ -183,6 +218,32 @@ if triton is not None:
                 qv = tl.load(qrow + c, mask=(g < G) & (c < D), other=0.0)  # [GP, DP]
                 s = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)  # [GP, T]
             tt = t0 + tl.arange(0, BLOCK)[None, :]
+            if OUTLIERS:  # each outlier's stored value in place of its code's: q . (o - k) e_d
+                if tl.load(row + _ROW_PTR) != 0:
+                    row_ptr = tl.load(row + _ROW_PTR).to(tl.pointer_type(tl.int32))
+                    r0 = t0 * BATCH
+                    r1 = tl.minimum(t0 + BLOCK, tokens) * BATCH
+                    for e0 in range(tl.load(row_ptr + r0), tl.load(row_ptr + r1), _WORDS):
+                        e = e0 + tl.arange(0, _WORDS)
+                        tk, d, delta, ok = _outlier_words(
+                            row, levels, b, h, r0, r1, e, BATCH, ROWS,
+                            D, BITS, ROW_BYTES, LEVELS, LEVEL_BIAS, TG, CG, SCALE, ZERO, OFFSET,
+                        )  # fmt: skip
+                        mine = (g < G) & ok[None, :]
+                        f = tl.load(qrow + d[None, :], mask=mine, other=0.0)  # [GP, W]
+                        if ROPE:  # d and its rotate-half partner both move
+                            partner = (d + D // 2) % D
+                            where = tl.load(
+                                positions + b * positions_stride + start + tk, mask=ok, other=0
+                            )  # [W]
+                            sign = tl.where(d < D // 2, 1.0, -1.0)
+                            cd = tl.load(cos + where * D + d, mask=ok, other=0.0)
+                            sp = tl.load(sin + where * D + partner, mask=ok, other=0.0)
+                            fp = tl.load(qrow + partner[None, :], mask=mine, other=0.0)
+                            f = f * cd[None, :] + fp * (sign * sp)[None, :]
+                        hit = (tk[:, None] == tt) & ok[:, None]  # [W, T]
+                        corr = (f * delta[None, :])[:, :, None] * hit[None, :, :].to(tl.float32)
+                        s += tl.sum(corr, axis=1)  # [GP, T]
             out = scores + (bh * G + g) * total + start + tt
             tl.store(out, s * scaling, mask=(g < G) & (tt < tokens))
 
@@ -191,7 +252,7 @@ if triton is not None:
         table, levels, p, partial, total, blocks,
         HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         DP: tl.constexpr, BLOCK: tl.constexpr,
-        BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
+        OUTLIERS: tl.constexpr, BATCH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
         LEVEL_BIAS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr,
         SCALE: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
     ):  # fmt: skip
@@ -221,6 +282,24 @@ if triton is not None:
                 p + (bh * G + g) * total + start + tt, mask=(g < G) & (tt < tokens), other=0.0
             )
             acc = tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # [GP, DP]
+            if OUTLIERS:  # each outlier's stored value in place of its code's
+                if tl.load(row + _ROW_PTR) != 0:
+                    row_ptr = tl.load(row + _ROW_PTR).to(tl.pointer_type(tl.int32))
+                    r0 = t0 * BATCH
+                    r1 = tl.minimum(t0 + BLOCK, tokens) * BATCH
+                    for e0 in range(tl.load(row_ptr + r0), tl.load(row_ptr + r1), _VALUE_WORDS):
+                        e = e0 + tl.arange(0, _VALUE_WORDS)
+                        tk, d, delta, ok = _outlier_words(
+                            row, levels, b, h, r0, r1, e, BATCH, ROWS,
+                            D, BITS, ROW_BYTES, LEVELS, LEVEL_BIAS, TG, CG, SCALE, ZERO, OFFSET,
+                        )  # fmt: skip
+                        pw = tl.load(
+                            p + (bh * G + g) * total + start + tk[None, :],
+                            mask=(g < G) & ok[None, :], other=0.0,
+                        )  # fmt: skip
+                        hit = (d[:, None] == c) & ok[:, None]  # [W, DP]
+                        corr = (pw * delta[None, :])[:, :, None] * hit[None, :, :].to(tl.float32)
+                        acc += tl.sum(corr, axis=1)  # [GP, DP]
         tl.store(out, acc)
 
 
@@ -260,8 +339,8 @@ class _Pages:
 
 def _pages(regions, device: torch.device) -> _Pages | None:
     """The regions of a stream (:meth:`~lowbit.kv.cache._Stream.regions`) as :class:`_Pages`;
-    None where a page is not one the kernels read, stores outliers, or the pages differ in
-    format, codebook or basis.
+    None where a page is not one the kernels read, or the pages differ in format, codebook or
+    basis.
 
     The table is built and copied to the device each call (a row of 21 integers a page): an
     open page's token count changes every step."""
@@ -271,7 +350,7 @@ def _pages(regions, device: torch.device) -> _Pages | None:
             dense.append((r0, r1, data))
             continue
         described = pages_c.page_descriptor(data)
-        if described is None or described[0].row_ptr:  # unread format, or sparse outliers
+        if described is None:
             return None
         desc, tensors = described
         this = (_constants(desc), desc.levels, data.rotation)
@@ -283,14 +362,15 @@ def _pages(regions, device: torch.device) -> _Pages | None:
         held.append(tensors)
         rows.append([desc.codes, *desc.code_stride, desc.tokens, r0,
                      *_stat_columns(desc.scale), *_stat_columns(desc.zero),
-                     *_stat_columns(desc.offset)])  # fmt: skip
+                     *_stat_columns(desc.offset), desc.row_ptr or 0, desc.col_val or 0])  # fmt: skip
     if first is None:
         return _Pages(None, {}, torch.zeros(1, device=device), dense, None, 0, held)
     if levels is None:  # integer levels: a placeholder the kernels never read
         levels = torch.zeros(1, device=device)
     table = torch.tensor(rows, dtype=torch.int64).to(device)
     most = max(row[4] for row in rows)
-    return _Pages(table, first[0], levels, dense, first[2], most, held)
+    constants = {**first[0], "OUTLIERS": any(row[21] for row in rows)}
+    return _Pages(table, constants, levels, dense, first[2], most, held)
 
 
 def triton_decode_attention(
@@ -305,7 +385,7 @@ def triton_decode_attention(
     """One decode step's attention with the Triton kernels reading the packed pages; None,
     having changed nothing, where they cannot: no Triton, not on CUDA (outside the
     interpreter), more than one query a row, pinned sink tokens, a page format they do not read
-    (K-sort + BFP, KVQuant's sparse outliers), keys in a rotated basis, a negative position.
+    (K-sort + BFP), pages of two formats, keys in a rotated basis, a negative position.
 
     ``q``, ``layer``, ``scaling``, ``mask`` and the result as for
     :func:`~lowbit.kv.decode.chunked_attention`. Pre-RoPE keys: ``rope_table`` (rotate-half
@@ -326,6 +406,7 @@ def triton_decode_attention(
     hkv = regions[0][2].shape[1]
     groups, total = hq // hkv, layer.length
     gp = triton.next_power_of_2(groups)
+    rows = triton.next_power_of_2(BLOCK_T * b)  # a block's CSR rows, for its outliers
     qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]
     scores = torch.empty(b, hkv, groups, total, device=q.device)  # [B, Hkv, G, T]
     if keys.count:
@@ -343,8 +424,8 @@ def triton_decode_attention(
         dp = triton.next_power_of_2(d // 2 if rope else d)
         _scores_kernel[(keys.count * blocks, b * hkv)](
             keys.table, keys.levels, qf, scores, positions, cos, sin, total, stride, scaling,
-            blocks, HEADS=hkv, G=groups, GP=gp, D=d, DP=dp, ROPE=rope, BLOCK=BLOCK_T,
-            **keys.constants,
+            blocks, HEADS=hkv, G=groups, GP=gp, D=d, DP=dp, ROPE=rope, BLOCK=BLOCK_T, BATCH=b,
+            ROWS=rows, **keys.constants,
         )  # fmt: skip
     for r0, r1, data in keys.dense:  # the fp runs: sink, residual
         k = fp_keys(r0, r1, data) if fp_keys is not None else data.float()
@@ -366,7 +447,8 @@ def triton_decode_attention(
         partial = torch.empty(values.count * blocks, b * hkv, gp, dp, device=q.device)
         _accumulate_kernel[(values.count * blocks, b * hkv)](
             values.table, values.levels, p, partial, total, blocks,
-            HEADS=hkv, G=groups, GP=gp, D=d, DP=dp, BLOCK=BLOCK_T, **values.constants,
+            HEADS=hkv, G=groups, GP=gp, D=d, DP=dp, BLOCK=BLOCK_T, BATCH=b, ROWS=rows,
+            **values.constants,
         )  # fmt: skip
         out = partial.sum(0).view(b, hkv, gp, dp)[:, :, :groups, :d]  # [B, Hkv, G, D]
         if values.rotation is not None:  # summed in the stored basis: x̂ Rᵀ once
