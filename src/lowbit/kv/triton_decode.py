@@ -130,6 +130,15 @@ if triton is not None:
         return tl.where(valid, v, 0.0)
 
     @triton.jit
+    def _block_words(row, t0, tokens, BLOCK: tl.constexpr, BATCH: tl.constexpr):
+        """The CSR rows r0..r1 - 1 of tokens t0..t0 + BLOCK - 1 of the page (row = token *
+        BATCH + batch row) and the indices of their first and past their last outlier word."""
+        row_ptr = tl.load(row + _ROW_PTR).to(tl.pointer_type(tl.int32))
+        r0 = t0 * BATCH
+        r1 = tl.minimum(t0 + BLOCK, tokens) * BATCH
+        return r0, r1, tl.load(row_ptr + r0), tl.load(row_ptr + r1)
+
+    @triton.jit
     def _outlier_words(
         row, levels, b, h, r0, r1, e, BATCH: tl.constexpr, ROWS: tl.constexpr,
         D: tl.constexpr, BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
@@ -163,7 +172,8 @@ if triton is not None:
         table, levels, q, scores, positions, cos, sin, total, positions_stride, scaling, blocks,
         HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         DP: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
-        OUTLIERS: tl.constexpr, BATCH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
+        OUTLIERS: tl.constexpr, BATCH: tl.constexpr, ROWS: tl.constexpr,
+        BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
         LEVEL_BIAS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr,
         SCALE: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
     ):  # fmt: skip
@@ -220,10 +230,8 @@ if triton is not None:
             tt = t0 + tl.arange(0, BLOCK)[None, :]
             if OUTLIERS:  # each outlier's stored value in place of its code's: q . (o - k) e_d
                 if tl.load(row + _ROW_PTR) != 0:
-                    row_ptr = tl.load(row + _ROW_PTR).to(tl.pointer_type(tl.int32))
-                    r0 = t0 * BATCH
-                    r1 = tl.minimum(t0 + BLOCK, tokens) * BATCH
-                    for e0 in range(tl.load(row_ptr + r0), tl.load(row_ptr + r1), _WORDS):
+                    r0, r1, first, end = _block_words(row, t0, tokens, BLOCK, BATCH)
+                    for e0 in range(first, end, _WORDS):
                         e = e0 + tl.arange(0, _WORDS)
                         tk, d, delta, ok = _outlier_words(
                             row, levels, b, h, r0, r1, e, BATCH, ROWS,
@@ -252,7 +260,8 @@ if triton is not None:
         table, levels, p, partial, total, blocks,
         HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         DP: tl.constexpr, BLOCK: tl.constexpr,
-        OUTLIERS: tl.constexpr, BATCH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
+        OUTLIERS: tl.constexpr, BATCH: tl.constexpr, ROWS: tl.constexpr,
+        BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
         LEVEL_BIAS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr,
         SCALE: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
     ):  # fmt: skip
@@ -284,10 +293,8 @@ if triton is not None:
             acc = tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # [GP, DP]
             if OUTLIERS:  # each outlier's stored value in place of its code's
                 if tl.load(row + _ROW_PTR) != 0:
-                    row_ptr = tl.load(row + _ROW_PTR).to(tl.pointer_type(tl.int32))
-                    r0 = t0 * BATCH
-                    r1 = tl.minimum(t0 + BLOCK, tokens) * BATCH
-                    for e0 in range(tl.load(row_ptr + r0), tl.load(row_ptr + r1), _VALUE_WORDS):
+                    r0, r1, first, end = _block_words(row, t0, tokens, BLOCK, BATCH)
+                    for e0 in range(first, end, _VALUE_WORDS):
                         e = e0 + tl.arange(0, _VALUE_WORDS)
                         tk, d, delta, ok = _outlier_words(
                             row, levels, b, h, r0, r1, e, BATCH, ROWS,
