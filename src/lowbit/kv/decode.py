@@ -8,7 +8,7 @@ true positions, takes the scores, and merges them into a running max, sum and we
 sum (Dao et al.'s online softmax). The work per step is one pass over the stored codes; the
 float memory is one chunk's. A decode step (one query per row) goes first to
 :func:`compiled_decode_attention`, the same computation in compiled C (:mod:`lowbit.kv.native`)
-for the formats it reads. A prefill step (several queries per row) whose layer K/V take at most
+for the formats it reads, or on CUDA to Triton's (:mod:`lowbit.kv.triton_decode`). A prefill step (several queries per row) whose layer K/V take at most
 ``DENSE_PREFILL_BYTES`` in float32 reads them dequantized whole, by torch's fused attention
 (:func:`_dense_attention`): one layer's float K/V at a time, never the whole model's cache.
 
@@ -119,8 +119,9 @@ def chunked_attention(
 ) -> Tensor:
     """Attention of queries over every token ``layer`` holds, the new ones included.
 
-    A decode step (one query per row) goes to :func:`compiled_decode_attention` when it can
-    read the layer's pages, a prefill step to :func:`_dense_attention` when the layer's K/V
+    A decode step (one query per row) goes to :func:`compiled_decode_attention` (on CUDA, to
+    :func:`~lowbit.kv.triton_decode.triton_decode_attention`) when it can read the layer's
+    pages, a prefill step to :func:`_dense_attention` when the layer's K/V
     are small enough to read whole; everything else is computed here, chunk by chunk, in torch
     (and any call that gives ``max_tokens``).
 

@@ -1,4 +1,5 @@
-"""Packed KV pages described to the compiled attention kernels (:mod:`lowbit.kv.native`).
+"""Packed KV pages described to the compiled attention kernels (:mod:`lowbit.kv.native`; on
+CUDA the Triton ones of :mod:`lowbit.kv.triton_decode` read the same descriptors).
 
 :func:`page_descriptor` reads integer pages (:class:`~lowbit.kv.int_quant.IntPackedKV`: per
 token or per channel, any bits, integer zero points, fp16 minima or symmetric) and KVQuant pages
