@@ -155,16 +155,16 @@ def compile_kv_decode_kernel(
     name, arch, dim=128, bits=4, rope=False, stats=(1, 0, 1), levels=1, groups=4, outliers=False,
     num_warps=4,
 ):  # fmt: skip
-    """:mod:`lowbit.kv.triton_decode`'s ``_scores_kernel`` or ``_accumulate_kernel`` (``name``
+    """:mod:`lowbit.kv.triton_decode_kernels`' ``scores_kernel`` or ``accumulate_kernel`` (``name``
     "scores" or "accumulate") for pages of ``bits``-bit codes of ``dim`` channels, 8 KV heads
     of ``groups`` queries; ``stats``: the dtype codes of scale, zero and offset (native's: 1
     fp16, 2 fp32, 3 uint8, 0 absent); ``levels``: 0 integer, 1 a codebook, 2 one a channel;
     ``outliers``: KVQuant's sparse outliers read (batch 1)."""
     import triton
 
-    from lowbit.kv import triton_decode
+    from lowbit.kv import triton_decode, triton_decode_kernels
 
-    kernel = getattr(triton_decode, f"_{name}_kernel")
+    kernel = getattr(triton_decode_kernels, f"{name}_kernel")
     pointers = {"table": "*i64", "levels": "*fp32", "q": "*fp32", "scores": "*fp32",
                 "positions": "*i32", "cos": "*fp32", "sin": "*fp32", "p": "*fp32",
                 "partial": "*fp32", "scaling": "fp32"}  # fmt: skip

@@ -133,7 +133,7 @@ def test_pages_of_two_formats_are_left_to_torch(small_pages):
 
 def test_not_on_cuda_outside_the_interpreter(small_pages, monkeypatch):
     model, cache = _cache("kv-int 4", 32, steps=1)
-    monkeypatch.setattr("lowbit.kv.triton_decode.interpreting", lambda: False)
+    monkeypatch.setattr("lowbit.kernels.triton_support.interpreting", lambda: False)
     q = torch.randn(2, model.config.num_attention_heads, 1, 32)
     assert triton_decode_attention(q, cache.layers[0], scaling=0.1) is None
 
