@@ -111,6 +111,31 @@ def test_triton_decode_applies_the_mask(small_pages, kind):
         assert (got - want).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["kv-int 4", ("kvquant", {"bits": 4, "outlier_fraction": 0.01, "calib_tokens": 128})],
+    ids=["kv-int 4", "kvquant 4, 1 % outliers"],
+)
+def test_a_layers_table_is_kept_between_steps(small_pages, name):
+    """Step after step, pages closing on the way (pages of 8), the table kept on the layer
+    gives the torch path's result; while no page closes it is the same table, the open page's
+    token count written into it."""
+    model, cache = _cache(name, 32, steps=0)
+    ids = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(10))
+    reused = 0
+    for step in range(10):
+        with torch.no_grad():
+            model(ids[:, step : step + 1], past_key_values=cache)
+        before = cache.layers[0].decode_streams.get("triton k")
+        for got, want in _both(model, cache):
+            assert (got - want).abs().max() < 1e-6
+        after = cache.layers[0].decode_streams["triton k"]
+        reused += before is not None and before[1] is after[1]
+    # a page of 8 closes every 8 steps, KVQuant's outliers' room moves as it doubles: measured 7
+    # of 10 steps for kv-int 4, 5 for KVQuant
+    assert reused >= 5, reused
+
+
 def test_what_it_does_not_read_is_left_to_torch(small_pages):
     """K-sort + BFP pages: None, nothing changed."""
     model, cache = _cache(("ksort-bfp", {}), 32, steps=1)

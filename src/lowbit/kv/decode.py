@@ -332,10 +332,7 @@ def _stream(
                 data = rotated(r0, r1, data)
             if data.dtype not in native.FLOAT_DTYPES or data.stride(-1) != 1:
                 data = data.float().contiguous()
-            key.append((r0, r1, id(data)))
-        else:
-            room = data.room  # the open page (and full ones) of a room: the room's layout
-            key.append((r0, r1, id(data)) if room is None else (r0, id(room), room.layout()))
+        key.append(pages_c.region_key(r0, r1, data))
         parts.append((r0, r1, data))
     key = tuple(key)
     kept = None if plans is None else plans.get(name)

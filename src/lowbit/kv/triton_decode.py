@@ -87,23 +87,36 @@ class _Pages:
     levels: Tensor  # the codebook(s) the pages share (a placeholder for integer levels)
     dense: list  # (first slot, last slot + 1, fp tensor [B, H, n, D]) beside the pages
     rotation: Tensor | None  # the pages' stored basis (values: x̂ Rᵀ), or None
-    most: int  # the most tokens of a page
-    held: list  # what the descriptors point into, alive while the kernels run
+    tokens: list  # each page's token count, as the table holds it
+    rooms: list  # (table row, region index) of each page of an open page's room
+    held: list  # the regions and what the descriptors point into, alive while kept
 
     @property
     def count(self) -> int:
-        return 0 if self.table is None else self.table.shape[0]
+        return len(self.tokens)
 
 
-def _pages(regions, device: torch.device) -> _Pages | None:
+def _pages(regions, device: torch.device, plans: dict, name: str) -> _Pages | None:
     """The regions of a stream (:meth:`~lowbit.kv.cache._Stream.regions`) as :class:`_Pages`;
     None where a page is not one the kernels read, or the pages differ in format, codebook or
     basis.
 
-    The table is built and copied to the device each call (a row of 21 integers a page): an
-    open page's token count changes every step."""
-    rows, dense, held, first = [], [], [], None
-    for r0, r1, data in regions:
+    ``plans`` (a layer's ``decode_streams``) keeps it under ``name`` between steps: while the
+    regions are the same but for the open page of a room that grew in place, the table on the
+    device stays and only that page's token count is written there (one element, no copy of
+    the table, so a step does not wait for the device)."""
+    key = tuple(pages_c.region_key(*region) for region in regions)
+    kept = plans.get(name)
+    if kept is not None and kept[0] == key:
+        pages = kept[1]
+        for row, part in pages.rooms:
+            tokens = regions[part][2].num_tokens
+            if pages.tokens[row] != tokens:
+                pages.table[row, 4] = tokens
+                pages.tokens[row] = tokens
+        return pages
+    rows, dense, rooms, held, first = [], [], [], [regions], None
+    for index, (r0, r1, data) in enumerate(regions):
         if isinstance(data, Tensor):
             dense.append((r0, r1, data))
             continue
@@ -117,19 +130,24 @@ def _pages(regions, device: torch.device) -> _Pages | None:
             levels = next((t for t in tensors if t.data_ptr() == desc.levels), None)
         elif this[:2] != first[:2] or this[2] is not first[2]:
             return None
+        if data.room is not None:
+            rooms.append((len(rows), index))
         held.append(tensors)
         rows.append([desc.codes, *desc.code_stride, desc.tokens, r0,
                      *_stat_columns(desc.scale), *_stat_columns(desc.zero),
                      *_stat_columns(desc.offset),
                      desc.row_ptr or 0, desc.col_val or 0])  # fmt: skip
     if first is None:
-        return _Pages(None, {}, torch.zeros(1, device=device), dense, None, 0, held)
-    if levels is None:  # integer levels: a placeholder the kernels never read
-        levels = torch.zeros(1, device=device)
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
-    most = max(row[4] for row in rows)
-    constants = {**first[0], "OUTLIERS": any(row[21] for row in rows)}
-    return _Pages(table, constants, levels, dense, first[2], most, held)
+        pages = _Pages(None, {}, torch.zeros(1, device=device), dense, None, [], [], held)
+    else:
+        if levels is None:  # integer levels: a placeholder the kernels never read
+            levels = torch.zeros(1, device=device)
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        constants = {**first[0], "OUTLIERS": any(row[21] for row in rows)}
+        tokens = [row[4] for row in rows]
+        pages = _Pages(table, constants, levels, dense, first[2], tokens, rooms, held)
+    plans[name] = (key, pages)
+    return pages
 
 
 def triton_decode_attention(
@@ -165,7 +183,8 @@ def triton_decode_attention(
     if rope_table is not None and d % 2:
         return None
     regions = layer.k.regions()
-    keys, values = _pages(regions, q.device), _pages(layer.v.regions(), q.device)
+    keys = _pages(regions, q.device, layer.decode_streams, "triton k")
+    values = _pages(layer.v.regions(), q.device, layer.decode_streams, "triton v")
     if keys is None or values is None or keys.rotation is not None:
         return None
     hkv = regions[0][2].shape[1]
@@ -185,7 +204,7 @@ def triton_decode_attention(
             positions = layer.track.positions  # [B or 1, T] int32
             stride = positions.stride(0) if positions.shape[0] == b else 0
             cos, sin = rope_table.table(high + 1, torch.float32, q.device)  # [P, D]
-        blocks = -(-keys.most // BLOCK_T)
+        blocks = -(-max(keys.tokens) // BLOCK_T)
         dp = triton.next_power_of_2(d // 2 if rope else d)
         scores_kernel[(keys.count * blocks, b * hkv)](
             keys.table, keys.levels, qf, scores, positions, cos, sin, total, stride, scaling,
@@ -207,7 +226,7 @@ def triton_decode_attention(
     p = (p / torch.where(total_p == 0, 1.0, total_p)).contiguous()  # a row seeing nothing: 0
     out = torch.zeros(b, hkv, groups, d, device=q.device)
     if values.count:
-        blocks = -(-values.most // BLOCK_T)
+        blocks = -(-max(values.tokens) // BLOCK_T)
         dp = triton.next_power_of_2(d)
         partial = torch.empty(values.count * blocks, b * hkv, gp, dp, device=q.device)
         accumulate_kernel[(values.count * blocks, b * hkv)](
