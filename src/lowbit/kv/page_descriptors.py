@@ -71,27 +71,21 @@ def _remember(table: dict, key: int, owner, value: tuple) -> None:
 
 
 #: id of an open page's room -> (weak reference to it, the descriptor of one of its pages, the
-#: tensors it points into, that page's layout)
+#: tensors it points into, the room's layout then)
 _rooms: dict[int, tuple] = {}
-
-
-def _layout(page: PackedKV) -> tuple:
-    """What a page's descriptor holds besides its token count: where each stored tensor starts
-    and whether it is empty. The pages of one room share it until the room's buffers move (the
-    outliers' room doubling) or the first outliers come."""
-    return tuple((t.data_ptr(), t.numel() > 0) for t in page.stored_tensors().values())
 
 
 def _room_page(page: PackedKV, room) -> tuple[native.Page, list[Tensor]] | None:
     """A page of an open page's room: the room's descriptor copied with this page's token
-    count, described anew when the page's layout is not the described one."""
-    shape = _layout(page)
+    count, described anew when the room's layout (``room.layout()``: where its buffers that may
+    move are) is not the described one."""
+    layout = room.layout()
     entry = _rooms.get(id(room))
-    if entry is None or entry[0]() is not room or entry[3] != shape:
+    if entry is None or entry[0]() is not room or entry[3] != layout:
         described = _describe(page)
         if described is None:
             return None
-        _remember(_rooms, id(room), room, (*described, shape))
+        _remember(_rooms, id(room), room, (*described, layout))
         entry = _rooms[id(room)]
     desc = native.Page.from_buffer_copy(entry[1])
     desc.tokens = page.num_tokens
