@@ -174,12 +174,12 @@ def compile_kv_decode_kernel(
         DP=triton.next_power_of_2(dim // 2 if rope else dim), ROPE=rope,
         BLOCK=triton_decode.BLOCK_T, BITS=bits, ROW_BYTES=-(-dim * bits // 8), LEVELS=levels,
         LEVEL_BIAS=0.0, TG=1, CG=dim, SCALE=scale, ZERO=zero, OFFSET=offset, OUTLIERS=outliers,
-        BATCH=1, ROWS=triton_decode.BLOCK_T,
+        BATCH=1, ROWS=triton_decode.BLOCK_T, RUN=triton_decode.RUN_BLOCKS,
     )  # fmt: skip
     names = kernel.arg_names
     pointers = {k: v for k, v in pointers.items() if k in names}
     constants = {k: v for k, v in constants.items() if k in names}
-    scalars = [n for n in ("total", "positions_stride", "blocks") if n in names]
+    scalars = [n for n in ("total", "positions_stride", "blocks", "runs") if n in names]
     return compile_for(kernel, pointers, scalars, constants, arch, num_warps=num_warps)
 
 

@@ -55,10 +55,14 @@ class RopeTables(Protocol):
         """cos and sin ``[>= size, D]`` of positions ``0..size-1``."""
 
 
-__all__ = ["triton_decode_attention", "BLOCK_T"]
+__all__ = ["triton_decode_attention", "BLOCK_T", "RUN_BLOCKS"]
 
-#: tokens a program decodes
+#: tokens a program decodes at a time
 BLOCK_T = 16
+#: blocks a weighted-sum program adds into its one partial sum: its partials, [G, D] floats a
+#: run of 256 tokens and KV head, take half the bytes of the scores row ([G] a token and head)
+#: at D = 128, not a partial a block (8x the row)
+RUN_BLOCKS = 16
 
 
 def _stat_columns(stat: native.Stat) -> list[int]:
@@ -226,13 +230,13 @@ def triton_decode_attention(
     p = (p / torch.where(total_p == 0, 1.0, total_p)).contiguous()  # a row seeing nothing: 0
     out = torch.zeros(b, hkv, groups, d, device=q.device)
     if values.count:
-        blocks = -(-max(values.tokens) // BLOCK_T)
+        runs = -(-max(values.tokens) // (BLOCK_T * RUN_BLOCKS))
         dp = triton.next_power_of_2(d)
-        partial = torch.empty(values.count * blocks, b * hkv, gp, dp, device=q.device)
-        accumulate_kernel[(values.count * blocks, b * hkv)](
-            values.table, values.levels, p, partial, total, blocks,
-            HEADS=hkv, G=groups, GP=gp, D=d, DP=dp, BLOCK=BLOCK_T, BATCH=b, ROWS=rows,
-            **values.constants,
+        partial = torch.empty(values.count * runs, b * hkv, gp, dp, device=q.device)
+        accumulate_kernel[(values.count * runs, b * hkv)](
+            values.table, values.levels, p, partial, total, runs,
+            HEADS=hkv, G=groups, GP=gp, D=d, DP=dp, BLOCK=BLOCK_T, RUN=RUN_BLOCKS, BATCH=b,
+            ROWS=rows, **values.constants,
         )  # fmt: skip
         out = partial.sum(0).view(b, hkv, gp, dp)[:, :, :groups, :d]  # [B, Hkv, G, D]
         if values.rotation is not None:  # summed in the stored basis: x̂ Rᵀ once

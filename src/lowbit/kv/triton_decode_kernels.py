@@ -210,52 +210,58 @@ def scores_kernel(
 
 @triton.jit
 def accumulate_kernel(
-    table, levels, p, partial, total, blocks,
+    table, levels, p, partial, total, runs,
     HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    DP: tl.constexpr, BLOCK: tl.constexpr,
+    DP: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr,
     OUTLIERS: tl.constexpr, BATCH: tl.constexpr, ROWS: tl.constexpr,
     BITS: tl.constexpr, ROW_BYTES: tl.constexpr, LEVELS: tl.constexpr,
     LEVEL_BIAS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr,
     SCALE: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
 ):  # fmt: skip
-    """partial[program 0, b * HEADS + h] = sum over BLOCK tokens of a page of
-    p[b, h, g, start + t] * value(t), [GP, DP] (zeros past the page's tokens)."""
-    page = tl.program_id(0) // blocks
-    t0 = (tl.program_id(0) % blocks) * BLOCK
+    """partial[program 0, b * HEADS + h] = sum over a run of RUN blocks of BLOCK tokens of a
+    page of p[b, h, g, start + t] * value(t), [GP, DP] (program 0: page * runs + run; zeros
+    past the page's tokens): a program's partial stands for RUN * BLOCK tokens, so the
+    partials of a layer take less than its row of scores."""
+    page = tl.program_id(0) // runs
+    first_token = (tl.program_id(0) % runs) * RUN * BLOCK
     bh = tl.program_id(1)
     row = table + page * _COLUMNS
     tokens = tl.load(row + _TOKENS)
+    start = tl.load(row + _START)
+    b = bh // HEADS
+    h = bh % HEADS
     g = tl.arange(0, GP)[:, None]
     c = tl.arange(0, DP)[None, :]
     out = partial + ((tl.program_id(0) * tl.num_programs(1) + bh) * GP + g) * DP + c
     acc = tl.zeros([GP, DP], dtype=tl.float32)
-    if t0 < tokens:
-        start = tl.load(row + _START)
-        b = bh // HEADS
-        h = bh % HEADS
-        t = t0 + tl.arange(0, BLOCK)[:, None]  # [T, 1]
-        valid = (t < tokens) & (c < D)
-        v = _decode(
-            row, levels, b, h, t, c, valid,
-            D, BITS, ROW_BYTES, LEVELS, LEVEL_BIAS, TG, CG, SCALE, ZERO, OFFSET,
-        )  # fmt: skip
-        tt = t0 + tl.arange(0, BLOCK)[None, :]
-        w = tl.load(p + (bh * G + g) * total + start + tt, mask=(g < G) & (tt < tokens), other=0.0)
-        acc = tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # [GP, DP]
-        if OUTLIERS:  # each outlier's stored value in place of its code's
-            if tl.load(row + _ROW_PTR) != 0:
-                r0, r1, first, end = _block_words(row, t0, tokens, BLOCK, BATCH)
-                for e0 in range(first, end, _VALUE_WORDS):
-                    e = e0 + tl.arange(0, _VALUE_WORDS)
-                    tk, d, delta, ok = _outlier_words(
-                        row, levels, b, h, r0, r1, e, BATCH, ROWS,
-                        D, BITS, ROW_BYTES, LEVELS, LEVEL_BIAS, TG, CG, SCALE, ZERO, OFFSET,
-                    )  # fmt: skip
-                    pw = tl.load(
-                        p + (bh * G + g) * total + start + tk[None, :],
-                        mask=(g < G) & ok[None, :], other=0.0,
-                    )  # fmt: skip
-                    hit = (d[:, None] == c) & ok[:, None]  # [W, DP]
-                    corr = (pw * delta[None, :])[:, :, None] * hit[None, :, :].to(tl.float32)
-                    acc += tl.sum(corr, axis=1)  # [GP, DP]
+    for step in range(RUN):
+        t0 = first_token + step * BLOCK
+        if t0 < tokens:
+            t = t0 + tl.arange(0, BLOCK)[:, None]  # [T, 1]
+            valid = (t < tokens) & (c < D)
+            v = _decode(
+                row, levels, b, h, t, c, valid,
+                D, BITS, ROW_BYTES, LEVELS, LEVEL_BIAS, TG, CG, SCALE, ZERO, OFFSET,
+            )  # fmt: skip
+            tt = t0 + tl.arange(0, BLOCK)[None, :]
+            w = tl.load(
+                p + (bh * G + g) * total + start + tt, mask=(g < G) & (tt < tokens), other=0.0
+            )
+            acc += tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # [GP, DP]
+            if OUTLIERS:  # each outlier's stored value in place of its code's
+                if tl.load(row + _ROW_PTR) != 0:
+                    r0, r1, first, end = _block_words(row, t0, tokens, BLOCK, BATCH)
+                    for e0 in range(first, end, _VALUE_WORDS):
+                        e = e0 + tl.arange(0, _VALUE_WORDS)
+                        tk, d, delta, ok = _outlier_words(
+                            row, levels, b, h, r0, r1, e, BATCH, ROWS,
+                            D, BITS, ROW_BYTES, LEVELS, LEVEL_BIAS, TG, CG, SCALE, ZERO, OFFSET,
+                        )  # fmt: skip
+                        pw = tl.load(
+                            p + (bh * G + g) * total + start + tk[None, :],
+                            mask=(g < G) & ok[None, :], other=0.0,
+                        )  # fmt: skip
+                        hit = (d[:, None] == c) & ok[:, None]  # [W, DP]
+                        corr = (pw * delta[None, :])[:, :, None] * hit[None, :, :].to(tl.float32)
+                        acc += tl.sum(corr, axis=1)  # [GP, DP]
     tl.store(out, acc)
