@@ -197,8 +197,6 @@ def grow(cache, tokens: int) -> None:
     cache's packed tokens repeated, in pages of ``PAGE_TOKENS`` as a prefill of that length
     would lay them out, before the fp residual; a ``DynamicCache`` repeats its keys and values;
     pre-RoPE positions become ``0..tokens-1``."""
-    from lowbit.kv.cache import PAGE_TOKENS
-
     for layer in cache.layers:
         if not hasattr(layer, "k"):  # transformers' DynamicLayer
             reps = -(-tokens // layer.keys.shape[2])
@@ -215,18 +213,17 @@ def grow(cache, tokens: int) -> None:
                     stream.residual = stream.residual.repeat(1, 1, reps, 1)[:, :, :kept]
                 continue
             source = type(stream.chunks[0]).concat(stream.chunks)  # every packed token once
-            group = stream.quantizer.token_group
-            page = -(-PAGE_TOKENS // group) * group
+            page = stream.page_tokens
             at = 0  # next token of the source to copy
             while need > 0:
                 last = stream.chunks[-1]
                 room = page - last.num_tokens
                 take = min(need, room if room > 0 else page, source.num_tokens - at)
-                piece = _clone(source.slice_tokens(at, at + take))
-                if room > 0:
+                piece = source.slice_tokens(at, at + take)
+                if room > 0:  # the join copies it
                     stream.chunks[-1] = type(last).concat([last, piece])
                 else:
-                    stream.chunks.append(piece)
+                    stream.chunks.append(_clone(piece))
                 need -= take
                 at = (at + take) % source.num_tokens
         layer.length = tokens

@@ -29,6 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, stamp  # noqa: E402
 
+from lowbit.atomic import atomic_file, check_target  # noqa: E402
+from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.kv.cache import QuantizedKVLayer  # noqa: E402
 from lowbit.kv.int_quant import IntTokenQuantizer  # noqa: E402
 from lowbit.kv.kvquant import KVQuantQuantizer  # noqa: E402
@@ -140,12 +142,18 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_packed_decode: --device cuda, but torch sees no CUDA device")
     if args.heads % args.kv_heads:
         sys.exit("bench_packed_decode: --heads must be a multiple of --kv-heads")
+    if args.out is not None:  # refused before the run, not after it
+        try:
+            check_target(args.out, "write the table to", kind="file", force=args.force)
+        except LowbitError as err:
+            sys.exit(f"bench_packed_decode: {err}")
     dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "float32"))
     out = table(device, dtype, args.contexts, args.heads, args.kv_heads, args.dim, args.steps,
                 args.rows)  # fmt: skip
@@ -155,7 +163,8 @@ def main(argv=None) -> None:
     text += f"\n\n{out}\n"
     print(text)
     if args.out is not None:
-        args.out.write_text(text)
+        with atomic_file(args.out, verb="write the table to", force=args.force) as tmp:
+            tmp.write_text(text)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,15 @@ def test_table_times_every_row_beside_the_float_cache(bench, kernels):
                 base / float(ms), rel=0.1, abs=0.006
             )  # 4, 3 or 2 bits a value and their statistics: well under the float32 cache
             assert 0.05 < float(byte_ratio) < 0.25, row
+
+
+def test_an_existing_table_is_refused_before_the_run(bench, tmp_path):
+    out = tmp_path / "table.md"
+    out.write_text("an earlier table\n")
+    args = ["--device", "cpu", "--contexts", "64", "--heads", "4", "--kv-heads", "2", "--dim",
+            "32", "--steps", "1", "--rows", "kv-int 4", "--out", str(out)]  # fmt: skip
+    with pytest.raises(SystemExit, match="pass --force"):
+        bench.main(args)
+    assert out.read_text() == "an earlier table\n"
+    bench.main([*args, "--force"])
+    assert "| 64 | kv-int 4 |" in out.read_text()

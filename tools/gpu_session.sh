@@ -128,7 +128,7 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | 
     decode-spqr) run decode-spqr "$py" benchmarks/bench_decode.py --device cuda --compiled-only \
         --new-tokens 128 --rows fp16 "SpQR w3 1%" "SpQR w3 0%" --out "$dest/decode_spqr_$stamp.md" ;;
     kv-decode) run kv-decode "$py" benchmarks/bench_packed_decode.py --device cuda \
-        --contexts 4096 32768 131072 --out "$dest/kv_decode_$stamp.md" ;;
+        --contexts 4096 32768 131072 --out "$dest/kv_decode_$stamp.md" --force ;;
     tests) run tests "$py" -m pytest -q -p no:cacheprovider -m gpu tests ;;
     esac
     [ -n "$archive" ] && tar czf "$archive" -C "$dest" .

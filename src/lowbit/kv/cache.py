@@ -127,7 +127,7 @@ class _Stream:
         if self.quantizer is None:
             return
         group = self.quantizer.token_group
-        page = -(-PAGE_TOKENS // group) * group  # a whole number of token groups
+        page = self.page_tokens
         n = max(self.residual.shape[2] - self.fp_window, 0) // group * group
         if n == 0:
             return
@@ -151,6 +151,12 @@ class _Stream:
             done += take
         rest = None if n == self.residual.shape[2] else self.residual[:, :, n:]
         self.residual = rest.contiguous() if rest is not None else None
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens of a full page: ``PAGE_TOKENS`` rounded up to whole token groups."""
+        group = self.quantizer.token_group
+        return -(-PAGE_TOKENS // group) * group
 
     def regions(self) -> list[tuple[int, int, Tensor | PackedKV]]:
         """``(start, stop, data)`` of the sink, each packed page and the residual, in slot
