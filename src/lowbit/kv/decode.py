@@ -3,13 +3,13 @@
 :func:`chunked_attention` computes ``softmax(q kᵀ · scaling + mask) v`` over a
 :class:`~lowbit.kv.cache.QuantizedKVLayer` without ever building the layer's whole float K/V:
 for each chunk the layer yields (a page of packed tokens, the fp sink, the fp residual; at most
-``lowbit.kv.cache.PAGE_TOKENS`` slots) it dequantizes that chunk only, applies RoPE to pre-RoPE keys at their
-true positions, takes the scores, and merges them into a running max, sum and weighted value
-sum (Dao et al.'s online softmax). The work per step is one pass over the stored codes; the
-float memory is one chunk's. A decode step (one query per row) goes first to
+``lowbit.kv.cache.PAGE_TOKENS`` slots) it dequantizes that chunk only, applies RoPE to pre-RoPE
+keys at their true positions, takes the scores, and merges them into a running max, sum and
+weighted value sum (Dao et al.'s online softmax). The work per step is one pass over the stored
+codes; the float memory is one chunk's. A decode step (one query per row) goes first to
 :func:`compiled_decode_attention`, the same computation in compiled C (:mod:`lowbit.kv.native`)
-for the formats it reads, or on CUDA to Triton's (:mod:`lowbit.kv.triton_decode`). A prefill step (several queries per row) whose layer K/V take at most
-``DENSE_PREFILL_BYTES`` in float32 reads them dequantized whole, by torch's fused attention
+for the formats it reads, or on CUDA to Triton's (:mod:`lowbit.kv.triton_decode`). A prefill
+step (several queries per row) whose layer K/V take at most ``DENSE_PREFILL_BYTES`` in float32 reads them dequantized whole, by torch's fused attention
 (:func:`_dense_attention`): one layer's float K/V at a time, never the whole model's cache.
 
 Decisions:
@@ -121,9 +121,9 @@ def chunked_attention(
 
     A decode step (one query per row) goes to :func:`compiled_decode_attention` (on CUDA, to
     :func:`~lowbit.kv.triton_decode.triton_decode_attention`) when it can read the layer's
-    pages, a prefill step to :func:`_dense_attention` when the layer's K/V
-    are small enough to read whole; everything else is computed here, chunk by chunk, in torch
-    (and any call that gives ``max_tokens``).
+    pages, a prefill step to :func:`_dense_attention` when the layer's K/V are small enough to
+    read whole; everything else is computed here, chunk by chunk, in torch (and any call that
+    gives ``max_tokens``).
 
     Args:
         q: ``[B, H_q, S, D]`` queries, ready for ``q kᵀ`` (RoPE, Hadamard, query quantizer done).
