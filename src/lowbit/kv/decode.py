@@ -9,8 +9,9 @@ weighted value sum (Dao et al.'s online softmax). The work per step is one pass 
 codes; the float memory is one chunk's. A decode step (one query per row) goes first to
 :func:`compiled_decode_attention`, the same computation in compiled C (:mod:`lowbit.kv.native`)
 for the formats it reads, or on CUDA to Triton's (:mod:`lowbit.kv.triton_decode`). A prefill
-step (several queries per row) whose layer K/V take at most ``DENSE_PREFILL_BYTES`` in float32 reads them dequantized whole, by torch's fused attention
-(:func:`_dense_attention`): one layer's float K/V at a time, never the whole model's cache.
+step (several queries per row) whose layer K/V take at most ``DENSE_PREFILL_BYTES`` in float32
+reads them dequantized whole, by torch's fused attention (:func:`_dense_attention`): one
+layer's float K/V at a time, never the whole model's cache.
 
 Decisions:
 
