@@ -232,6 +232,83 @@ def test_one_call_attention_equals_torch_path(monkeypatch, fp_dtype, mask):
         assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
+def test_one_call_attention_split_between_threads(monkeypatch):
+    """lb_attend's parts (one a thread, each with its own softmax maximum and sum, merged at the
+    end) on a cache long enough to split: 3 threads equal the torch path, and equal 1 thread
+    within rounding, with a part's slots all masked in one batch row and a part boundary inside
+    a page."""
+    monkeypatch.setattr(kv_cache, "PAGE_TOKENS", 64)
+    n = 1000  # three parts of at least 256 slots: boundaries near 333 and 666, inside pages
+    layer = kv_cache.QuantizedKVLayer(
+        QUANTIZERS["kvquant4 channel"](), QUANTIZERS["kvquant4 rotated"](), sink_tokens=1,
+        fp_window=3,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, H, n, D, 2, generator=g) * 2
+    layer.store(x[:, :, :-1, :, 0], x[:, :, :-1, :, 1])
+    layer.store(x[:, :, -1:, :, 0], x[:, :, -1:, :, 1])
+    q = torch.randn(2, H * 4, 1, D, generator=g)
+    allowed = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    allowed[1, ..., 300:700] = False  # the middle part of row 1 sees nothing
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        got = decode.compiled_decode_attention(q, layer, scaling=0.125, mask=allowed)
+        torch.set_num_threads(1)
+        one = decode.compiled_decode_attention(q, layer, scaling=0.125, mask=allowed)
+    finally:
+        torch.set_num_threads(threads)
+    want = decode.chunked_attention(q, layer, scaling=0.125, mask=allowed, max_tokens=64)
+    assert got is not None and one is not None
+    # float32 sums in another order and the parts' merge: measured max |difference| 1.1e-6 against
+    # torch and 3.0e-7 between the thread counts, on outputs of magnitude up to 1.5
+    assert (got - want).abs().max() < 1e-5
+    assert (got - one).abs().max() < 1e-5
+    assert not torch.equal(got, one)  # the parts really were merged (3 threads, not 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_call_attention_reads_and_writes_the_models_dtype(monkeypatch, dtype):
+    """A half-precision model's query goes to the library as it is and the output comes back in
+    its dtype: equal, bit for bit, to the float32 call's output rounded by torch."""
+    monkeypatch.setattr(kv_cache, "PAGE_TOKENS", 8)
+    layer = kv_cache.QuantizedKVLayer(
+        QUANTIZERS["kvquant4 channel"](), QUANTIZERS["kvquant4 rotated"](), sink_tokens=1
+    )
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, H, 30, D, 2, generator=g) * 2
+    layer.store(x[..., 0], x[..., 1])
+    q = torch.randn(2, H * 2, 1, D, generator=g).to(dtype)
+    got = decode.compiled_decode_attention(q, layer, scaling=0.125)
+    want = decode.compiled_decode_attention(q.float(), layer, scaling=0.125)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+def test_a_decode_steps_query_is_rotated_by_the_library_as_by_torch(monkeypatch):
+    """A pre-RoPE cache's decode step hands the library its query unrotated: rotated there at the
+    step's position, it gives the attention of the query rotated by torch, bit for bit."""
+    model = tiny_model("llama", head_dim=32)
+    quantize(model, get_recipe("kvquant", bits=4), calibration=CALIB, progress=False)
+    original = decode.compiled_decode_attention
+    compared = []
+
+    def both(q, layer, **kwargs):
+        out = original(q, layer, **kwargs)
+        rotate = kwargs.pop("query_rope")
+        assert rotate is not None  # pre-RoPE keys: the query comes unrotated
+        compared.append(torch.equal(out, original(rotate(q), layer, **kwargs)))
+        return out
+
+    monkeypatch.setattr(decode, "compiled_decode_attention", both)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    cache = model.lowbit_make_cache()
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache)
+        for t in range(20, 24):
+            model(ids[:, t : t + 1], past_key_values=cache)
+    assert compared and all(compared)
+
+
 @pytest.mark.parametrize("key, value", [("kvquant4 channel", "kvquant4 rotated"),
                                         ("int4 token", "int4 token g16")])  # fmt: skip
 def test_decode_streams_kept_between_steps_equal_ones_built_anew(monkeypatch, key, value):

@@ -201,7 +201,16 @@ class KVQuantAttention(nn.Module):
             _check_padding_rows(attention_mask)
 
         cos, sin = position_embeddings  # [B or 1, S, D]
-        q = self._rope(q, cos, sin)
+        layer = self._cache_layer(cache)
+        packed = layer is not None and self.packed_attention
+        query_rope = None
+        if packed and self.pre_rope and self.query_quantizer is None:
+
+            def query_rope(x: Tensor) -> Tensor:  # left to the packed attention's decode step
+                return self._rope(x, cos, sin)
+
+        else:
+            q = self._rope(q, cos, sin)
         positions = kwargs.get("position_ids")
         if positions is None:
             past = 0 if cache is None else cache.get_seq_length()
@@ -214,8 +223,7 @@ class KVQuantAttention(nn.Module):
         if self.query_quantizer is not None:
             q = self.query_quantizer(q)
 
-        layer = self._cache_layer(cache)
-        if layer is not None and self.packed_attention:
+        if packed:
             layer.store(k, v, cache_kwargs)
             key_rope = None
             if self.pre_rope:
@@ -232,6 +240,7 @@ class KVQuantAttention(nn.Module):
                 mask=attention_mask,
                 key_rope=key_rope,
                 rope_table=self.rope_table if self.lowbit_rope_order is None else None,
+                query_rope=query_rope,
             )  # [B, S, H_q, D]
             return self.o_proj(out.reshape(batch, steps, -1)), None
         if layer is None:

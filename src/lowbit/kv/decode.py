@@ -117,6 +117,7 @@ def chunked_attention(
     key_rope: Callable[[Tensor, Tensor], Tensor] | None = None,
     rope_table: RopeTable | None = None,
     max_tokens: int | None = None,
+    query_rope: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Attention of queries over every token ``layer`` holds, the new ones included.
 
@@ -127,7 +128,8 @@ def chunked_attention(
     gives ``max_tokens``).
 
     Args:
-        q: ``[B, H_q, S, D]`` queries, ready for ``q kᵀ`` (RoPE, Hadamard, query quantizer done).
+        q: ``[B, H_q, S, D]`` queries, ready for ``q kᵀ`` (RoPE, Hadamard, query quantizer done)
+            but for ``query_rope``.
         layer: the layer's cache, after this step's keys and values were stored.
         scaling: the softmax scale.
         mask: transformers' 4-D mask ``[B or 1, 1, S, T]`` (bool: allowed; float: added), or
@@ -138,17 +140,25 @@ def chunked_attention(
             natural channel order (the compiled path applies it itself); None: it is not.
         max_tokens: most slots decoded at once (None: a page, ``PAGE_TOKENS``, or fewer so
             that a chunk's scores hold at most ``SCORE_ELEMENTS``: a long prompt's prefill).
+        query_rope: ``q -> q`` rotated to the queries' positions when ``q`` is not yet (pre-RoPE
+            caches): the compiled decode rotates a step's query itself, with ``rope_table``.
 
     Returns:
         ``[B, S, H_q, D]`` in ``q``'s dtype (the layout ``o_proj`` reads after a reshape).
     """
     b, hq, s, d = q.shape
-    if s == 1 and max_tokens is None and (key_rope is None or rope_table is not None):
+    decode_step = s == 1 and max_tokens is None and (key_rope is None or rope_table is not None)
+    if decode_step:
         out = compiled_decode_attention(
-            q, layer, scaling=scaling, mask=mask, key_rope=key_rope, rope_table=rope_table
-        )
-        if out is None and q.device.type == "cuda":
-            out = _triton_decode(q, layer, scaling, mask, key_rope, rope_table)
+            q, layer, scaling=scaling, mask=mask, key_rope=key_rope, rope_table=rope_table,
+            query_rope=query_rope,
+        )  # fmt: skip
+        if out is not None:
+            return out
+    if query_rope is not None:
+        q = query_rope(q)
+    if decode_step and q.device.type == "cuda":
+        out = _triton_decode(q, layer, scaling, mask, key_rope, rope_table)
         if out is not None:
             return out
     if s > 1 and max_tokens is None:
@@ -240,6 +250,7 @@ def compiled_decode_attention(
     mask: Tensor | None = None,
     key_rope: Callable[[Tensor, Tensor], Tensor] | None = None,
     rope_table: RopeTable | None = None,
+    query_rope: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor | None:
     """One decode step's attention with the compiled kernels (:mod:`lowbit.kv.native`) reading
     the packed pages; None, having changed nothing, where they cannot: no compiled library,
@@ -249,12 +260,15 @@ def compiled_decode_attention(
     One library call a layer (``lb_attend``): the scores of every slot (pages and fp runs) into
     one row per query, the mask, the softmax over the row, the weighted sums of the values and
     the division, the row being ``[B, H_kv, G, T]`` floats (36 MB for 9 query heads at a million
-    tokens) rather than an online softmax's running merges. Arguments and result as for
+    tokens) rather than an online softmax's running merges; each thread's part of the slots is a
+    split of its own (scores, softmax, weighted sums), merged at the end. A query not yet rotated
+    (``query_rope``) is rotated by the library at the step's position from ``rope_table`` when it
+    applies to the keys, else by ``query_rope``. Arguments and result as for
     :func:`chunked_attention`.
     """
     lib = native.library()
     b, hq, s, d = q.shape
-    if lib is None or s != 1 or q.device.type != "cpu":
+    if lib is None or s != 1 or q.device.type != "cpu" or q.dtype not in native.FLOAT_DTYPES:
         return None
     if layer.k.pinned is not None or layer.v.pinned is not None:
         return None
@@ -295,18 +309,19 @@ def compiled_decode_attention(
             else row.float().contiguous()
         )
     value_rotation = None if values[1] is None else values[1].float().contiguous()
-    qf = q.float().reshape(b, hkv, groups, d).contiguous()  # [B, Hkv, G, D]
-    out = torch.empty(b, hkv, groups, d)  # [B, Hkv, G, D]
+    rotate_query = query_rope is not None and rope is not None
+    if query_rope is not None and not rotate_query:
+        q = query_rope(q)
+    q = q.contiguous()  # [B, H_q, 1, D]: the rows [B, H_kv, G, D] in order
+    out = torch.empty(b, 1, hq, d, dtype=q.dtype)  # the same rows, written in q's dtype
     status = lib.lb_attend(
         ctypes.byref(keys[0]), ctypes.byref(values[0]), None if rope is None else ctypes.byref(rope),
-        qf.data_ptr(), b, hkv, groups, d, total, scaling,
+        q.data_ptr(), native.FLOAT_DTYPES[q.dtype], b, hkv, groups, d, total, scaling,
         None if row is None else row.data_ptr(), 0 if row is None or row.shape[0] == 1 else total,
-        None if value_rotation is None else value_rotation.data_ptr(), out.data_ptr(),
-        torch.get_num_threads(),
+        None if value_rotation is None else value_rotation.data_ptr(), int(rotate_query),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        return None
-    return out.view(b, hq, 1, d).transpose(1, 2).to(q.dtype)  # [B, 1, H_q, D]
+    return None if status else out  # [B, 1, H_q, D]
 
 
 def _stream(

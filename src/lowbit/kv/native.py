@@ -157,7 +157,7 @@ def library() -> ctypes.CDLL | None:
     lib.lb_accumulate.argtypes = [pointer, pointer, i64, pointer, i64, i64, pointer, c_int]
     lib.lb_scores.restype = lib.lb_accumulate.restype = c_int
     lib.lb_tile_width.argtypes, lib.lb_tile_width.restype = [], c_int
-    lib.lb_attend.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, f32, pointer, i64, pointer, pointer, c_int]  # fmt: skip
+    lib.lb_attend.argtypes = [pointer, pointer, pointer, pointer, c_int, i64, i64, i64, i64, i64, f32, pointer, i64, pointer, c_int, pointer, c_int]  # fmt: skip
     lib.lb_attend.restype = c_int
     lib.lb_quantize_int_rows.argtypes = [pointer, c_int, i64, i64, i64, c_int, f32, pointer, i64, pointer, pointer]  # fmt: skip
     lib.lb_quantize_int_rows.restype = c_int

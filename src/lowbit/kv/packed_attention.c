@@ -1162,6 +1162,29 @@ static void lb_dense_row(const lb_dense *x, int64_t b, int64_t h, int64_t t, int
     }
 }
 
+/* n floats from `x` (dtype LB_F32, LB_F16 or LB_BF16) into out, and back (rounded to nearest even,
+   as torch's conversions). */
+static void lb_load_floats(const void *x, int dtype, int64_t n, float *out) {
+    const lb_dense run = {x, dtype, 0, 0, 1, {0, 0, 0}};
+    lb_dense_row(&run, 0, 0, 0, n, out);
+}
+
+static void lb_store_floats(const float *x, int64_t n, int dtype, void *out) {
+    for (int64_t i = 0; i < n; i++) {
+        if (dtype == LB_F32) {
+            ((float *)out)[i] = x[i];
+        } else if (dtype == LB_F16) {
+            const _Float16 h = (_Float16)x[i];
+            memcpy((uint16_t *)out + i, &h, 2);
+        } else {
+            uint32_t u;
+            memcpy(&u, &x[i], 4);
+            u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
+            ((uint16_t *)out)[i] = (uint16_t)(u >> 16);
+        }
+    }
+}
+
 /* e^x for x <= 0 (a score less its row's maximum), 0 below -87.3 (-inf included): x = n ln 2 + r
    with |r| <= ln 2 / 2 and e^r by a degree-7 polynomial (Cephes' expf: a relative error of about
    2e-7), branch-free so that loops over it vectorize. */
@@ -1183,9 +1206,10 @@ static inline float lb_exp(float x) {
     return x < low ? 0.0f : p * scale;
 }
 
-/* A row of n scores to e^(s - max) in place; returns their sum (0 where every score is -inf).
-   The max and the sum in 16 lanes, the map on its own: each loop vectorizes. */
-static float lb_softmax_row(float *s, int64_t n) {
+/* A row of n scores to e^(s - max) in place; returns their sum (0 where every score is -inf) and
+   writes the max (0 there) to *max. The max and the sum in 16 lanes, the map on its own: each
+   loop vectorizes. */
+static float lb_softmax_row(float *s, int64_t n, float *max) {
     float lanes[16], top = -INFINITY, sum = 0.0f;
     int64_t t = 0;
     for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
@@ -1194,6 +1218,7 @@ static float lb_softmax_row(float *s, int64_t n) {
     for (; t < n; t++) top = s[t] > top ? s[t] : top;
     for (int l = 0; l < 16; l++) top = lanes[l] > top ? lanes[l] : top;
     if (top == -INFINITY) top = 0.0f;
+    *max = top;
     for (t = 0; t < n; t++) s[t] = lb_exp(s[t] - top);
     for (int l = 0; l < 16; l++) lanes[l] = 0.0f;
     for (t = 0; t + 16 <= n; t += 16)
@@ -1212,76 +1237,173 @@ static int lb_check_dense(const lb_dense *parts, int64_t n, int64_t total) {
     return 0;
 }
 
-/* q: [batch, heads, groups, dim] float32; mask: NULL or an additive row of `total` floats a batch
-   row (mask_stride 0: one row for all); out: [batch, heads, groups, dim] float32. Returns -1
-   (having written nothing to trust) when a page or run is not one this reads, or memory runs out. */
-int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rope, const float *q,
+/* The tokens of a stream's pages in slots before s (a page's tokens are counted from its first). */
+static int64_t lb_tokens_before(const lb_stream *x, int64_t s) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < x->n_pages; i++) {
+        const int64_t a = s - x->starts[i];
+        n += a < 0 ? 0 : (a > x->pages[i].tokens ? x->pages[i].tokens : a);
+    }
+    return n;
+}
+
+/* Slot s moved down to a whole 16 tokens into the key page holding it (so that a part of a page
+   is whole tiles but for the page's own last tokens). */
+static int64_t lb_slot_split(const lb_stream *keys, int64_t s) {
+    for (int64_t i = 0; i < keys->n_pages; i++) {
+        const int64_t a = s - keys->starts[i];
+        if (a >= 0 && a < keys->pages[i].tokens) return keys->starts[i] + a / 16 * 16;
+    }
+    return s;
+}
+
+/* A decode step's attention over the slots s0..s1 of one part (lb_attend's): the scores of those
+   slots into their places in `scores` [rows][total], the mask added, e^(s - m) with m the part's
+   own maximum of each row (m[r], or 0 where every slot is masked), their sums l[r], and the sums
+   of e^(s - m) v over the pages' values into acc and over the fp runs' into acc_dense (both
+   [rows][dim], zeroed by the caller). */
+typedef struct {
+    const lb_stream *keys, *values;
+    const lb_rope *rope;
+    const float *q, *mask;
+    int64_t batch, heads, groups, dim, total, mask_stride;
+    float scaling;
+    float *scores;
+} lb_step;
+
+static void lb_attend_part(const lb_step *x, int64_t s0, int64_t s1, float *m, float *l, float *acc, float *acc_dense) {
+    const int64_t G = x->groups, d = x->dim, rows = x->batch * x->heads * G;
+    lb_table_cache tables = {.b = -1, .tables = NULL};
+    lb_job job = {x->keys->pages, x->keys->starts, x->keys->n_pages, x->rope, x->q, NULL, x->scores, NULL, G,
+                  x->total, lb_tokens_before(x->keys, s0), lb_tokens_before(x->keys, s1), x->scaling, &tables};
+    lb_each_page(&job, lb_scores_page);
+    float row[LB_MAX_DIM];
+    for (int64_t i = 0; i < x->keys->n_dense; i++) {
+        const lb_dense *run = &x->keys->dense[i];
+        const int64_t a = s0 > run->start ? s0 - run->start : 0;
+        const int64_t e = s1 - run->start < run->tokens ? s1 - run->start : run->tokens;
+        for (int64_t b = 0; b < x->batch; b++)
+            for (int64_t h = 0; h < x->heads; h++)
+                for (int64_t t = a; t < e; t++) {
+                    lb_dense_row(run, b, h, t, d, row);
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t r = (b * x->heads + h) * G + g;
+                        x->scores[r * x->total + run->start + t] = lb_dot(x->q + r * d, row, d) * x->scaling;
+                    }
+                }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = x->scores + r * x->total + s0;
+        if (x->mask) {
+            const float *mk = x->mask + (r / (x->heads * G)) * x->mask_stride + s0;
+            for (int64_t t = 0; t < s1 - s0; t++) s[t] += mk[t];
+        }
+        l[r] = lb_softmax_row(s, s1 - s0, &m[r]);
+    }
+    free(tables.tables);
+    tables.b = -1, tables.tables = NULL;
+    job = (lb_job){x->values->pages, x->values->starts, x->values->n_pages, NULL, NULL, x->scores, NULL, acc, G,
+                   x->total, lb_tokens_before(x->values, s0), lb_tokens_before(x->values, s1), 1.0f, &tables};
+    lb_each_page(&job, lb_accumulate_page);
+    free(tables.tables);
+    for (int64_t i = 0; i < x->values->n_dense; i++) {
+        const lb_dense *run = &x->values->dense[i];
+        const int64_t a = s0 > run->start ? s0 - run->start : 0;
+        const int64_t e = s1 - run->start < run->tokens ? s1 - run->start : run->tokens;
+        for (int64_t b = 0; b < x->batch; b++)
+            for (int64_t h = 0; h < x->heads; h++)
+                for (int64_t t = a; t < e; t++) {
+                    lb_dense_row(run, b, h, t, d, row);
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t r = (b * x->heads + h) * G + g;
+                        const float w = x->scores[r * x->total + run->start + t];
+                        for (int64_t j = 0; j < d; j++) acc_dense[r * d + j] += w * row[j];
+                    }
+                }
+    }
+}
+
+/* q: [batch, heads, groups, dim] in io_dtype (LB_F32, LB_F16 or LB_BF16), already rotated to its
+   position, or (rotate_query, with RoPE tables) not yet: then rotated here, in float32 as torch's
+   rotate-half RoPE, at the position of the last slot (the token just stored). mask: NULL or an
+   additive row of `total` floats a batch row (mask_stride 0: one row for all); out: [batch, heads,
+   groups, dim] in io_dtype (computed in float32, then rounded).
+
+   The slots are split into one contiguous part per thread (at least 256 slots each), and each
+   part is a whole flash-decoding split: its scores, its own softmax maximum and sum, its weighted
+   sums of the values, with no barrier between the passes; the parts are merged in part order
+   (weights e^(m_part - m), m the largest part maximum). Returns -1 (having written nothing to
+   trust) when a page or run is not one this reads, or memory runs out. */
+int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rope, const void *q, int io_dtype,
               int64_t batch, int64_t heads, int64_t groups, int64_t dim, int64_t total, float scaling,
-              const float *mask, int64_t mask_stride, const float *value_rotation, float *out, int threads) {
+              const float *mask, int64_t mask_stride, const float *value_rotation, int rotate_query, void *out,
+              int threads) {
     if (dim <= 0 || dim > LB_MAX_DIM || total <= 0) return -1;
     if (lb_check(keys->pages, keys->starts, keys->n_pages, groups, total) ||
         lb_check(values->pages, values->starts, values->n_pages, groups, total) ||
         lb_check_dense(keys->dense, keys->n_dense, total) || lb_check_dense(values->dense, values->n_dense, total))
         return -1;
+    if (rotate_query && (!rope || !rope->cos || dim % 2)) return -1;
+    if (io_dtype != LB_F32 && io_dtype != LB_F16 && io_dtype != LB_BF16) return -1;
     const int64_t rows = batch * heads * groups, acc_size = rows * dim;
-    const int n_threads = threads < 1 ? 1 : (threads > LB_MAX_THREADS ? LB_MAX_THREADS : threads);
+    int64_t n = threads < 1 ? 1 : (threads > LB_MAX_THREADS ? LB_MAX_THREADS : threads);
+    if (n > total / 256) n = total / 256 > 0 ? total / 256 : 1;
     float *scores = malloc((size_t)(rows * total) * sizeof(float)); /* [B, H, G, T] */
-    float *sums = malloc((size_t)rows * sizeof(float));
-    float *acc = calloc((size_t)(2 * acc_size), sizeof(float)); /* the pages', the fp runs' */
-    if (!scores || !sums || !acc) {
-        free(scores), free(sums), free(acc);
+    float *qr = malloc((size_t)acc_size * sizeof(float));
+    /* each part's maxima, sums [rows] and accumulators (the pages', the fp runs') [rows][dim] */
+    float *parts = calloc((size_t)(n * (2 * rows + 2 * acc_size)), sizeof(float));
+    if (!scores || !qr || !parts) {
+        free(scores), free(qr), free(parts);
         return -1;
     }
-    float *acc_dense = acc + acc_size;
-    lb_scores(keys->pages, keys->starts, keys->n_pages, rope, q, groups, scores, total, scaling, n_threads);
-    float row[LB_MAX_DIM];
-    for (int64_t i = 0; i < keys->n_dense; i++) {
-        const lb_dense *x = &keys->dense[i];
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t h = 0; h < heads; h++)
-                for (int64_t t = 0; t < x->tokens; t++) {
-                    lb_dense_row(x, b, h, t, dim, row);
-                    for (int64_t g = 0; g < groups; g++)
-                        scores[((b * heads + h) * groups + g) * total + x->start + t] =
-                            lb_dot(q + ((b * heads + h) * groups + g) * dim, row, dim) * scaling;
-                }
-    }
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float *s = scores + r * total;
-        if (mask) {
-            const float *m = mask + (r / (heads * groups)) * mask_stride;
-            for (int64_t t = 0; t < total; t++) s[t] += m[t];
+    lb_load_floats(q, io_dtype, acc_size, qr);
+    if (rotate_query) {
+        const int64_t half = dim / 2;
+        float x[LB_MAX_DIM];
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t p = rope->positions[(r / (heads * groups)) * rope->positions_stride + total - 1];
+            const float *c = rope->cos + p * dim, *sn = rope->sin + p * dim;
+            memcpy(x, qr + r * dim, (size_t)dim * sizeof(float));
+            for (int64_t j = 0; j < dim; j++) {
+                const float turned = j < half ? -x[j + half] : x[j - half];
+                qr[r * dim + j] = x[j] * c[j] + turned * sn[j];
+            }
         }
-        sums[r] = lb_softmax_row(s, total);
     }
-    lb_accumulate(values->pages, values->starts, values->n_pages, scores, groups, total, acc, n_threads);
-    for (int64_t i = 0; i < values->n_dense; i++) {
-        const lb_dense *x = &values->dense[i];
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t h = 0; h < heads; h++)
-                for (int64_t t = 0; t < x->tokens; t++) {
-                    lb_dense_row(x, b, h, t, dim, row);
-                    for (int64_t g = 0; g < groups; g++) {
-                        const int64_t r = (b * heads + h) * groups + g;
-                        const float w = scores[r * total + x->start + t];
-                        for (int64_t j = 0; j < dim; j++) acc_dense[r * dim + j] += w * row[j];
-                    }
-                }
+    const lb_step step = {keys, values, rope, qr, mask, batch, heads, groups, dim, total, mask_stride, scaling, scores};
+    int64_t bounds[LB_MAX_THREADS + 1];
+    for (int64_t i = 0; i <= n; i++) bounds[i] = i == n ? total : lb_slot_split(keys, total * i / n);
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+    for (int64_t i = 0; i < n; i++) {
+        float *part = parts + i * (2 * rows + 2 * acc_size);
+        lb_attend_part(&step, bounds[i], bounds[i + 1], part, part + rows, part + 2 * rows,
+                       part + 2 * rows + acc_size);
     }
     for (int64_t r = 0; r < rows; r++) {
-        const float *a = acc + r * dim;
-        const float l = sums[r] == 0.0f ? 1.0f : sums[r];
+        float top = -INFINITY, l = 0.0f, a[LB_MAX_DIM] = {0}, dense[LB_MAX_DIM] = {0};
+        for (int64_t i = 0; i < n; i++) top = parts[i * (2 * rows + 2 * acc_size) + r] > top ? parts[i * (2 * rows + 2 * acc_size) + r] : top;
+        for (int64_t i = 0; i < n; i++) {
+            const float *part = parts + i * (2 * rows + 2 * acc_size);
+            const float w = n == 1 ? 1.0f : lb_exp(part[r] - top);
+            l += w * part[rows + r];
+            for (int64_t j = 0; j < dim; j++) {
+                a[j] += w * part[2 * rows + r * dim + j];
+                dense[j] += w * part[2 * rows + acc_size + r * dim + j];
+            }
+        }
+        if (l == 0.0f) l = 1.0f;
+        float o[LB_MAX_DIM];
         for (int64_t j = 0; j < dim; j++) {
             float v = a[j];
             if (value_rotation) {
                 v = 0.0f;
                 for (int64_t i = 0; i < dim; i++) v += a[i] * value_rotation[j * dim + i];
             }
-            out[r * dim + j] = (v + acc_dense[r * dim + j]) / l;
+            o[j] = (v + dense[j]) / l;
         }
+        lb_store_floats(o, dim, io_dtype, (char *)out + r * dim * (io_dtype == LB_F32 ? 4 : 2));
     }
-    free(scores), free(sums), free(acc);
+    free(scores), free(qr), free(parts);
     return 0;
 }
 
