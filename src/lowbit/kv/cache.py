@@ -158,6 +158,27 @@ class _Stream:
         group = self.quantizer.token_group
         return -(-PAGE_TOKENS // group) * group
 
+    def layout_key(self) -> tuple:
+        """What a description of :meth:`regions` depends on, in one cheap tuple: the identity of
+        the sink, of every page (a page's tokens never change) and of the residual, and for an
+        open page of a room (written in place from step to step) the room and its layout
+        instead, the page's token count alone moving. A caller keying descriptions by this keeps
+        those objects alive (:meth:`layout_objects`), so that their ids are not reused."""
+        chunks = self.chunks
+        room = chunks[-1].room if chunks else None
+        closed = chunks[:-1] if room is not None else chunks
+        open_page = None if room is None else (id(room), room.layout())
+        return id(self.sink), id(self.residual), tuple(map(id, closed)), open_page
+
+    def layout_objects(self) -> tuple:
+        """The objects whose ids :meth:`layout_key` holds."""
+        return self.sink, self.residual, tuple(self.chunks)
+
+    def heads(self) -> int:
+        """The number of KV heads of the stored tokens (0 when none are stored)."""
+        part = self.sink if self.sink is not None else (self.chunks or [self.residual])[0]
+        return 0 if part is None else part.shape[1]
+
     def regions(self) -> list[tuple[int, int, Tensor | PackedKV]]:
         """``(start, stop, data)`` of the sink, each packed page and the residual, in slot
         order; ``data`` is an fp tensor or a :class:`PackedKV`."""

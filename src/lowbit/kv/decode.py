@@ -44,7 +44,6 @@ import lowbit.kv.cache as kv_cache
 import lowbit.kv.native as native
 import lowbit.kv.page_descriptors as pages_c
 from lowbit.kv.cache import QuantizedKVLayer
-from lowbit.kv.quantizer import PackedKV
 from lowbit.kv.triton_decode import triton_decode_attention
 
 __all__ = ["chunked_attention", "compiled_decode_attention", "RopeTable"]
@@ -272,10 +271,9 @@ def compiled_decode_attention(
         return None
     if layer.k.pinned is not None or layer.v.pinned is not None:
         return None
-    regions_k = layer.k.regions()
-    hkv = regions_k[0][2].shape[1]
-    groups = hq // hkv
-    if groups > native.MAX_GROUPS or d > native.MAX_DIM:
+    hkv = layer.k.heads()
+    groups = hq // max(hkv, 1)
+    if hkv == 0 or groups > native.MAX_GROUPS or d > native.MAX_DIM:
         return None
     total = layer.length
     rope = None
@@ -296,8 +294,8 @@ def compiled_decode_attention(
         def rotated(r0: int, r1: int, data: Tensor) -> Tensor:
             return _rotated_fp_keys(layer, r0, r1, data, key_rope)
 
-    keys = _stream(regions_k, keep, rotated, layer.decode_streams, "k")
-    values = _stream(layer.v.regions(), keep, None, layer.decode_streams, "v")
+    keys = _stream(layer.k, keep, rotated, layer.decode_streams, "k")
+    values = _stream(layer.v, keep, None, layer.decode_streams, "v")
     if keys is None or values is None or keys[1] is not None:
         return None  # a page the kernels do not read, or keys in a rotated basis
     row = None
@@ -325,42 +323,41 @@ def compiled_decode_attention(
 
 
 def _stream(
-    regions: list[tuple[int, int, Tensor | PackedKV]],
+    stream: kv_cache._Stream,
     keep: list,
     rotated: Callable[[int, int, Tensor], Tensor] | None = None,
     plans: dict | None = None,
     name: str = "",
 ) -> tuple[native.Stream, Tensor | None] | None:
-    """The keys or values of a layer (``regions``, :meth:`~lowbit.kv.cache._Stream.regions`)
+    """The keys or values of a layer (its ``stream``'s :meth:`~lowbit.kv.cache._Stream.regions`)
     as the library's ``lb_stream``, and the rotation of its pages' stored basis (or None);
     None where a page is not one the kernels read, or the pages differ in basis. ``rotated``:
     ``(first slot, last slot + 1, fp keys) -> the keys rotated to their positions`` for
     pre-RoPE keys. The structures and the tensors they point into are appended to ``keep``.
 
     ``plans`` (a layer's ``decode_streams``) keeps the result under ``name`` between decode
-    steps: while every region is the same object as last step, but for the open page of a room
-    that grew in place (same buffers), the kept structures are reused with that page's token
-    count updated, not described anew."""
-    parts, key = [], []
-    for r0, r1, data in regions:
+    steps: while the stream's :meth:`~lowbit.kv.cache._Stream.layout_key` is unchanged (every
+    region the same object as last step, but for the open page of a room that grew in place),
+    the kept structures are reused with that page's token count updated, not described anew."""
+    key = stream.layout_key()
+    kept = None if plans is None else plans.get(name)
+    if kept is not None and kept[0] == key:
+        _, result, page_array, room_page, held = kept
+        if room_page is not None:  # the open page's tokens, written since
+            page_array[room_page].tokens = stream.chunks[-1].num_tokens
+        keep.append(held)
+        return result
+    parts = []
+    for r0, r1, data in stream.regions():
         if isinstance(data, Tensor):
             if rotated is not None:
                 data = rotated(r0, r1, data)
             if data.dtype not in native.FLOAT_DTYPES or data.stride(-1) != 1:
                 data = data.float().contiguous()
-        key.append(pages_c.region_key(r0, r1, data))
         parts.append((r0, r1, data))
-    key = tuple(key)
-    kept = None if plans is None else plans.get(name)
-    if kept is not None and kept[0] == key:
-        _, stream, rotation, page_array, room_pages, held = kept
-        for index, part in room_pages:  # the open page's tokens, written since
-            page_array[index].tokens = parts[part][2].num_tokens
-        keep.append(held)
-        return stream, rotation
-    pages, starts, dense, rotations, room_pages, held = [], [], [], set(), [], []
-    rotation = None
-    for i, (r0, r1, data) in enumerate(parts):
+    pages, starts, dense, rotations, held = [], [], [], set(), [stream.layout_objects()]
+    rotation = room_page = None
+    for r0, r1, data in parts:
         held.append(data)
         if isinstance(data, Tensor):
             part = native.Dense(data.data_ptr(), native.FLOAT_DTYPES[data.dtype], 0, r0, r1 - r0)
@@ -370,8 +367,8 @@ def _stream(
         described = pages_c.page_descriptor(data)
         if described is None:
             return None
-        if data.room is not None:
-            room_pages.append((len(pages), i))
+        if data is stream.chunks[-1] and data.room is not None:
+            room_page = len(pages)
         pages.append(described[0])
         starts.append(r0)
         held.append(described[1])
@@ -382,14 +379,14 @@ def _stream(
     page_array, start_array = pages_c.page_array(pages, starts)
     dense_array = (native.Dense * len(dense))(*dense)
     held += [page_array, start_array, dense_array]
-    stream = native.Stream(
+    described_stream = native.Stream(
         ctypes.cast(page_array, ctypes.c_void_p), ctypes.cast(start_array, ctypes.c_void_p),
         len(pages), ctypes.cast(dense_array, ctypes.c_void_p), len(dense),
     )  # fmt: skip
     keep.append(held)
     if plans is not None:
-        plans[name] = (key, stream, rotation, page_array, room_pages, held)
-    return stream, rotation
+        plans[name] = (key, (described_stream, rotation), page_array, room_page, held)
+    return described_stream, rotation
 
 
 def _triton_decode(

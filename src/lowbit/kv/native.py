@@ -264,12 +264,13 @@ def _kvquant_constants(quantizer) -> tuple | None:
     q = quantizer
     state = q._buffers  # codebook, center, half_range (direct: a module's getattr is slow)
     codebook, center, half = state["codebook"], state["center"], state["half_range"]
+    key = (codebook.data_ptr(), codebook._version, center.data_ptr(), center._version,
+           half.data_ptr(), half._version)  # fmt: skip
+    kept = q.__dict__.get("_native_constants")
+    if kept is not None and kept[0] == key:  # the same memory (kept alive there), unchanged
+        return kept[1]
     if any(t.device.type != "cpu" for t in (codebook, center, half)):
         return None  # the quantizer's state elsewhere (meta while a model is built): torch's
-    key = tuple((t.data_ptr(), t._version) for t in (codebook, center, half))
-    kept = q.__dict__.get("_native_constants")
-    if kept is not None and kept[0] == key:
-        return kept[1]
     if q.per_channel and center.dtype != torch.float16:
         return None
     levels = codebook.float().contiguous()
@@ -279,5 +280,5 @@ def _kvquant_constants(quantizer) -> tuple | None:
         stats[0].data_ptr() if stats else None, stats[1].data_ptr() if stats else None,
         int(q.outlier_fraction > 0), 0 if q.per_channel else q.outliers_per_token,
     )  # fmt: skip
-    q.__dict__["_native_constants"] = (key, (arguments, levels, stats))
+    q.__dict__["_native_constants"] = (key, (arguments, levels, stats), (codebook, center, half))
     return arguments, levels, stats

@@ -281,10 +281,11 @@ static float lb_dot(const float *a, const float *b, int64_t d) {
    positions (from the tables in blocks of 16 positions: two loads and a permute when the
    positions run consecutively, else gathers), and a score vector is the sum over channels of
    q_d times the 16 tokens' k_d; values add p(token) v_d(token) into 16-lane accumulators,
-   summed across the lanes once a batch row. 4-bit pages whose dim is a multiple of 16 (the
-   usual case: KVQuant 4, kv-int 4) skip the decoded tile in memory: each channel's values go
-   from the permute into the multiply-adds, and the outliers are blended in by masked loads
-   (lb_tile4). The value tables are built once a call for the pages that share them. */
+   summed across the lanes once a batch row. 4-bit pages whose dim is a multiple of 16 and 3-bit
+   pages whose dim is a multiple of 32 (the usual cases: KVQuant 3 and 4, kv-int 4 at head dims
+   64 and 128) skip the decoded tile in memory: each channel's values go from the permute into
+   the multiply-adds, and the outliers are blended in by masked loads (lb_fused). The value
+   tables are built once a call for the pages that share them. */
 #if defined(__AVX512F__)
 #include <immintrin.h> /* again: F16C may be absent */
 #define LB_TILE 16
@@ -523,21 +524,26 @@ static void lb_accumulate_tile_run(const float *prow, int64_t groups, int64_t to
     }
 }
 
-/* 4-bit tiles decoded where they are used. With 4-bit codes and a dim of whole 16s (each
-   rotate-half half whole words of eight channels), a channel's 16 codes are one transposed
-   word shifted by a constant, and its 16 values go from the permute straight into the
-   multiply-adds, never stored and loaded back; a tile's outliers are staged once for all its
-   heads (per channel: the lanes holding one, and their values) and blended in by a masked
-   load. The values are lb_decode_tile's, bit for bit. */
-static int lb_fused_page(const lb_page *pg) { return pg->bits == 4 && pg->dim % 16 == 0; }
+/* 3- and 4-bit tiles decoded where they are used. A block of channels fills whole transposed
+   words (4 bits: 8 channels, one word; 3 bits: 32 channels, three words), so a channel's 16 codes
+   are its block's words shifted by constants (3-bit codes that cross a word are put together
+   from two), and its 16 values go from the permute straight into the multiply-adds, never
+   stored and loaded back. The permute reads an index's low 4 bits, so the bits above a 3-bit
+   code are harmless: the tables (lb_stats.table16) and levels repeat every 2^bits. A tile's
+   outliers are staged once for all its heads (per channel: the lanes holding one, and their
+   values) and blended in by a masked load. The values are lb_decode_tile's, bit for bit. The
+   dim is a whole number of 16 channels (4 bits) or of 32 (3 bits: whole blocks of three words). */
+static int lb_fused_page(const lb_page *pg) {
+    return (pg->bits == 4 && pg->dim % 16 == 0) || (pg->bits == 3 && pg->dim % 32 == 0);
+}
 
 typedef struct {
-    const uint32_t *words; /* [dim / 8][16]: the head's transposed code words (lb_tile_words) */
+    const uint32_t *words; /* [words a row][16]: the head's transposed code words (lb_tile_words) */
     const float *table;    /* [dim][16]: the head's value tables; NULL: levels, then token statistics */
     __m512 levels, zero, scale, offset;
     const uint16_t *mask; /* [dim]: the lanes holding outliers; NULL: the page has none */
     const float *outlier; /* [dim][16]: their values */
-} lb_tile4;
+} lb_fused;
 
 /* The outliers of tokens t..t+15 of batch row b, every head: mask[c] the lanes (tokens) holding
    one in channel c = head * dim + channel of the head, value[c][lane] its value. */
@@ -558,8 +564,8 @@ static void lb_tile_outliers(const lb_page *pg, int64_t b, int64_t t, uint16_t *
 }
 
 /* Head h of the tile at token t: its words gathered into `words`, its table or statistics. */
-static void lb_tile4_make(const lb_page *pg, int64_t b, int64_t h, int64_t t, uint32_t (*words)[LB_TILE],
-                          const float *tables, const uint16_t *mask, const float *outlier, lb_tile4 *x) {
+static void lb_fused_make(const lb_page *pg, int64_t b, int64_t h, int64_t t, uint32_t (*words)[LB_TILE],
+                          const float *tables, const uint16_t *mask, const float *outlier, lb_fused *x) {
     const int64_t d = pg->dim;
     lb_tile_words(pg, b, h, t, words);
     x->words = &words[0][0];
@@ -568,7 +574,7 @@ static void lb_tile4_make(const lb_page *pg, int64_t b, int64_t h, int64_t t, ui
     x->scale = _mm512_set1_ps(1.0f);
     if (!tables) { /* lb_decode_tile's levels and statistics; an absent one is an identity */
         float lv[16];
-        for (int l = 0; l < 16; l++) lv[l] = lb_level(pg, 0, 0, l);
+        for (int l = 0; l < 16; l++) lv[l] = lb_level(pg, 0, 0, l & ((1 << pg->bits) - 1));
         x->levels = _mm512_loadu_ps(lv);
         x->zero = lb_tile_stat(&pg->zero, pg, b, h, t, 0.0f);
         if (pg->scale.data) x->scale = lb_tile_stat(&pg->scale, pg, b, h, t, 1.0f);
@@ -578,11 +584,26 @@ static void lb_tile4_make(const lb_page *pg, int64_t b, int64_t h, int64_t t, ui
     x->outlier = mask ? outlier + h * d * LB_TILE : NULL;
 }
 
-/* The 16 values of channel i (in word `word`, at bit `shift`); TABLE and MASKED constants where
-   inlined. (v - 0) * 1 + 0 is v, so absent statistics need no branch. */
-static inline __attribute__((always_inline)) __m512 lb_tile4_value(const lb_tile4 *x, __m512i word, const int shift,
-                                                                   int64_t i, const int TABLE, const int MASKED) {
-    const __m512i c = _mm512_srli_epi32(word, (unsigned)shift);
+/* The codes of channels c0..c0+7 (c0 a multiple of 8) of a fused tile from bit 0 of each lane
+   on: channel c0 + s is this field shifted right by BITS * s (4 bits: a word; 3 bits: 24 bits of
+   a block of three words, put together where they cross a word). */
+static inline __attribute__((always_inline)) __m512i lb_fused_field(const lb_fused *x, int64_t c0, const int BITS) {
+    if (BITS == 4) return _mm512_loadu_si512(x->words + (c0 / 8) * LB_TILE);
+    const uint32_t *w = x->words + (c0 / 32) * 3 * LB_TILE; /* the block's three words */
+    switch ((c0 / 8) % 4) {
+        case 0: return _mm512_loadu_si512(w);
+        case 1: return _mm512_or_si512(_mm512_srli_epi32(_mm512_loadu_si512(w), 24),
+                                       _mm512_slli_epi32(_mm512_loadu_si512(w + LB_TILE), 8));
+        case 2: return _mm512_or_si512(_mm512_srli_epi32(_mm512_loadu_si512(w + LB_TILE), 16),
+                                       _mm512_slli_epi32(_mm512_loadu_si512(w + 2 * LB_TILE), 16));
+        default: return _mm512_srli_epi32(_mm512_loadu_si512(w + 2 * LB_TILE), 8);
+    }
+}
+
+/* The 16 values of channel i from its codes c; TABLE and MASKED constants where inlined.
+   (v - 0) * 1 + 0 is v, so absent statistics need no branch. */
+static inline __attribute__((always_inline)) __m512 lb_fused_value(const lb_fused *x, __m512i c, int64_t i,
+                                                                   const int TABLE, const int MASKED) {
     __m512 v;
     if (TABLE) {
         v = _mm512_permutexvar_ps(c, _mm512_loadu_ps(x->table + i * 16));
@@ -596,7 +617,7 @@ static inline __attribute__((always_inline)) __m512 lb_tile4_value(const lb_tile
 
 /* Whether channels i..i+7 hold an outlier in any lane of the tile (a block without one skips the
    masked loads). */
-static inline __attribute__((always_inline)) int lb_tile4_any(const lb_tile4 *x, int64_t i) {
+static inline __attribute__((always_inline)) int lb_fused_any(const lb_fused *x, int64_t i) {
     uint64_t a, b;
     memcpy(&a, x->mask + i, 8), memcpy(&b, x->mask + i + 4, 8);
     return (a | b) != 0;
@@ -604,21 +625,22 @@ static inline __attribute__((always_inline)) int lb_tile4_any(const lb_tile4 *x,
 
 /* lb_scores_tile_n on a fused tile: queries g < N of the head, keys rotated as there; two sums a
    query (even and odd channels; with RoPE, each pair's two halves), added at the end. */
-static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, int64_t d, const lb_tile4 *x,
-                                                               const float *ct, const float *st, int64_t rope_channels,
-                                                               float *srow, int64_t total, float scaling, const int N,
-                                                               const int TABLE, const int MASKED, const int ROPE) {
+static inline __attribute__((always_inline)) void lb_fused_scores_n(const float *q, int64_t d, const lb_fused *x,
+                                                                    const float *ct, const float *st, int64_t rope_channels,
+                                                                    float *srow, int64_t total, float scaling, const int N,
+                                                                    const int BITS, const int TABLE, const int MASKED,
+                                                                    const int ROPE) {
     __m512 acc[4], acc2[4];
     for (int j = 0; j < 4; j++) acc[j] = acc2[j] = _mm512_setzero_ps();
     if (ROPE) {
         const int64_t half = d / 2, second = rope_channels == d ? half : 0;
         for (int64_t i = 0; i < half; i += 8) {
-            const __m512i w = _mm512_loadu_si512(x->words + i * 2), w2 = _mm512_loadu_si512(x->words + (i + half) * 2);
-            const int m = MASKED && lb_tile4_any(x, i), m2 = MASKED && lb_tile4_any(x, i + half);
+            const __m512i f = lb_fused_field(x, i, BITS), f2 = lb_fused_field(x, i + half, BITS);
+            const int m = MASKED && lb_fused_any(x, i), m2 = MASKED && lb_fused_any(x, i + half);
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
-                const __m512 a = lb_tile4_value(x, w, 4 * s, i + s, TABLE, m);
-                const __m512 a2 = lb_tile4_value(x, w2, 4 * s, i + half + s, TABLE, m2);
+                const __m512 a = lb_fused_value(x, _mm512_srli_epi32(f, (unsigned)(BITS * s)), i + s, TABLE, m);
+                const __m512 a2 = lb_fused_value(x, _mm512_srli_epi32(f2, (unsigned)(BITS * s)), i + half + s, TABLE, m2);
                 const __m512 c = _mm512_loadu_ps(ct + (i + s) * 16), sn = _mm512_loadu_ps(st + (i + s) * 16);
                 const __m512 c2 = _mm512_loadu_ps(ct + (i + s + second) * 16), s2 = _mm512_loadu_ps(st + (i + s + second) * 16);
                 const __m512 r = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(a2, sn));
@@ -631,12 +653,12 @@ static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, i
         }
     } else {
         for (int64_t i = 0; i < d; i += 8) {
-            const __m512i w = _mm512_loadu_si512(x->words + i * 2); /* word i / 8 of the 16 rows */
-            const int m = MASKED && lb_tile4_any(x, i);
+            const __m512i f = lb_fused_field(x, i, BITS);
+            const int m = MASKED && lb_fused_any(x, i);
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s += 2) {
-                const __m512 k = lb_tile4_value(x, w, 4 * s, i + s, TABLE, m);
-                const __m512 k2 = lb_tile4_value(x, w, 4 * s + 4, i + s + 1, TABLE, m);
+                const __m512 k = lb_fused_value(x, _mm512_srli_epi32(f, (unsigned)(BITS * s)), i + s, TABLE, m);
+                const __m512 k2 = lb_fused_value(x, _mm512_srli_epi32(f, (unsigned)(BITS * s + BITS)), i + s + 1, TABLE, m);
                 for (int j = 0; j < N; j++) {
                     acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s]), k, acc[j]);
                     acc2[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i + s + 1]), k2, acc2[j]);
@@ -648,49 +670,59 @@ static inline __attribute__((always_inline)) void lb_scores4_n(const float *q, i
         _mm512_storeu_ps(srow + j * total, _mm512_mul_ps(_mm512_add_ps(acc[j], acc2[j]), _mm512_set1_ps(scaling)));
 }
 
-#define LB_SCORES4_N(T, M, R)                                                                                 \
-    switch (n) {                                                                                              \
-        case 4: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 4, T, M, R); break;         \
-        case 3: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 3, T, M, R); break;         \
-        case 2: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 2, T, M, R); break;         \
-        default: lb_scores4_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 1, T, M, R); break;        \
+#define LB_FUSED_SCORES_N(B, T, M, R)                                                                       \
+    switch (n) {                                                                                            \
+        case 4: lb_fused_scores_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 4, B, T, M, R); break; \
+        case 3: lb_fused_scores_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 3, B, T, M, R); break; \
+        case 2: lb_fused_scores_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 2, B, T, M, R); break; \
+        default: lb_fused_scores_n(qg, d, x, ct, st, rope_channels, sg, total, scaling, 1, B, T, M, R); break; \
     }
 
-/* lb_scores_tile on a fused tile: every query of the head, four at a time. */
-static void lb_scores4(const float *q, int64_t groups, int64_t d, const lb_tile4 *x, const float *ct, const float *st,
-                       int64_t rope_channels, float *srow, int64_t total, float scaling) {
+#define LB_FUSED_SCORES(B)                                   \
+    if (table && masked && rope) LB_FUSED_SCORES_N(B, 1, 1, 1) \
+    else if (table && masked) LB_FUSED_SCORES_N(B, 1, 1, 0)    \
+    else if (table && rope) LB_FUSED_SCORES_N(B, 1, 0, 1)      \
+    else if (table) LB_FUSED_SCORES_N(B, 1, 0, 0)              \
+    else if (masked && rope) LB_FUSED_SCORES_N(B, 0, 1, 1)     \
+    else if (masked) LB_FUSED_SCORES_N(B, 0, 1, 0)             \
+    else if (rope) LB_FUSED_SCORES_N(B, 0, 0, 1)               \
+    else LB_FUSED_SCORES_N(B, 0, 0, 0)
+
+/* lb_scores_tile on a fused tile of `bits`-bit codes: every query of the head, four at a time. */
+static inline __attribute__((always_inline)) void lb_fused_scores(const float *q, int64_t groups, int64_t d, int bits,
+                                                                  const lb_fused *x, const float *ct, const float *st,
+                                                                  int64_t rope_channels, float *srow, int64_t total,
+                                                                  float scaling) {
     const int table = x->table != NULL, masked = x->mask != NULL, rope = ct != NULL;
     for (int64_t g = 0; g < groups; g += 4) {
         const int n = groups - g < 4 ? (int)(groups - g) : 4;
         const float *qg = q + g * d;
         float *sg = srow + g * total;
-        if (table && masked && rope) LB_SCORES4_N(1, 1, 1)
-        else if (table && masked) LB_SCORES4_N(1, 1, 0)
-        else if (table && rope) LB_SCORES4_N(1, 0, 1)
-        else if (table) LB_SCORES4_N(1, 0, 0)
-        else if (masked && rope) LB_SCORES4_N(0, 1, 1)
-        else if (masked) LB_SCORES4_N(0, 1, 0)
-        else if (rope) LB_SCORES4_N(0, 0, 1)
-        else LB_SCORES4_N(0, 0, 0)
+        if (bits == 3) {
+            LB_FUSED_SCORES(3)
+        } else {
+            LB_FUSED_SCORES(4)
+        }
     }
 }
 
 /* lanes[g][channel][16] += p_g(token) v(token) over the N fused tiles xs (a run), as
    lb_accumulate_tiles_n; tile k's weights at prow + 16 k. */
-static inline __attribute__((always_inline)) void lb_accumulate4_n(const float *prow, int64_t groups, int64_t total,
-                                                                   int64_t d, const lb_tile4 *xs, float *lanes,
-                                                                   const int N, const int TABLE, const int MASKED) {
+static inline __attribute__((always_inline)) void lb_fused_accumulate_n(const float *prow, int64_t groups,
+                                                                        int64_t total, int64_t d, const lb_fused *xs,
+                                                                        float *lanes, const int N, const int BITS,
+                                                                        const int TABLE, const int MASKED) {
     for (int64_t i = 0; i < d; i += 8) {
-        __m512i w[LB_TILE_RUN];
+        __m512i f[LB_TILE_RUN];
         int m[LB_TILE_RUN];
         for (int k = 0; k < N; k++) {
-            w[k] = _mm512_loadu_si512(xs[k].words + i * 2);
-            m[k] = MASKED && lb_tile4_any(&xs[k], i);
+            f[k] = lb_fused_field(&xs[k], i, BITS);
+            m[k] = MASKED && lb_fused_any(&xs[k], i);
         }
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             __m512 v[LB_TILE_RUN];
-            for (int k = 0; k < N; k++) v[k] = lb_tile4_value(&xs[k], w[k], 4 * s, i + s, TABLE, m[k]);
+            for (int k = 0; k < N; k++) v[k] = lb_fused_value(&xs[k], _mm512_srli_epi32(f[k], (unsigned)(BITS * s)), i + s, TABLE, m[k]);
             for (int64_t g = 0; g < groups; g++) {
                 float *a = lanes + (g * d + i + s) * LB_TILE;
                 __m512 sum = _mm512_loadu_ps(a);
@@ -701,21 +733,28 @@ static inline __attribute__((always_inline)) void lb_accumulate4_n(const float *
     }
 }
 
-#define LB_ACCUMULATE4_N(T, M)                                                                 \
-    switch (tiles) {                                                                           \
-        case 4: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 4, T, M); break;           \
-        case 3: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 3, T, M); break;           \
-        case 2: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 2, T, M); break;           \
-        default: lb_accumulate4_n(prow, groups, total, d, xs, lanes, 1, T, M); break;          \
+#define LB_FUSED_ACCUMULATE_N(B, T, M)                                                                \
+    switch (tiles) {                                                                                  \
+        case 4: lb_fused_accumulate_n(prow, groups, total, d, xs, lanes, 4, B, T, M); break;          \
+        case 3: lb_fused_accumulate_n(prow, groups, total, d, xs, lanes, 3, B, T, M); break;          \
+        case 2: lb_fused_accumulate_n(prow, groups, total, d, xs, lanes, 2, B, T, M); break;          \
+        default: lb_fused_accumulate_n(prow, groups, total, d, xs, lanes, 1, B, T, M); break;         \
     }
 
-/* lb_accumulate_tile_run on fused tiles (`table`, `masked`: as every tile's). */
-static void lb_accumulate4(const float *prow, int64_t groups, int64_t total, int64_t d, const lb_tile4 *xs,
-                           float *lanes, int tiles, int table, int masked) {
-    if (table && masked) LB_ACCUMULATE4_N(1, 1)
-    else if (table) LB_ACCUMULATE4_N(1, 0)
-    else if (masked) LB_ACCUMULATE4_N(0, 1)
-    else LB_ACCUMULATE4_N(0, 0)
+#define LB_FUSED_ACCUMULATE(B)                                \
+    if (table && masked) LB_FUSED_ACCUMULATE_N(B, 1, 1)       \
+    else if (table) LB_FUSED_ACCUMULATE_N(B, 1, 0)            \
+    else if (masked) LB_FUSED_ACCUMULATE_N(B, 0, 1)           \
+    else LB_FUSED_ACCUMULATE_N(B, 0, 0)
+
+/* lb_accumulate_tile_run on fused tiles of `bits`-bit codes (`table`, `masked`: as every tile's). */
+static void lb_fused_accumulate(const float *prow, int64_t groups, int64_t total, int64_t d, int bits,
+                                const lb_fused *xs, float *lanes, int tiles, int table, int masked) {
+    if (bits == 3) {
+        LB_FUSED_ACCUMULATE(3)
+    } else {
+        LB_FUSED_ACCUMULATE(4)
+    }
 }
 #else
 #define LB_TILE 0
@@ -854,9 +893,9 @@ static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t
                 const float *q = job->q + (b * H + h) * G * d;
                 float *srow = job->scores + (b * H + h) * G * job->total + start + t;
                 if (fused) {
-                    lb_tile4 x;
-                    lb_tile4_make(pg, b, h, t, words, buf.tables, mask, buf.kts, &x);
-                    lb_scores4(q, G, d, &x, ct, sn, rope_channels, srow, job->total, job->scaling);
+                    lb_fused x;
+                    lb_fused_make(pg, b, h, t, words, buf.tables, mask, buf.kts, &x);
+                    lb_fused_scores(q, G, d, pg->bits, &x, ct, sn, rope_channels, srow, job->total, job->scaling);
                 } else {
                     lb_scores_tile(q, G, d, buf.kts + h * d * LB_TILE, ct, sn, rope_channels, srow, job->total, job->scaling);
                 }
@@ -893,11 +932,12 @@ static int64_t lb_accumulate_tiles(const lb_job *job, int64_t i, int64_t t0, int
                 const float *prow = job->p + (b * H + h) * G * job->total + start + t;
                 float *lanes = buf.extra + h * G * d * LB_TILE;
                 if (fused) {
-                    lb_tile4 xs[LB_TILE_RUN];
+                    lb_fused xs[LB_TILE_RUN];
                     for (int k = 0; k < tiles; k++)
-                        lb_tile4_make(pg, b, h, t + k * LB_TILE, words[k], buf.tables, masks ? masks + k * H * d : NULL,
+                        lb_fused_make(pg, b, h, t + k * LB_TILE, words[k], buf.tables, masks ? masks + k * H * d : NULL,
                                       buf.kts + k * tile_stride, &xs[k]);
-                    lb_accumulate4(prow, G, job->total, d, xs, lanes, tiles, buf.tables != NULL, masks != NULL);
+                    lb_fused_accumulate(prow, G, job->total, d, pg->bits, xs, lanes, tiles, buf.tables != NULL,
+                                        masks != NULL);
                 } else {
                     lb_accumulate_tile_run(prow, G, job->total, d, buf.kts + h * d * LB_TILE, tile_stride, lanes, tiles);
                 }

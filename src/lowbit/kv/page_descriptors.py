@@ -26,7 +26,7 @@ from lowbit.kv.int_quant import IntPackedKV
 from lowbit.kv.kvquant import KVQuantPackedKV
 from lowbit.kv.quantizer import PackedKV
 
-__all__ = ["page_descriptor", "page_array", "region_key"]
+__all__ = ["page_descriptor", "page_array"]
 
 
 def _stat(t: Tensor | None) -> native.Stat:
@@ -133,15 +133,6 @@ def _describe(page: PackedKV) -> tuple[native.Page, list[Tensor]] | None:
             desc.row_ptr, desc.col_val = row_ptr.data_ptr(), col_val.data_ptr()
             keep += [row_ptr, col_val]
     return desc, keep
-
-
-def region_key(r0: int, r1: int, data) -> tuple:
-    """What a described region (slots ``r0:r1``, an fp tensor or a page) depends on: the object
-    (a page's tokens never change), or for a page of an open page's room the room and its
-    layout, the token count alone moving from step to step. A caller keying its descriptions by
-    this keeps the objects alive, so that their ids are not reused."""
-    room = getattr(data, "room", None)
-    return (r0, r1, id(data)) if room is None else (r0, id(room), room.layout())
 
 
 def page_array(pages: list[native.Page], starts: list[int]) -> tuple[ctypes.Array, ctypes.Array]:

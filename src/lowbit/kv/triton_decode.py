@@ -92,7 +92,7 @@ class _Pages:
     dense: list  # (first slot, last slot + 1, fp tensor [B, H, n, D]) beside the pages
     rotation: Tensor | None  # the pages' stored basis (values: x̂ Rᵀ), or None
     tokens: list  # each page's token count, as the table holds it
-    rooms: list  # (table row, region index) of each page of an open page's room
+    room: int | None  # the table row of the open page of a room (its token count moves)
     held: list  # the regions and what the descriptors point into, alive while kept
 
     @property
@@ -100,27 +100,29 @@ class _Pages:
         return len(self.tokens)
 
 
-def _pages(regions, device: torch.device, plans: dict, name: str) -> _Pages | None:
-    """The regions of a stream (:meth:`~lowbit.kv.cache._Stream.regions`) as :class:`_Pages`;
-    None where a page is not one the kernels read, or the pages differ in format, codebook or
-    basis.
+def _pages(stream, device: torch.device, plans: dict, name: str) -> _Pages | None:
+    """The regions of a layer's keys or values (``stream``'s
+    :meth:`~lowbit.kv.cache._Stream.regions`) as :class:`_Pages`; None where a page is not one
+    the kernels read, or the pages differ in format, codebook or basis.
 
     ``plans`` (a layer's ``decode_streams``) keeps it under ``name`` between steps: while the
-    regions are the same but for the open page of a room that grew in place, the table on the
-    device stays and only that page's token count is written there (one element, no copy of
-    the table, so a step does not wait for the device)."""
-    key = tuple(pages_c.region_key(*region) for region in regions)
+    stream's :meth:`~lowbit.kv.cache._Stream.layout_key` is unchanged (the same regions but for
+    the open page of a room that grew in place), the table on the device stays and only that
+    page's token count is written there (one element, no copy of the table, so a step does not
+    wait for the device)."""
+    key = stream.layout_key()
     kept = plans.get(name)
     if kept is not None and kept[0] == key:
         pages = kept[1]
-        for row, part in pages.rooms:
-            tokens = regions[part][2].num_tokens
+        if pages.room is not None:
+            row, tokens = pages.room, stream.chunks[-1].num_tokens
             if pages.tokens[row] != tokens:
                 pages.table[row, 4] = tokens
                 pages.tokens[row] = tokens
         return pages
-    rows, dense, rooms, held, first = [], [], [], [regions], None
-    for index, (r0, r1, data) in enumerate(regions):
+    regions = stream.regions()
+    rows, dense, room, held, first = [], [], None, [stream.layout_objects(), regions], None
+    for r0, r1, data in regions:
         if isinstance(data, Tensor):
             dense.append((r0, r1, data))
             continue
@@ -134,22 +136,22 @@ def _pages(regions, device: torch.device, plans: dict, name: str) -> _Pages | No
             levels = next((t for t in tensors if t.data_ptr() == desc.levels), None)
         elif this[:2] != first[:2] or this[2] is not first[2]:
             return None
-        if data.room is not None:
-            rooms.append((len(rows), index))
+        if data is stream.chunks[-1] and data.room is not None:
+            room = len(rows)
         held.append(tensors)
         rows.append([desc.codes, *desc.code_stride, desc.tokens, r0,
                      *_stat_columns(desc.scale), *_stat_columns(desc.zero),
                      *_stat_columns(desc.offset),
                      desc.row_ptr or 0, desc.col_val or 0])  # fmt: skip
     if first is None:
-        pages = _Pages(None, {}, torch.zeros(1, device=device), dense, None, [], [], held)
+        pages = _Pages(None, {}, torch.zeros(1, device=device), dense, None, [], None, held)
     else:
         if levels is None:  # integer levels: a placeholder the kernels never read
             levels = torch.zeros(1, device=device)
         table = torch.tensor(rows, dtype=torch.int64).to(device)
         constants = {**first[0], "OUTLIERS": any(row[21] for row in rows)}
         tokens = [row[4] for row in rows]
-        pages = _Pages(table, constants, levels, dense, first[2], tokens, rooms, held)
+        pages = _Pages(table, constants, levels, dense, first[2], tokens, room, held)
     plans[name] = (key, pages)
     return pages
 
@@ -186,12 +188,11 @@ def triton_decode_attention(
         return None
     if rope_table is not None and d % 2:
         return None
-    regions = layer.k.regions()
-    keys = _pages(regions, q.device, layer.decode_streams, "triton k")
-    values = _pages(layer.v.regions(), q.device, layer.decode_streams, "triton v")
+    keys = _pages(layer.k, q.device, layer.decode_streams, "triton k")
+    values = _pages(layer.v, q.device, layer.decode_streams, "triton v")
     if keys is None or values is None or keys.rotation is not None:
         return None
-    hkv = regions[0][2].shape[1]
+    hkv = layer.k.heads()
     groups, total = hq // hkv, layer.length
     gp = triton.next_power_of_2(groups)
     rows = triton.next_power_of_2(BLOCK_T * b)  # a block's CSR rows, for its outliers
