@@ -316,7 +316,8 @@ static __m512 lb_tile_stat(const lb_stat *s, const lb_page *pg, int64_t b, int64
 }
 
 /* The code words of tokens t..t+15 of row (b, h) transposed: words[w][j] is word w of token t+j's
-   row (the rows' last bytes zero-padded to a word). */
+   row (the rows' last bytes zero-padded to a word). Rows of whole 8 words are transposed by
+   shuffles 8 words at a time, others 4 words at a time, and the words left by gathers. */
 static void lb_tile_words(const lb_page *pg, int64_t b, int64_t h, int64_t t, uint32_t (*words)[LB_TILE]) {
     const int64_t d = pg->dim, bits = pg->bits, row_bytes = (d * bits + 7) / 8, full = row_bytes / 4;
     const uint8_t *row0 = lb_row(pg, b, h, t);
@@ -344,10 +345,26 @@ static void lb_tile_words(const lb_page *pg, int64_t b, int64_t h, int64_t t, ui
                 _mm512_storeu_si512(words[w0 + k + 4], _mm512_permutex2var_epi64(v[k], hi, v[k + 4]));
             }
         }
-    } else if (step <= INT32_MAX / LB_TILE) { /* word w of the 16 rows: one gather */
+    } else if (step <= INT32_MAX / LB_TILE) {
+        int64_t w = 0;
+        for (; w + 4 <= full; w += 4) { /* blocks of 4 words: one 4 x 4 transpose in each 128 bits */
+            __m512i r[4], u[4]; /* r[k]: words w.. of rows k, k + 4, k + 8, k + 12 */
+            for (int k = 0; k < 4; k++) {
+                r[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(row0 + k * step + 4 * w)));
+                for (int l = 1; l < 4; l++)
+                    r[k] = _mm512_inserti32x4(r[k], _mm_loadu_si128((const __m128i *)(row0 + (k + 4 * l) * step + 4 * w)), l);
+            }
+            u[0] = _mm512_unpacklo_epi32(r[0], r[1]), u[1] = _mm512_unpackhi_epi32(r[0], r[1]);
+            u[2] = _mm512_unpacklo_epi32(r[2], r[3]), u[3] = _mm512_unpackhi_epi32(r[2], r[3]);
+            _mm512_storeu_si512(words[w], _mm512_unpacklo_epi64(u[0], u[2]));
+            _mm512_storeu_si512(words[w + 1], _mm512_unpackhi_epi64(u[0], u[2]));
+            _mm512_storeu_si512(words[w + 2], _mm512_unpacklo_epi64(u[1], u[3]));
+            _mm512_storeu_si512(words[w + 3], _mm512_unpackhi_epi64(u[1], u[3]));
+        }
         const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32((int)step));
-        for (int64_t w = 0; w < full; w++) _mm512_storeu_si512(words[w], _mm512_i32gather_epi32(at, row0 + 4 * w, 1));
+        for (; w < full; w++) /* word w of the 16 rows: one gather */
+            _mm512_storeu_si512(words[w], _mm512_i32gather_epi32(at, row0 + 4 * w, 1));
     } else {
         for (int j = 0; j < LB_TILE; j++)
             for (int64_t w = 0; w < full; w++) memcpy(&words[w][j], row0 + j * step + 4 * w, 4);
