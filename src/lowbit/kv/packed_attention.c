@@ -1436,30 +1436,37 @@ int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rop
         lb_attend_part(&step, bounds[i], bounds[i + 1], part, part + rows, part + 2 * rows,
                        part + 2 * rows + acc_size);
     }
+    /* value_rotation transposed, so that rotating a sum back runs along contiguous rows */
+    float *turn = value_rotation ? malloc((size_t)(dim * dim) * sizeof(float)) : NULL;
+    if (value_rotation && !turn) {
+        free(scores), free(qr), free(parts);
+        return -1;
+    }
+    for (int64_t i = 0; i < dim && turn; i++)
+        for (int64_t j = 0; j < dim; j++) turn[i * dim + j] = value_rotation[j * dim + i];
+    const int64_t stride = 2 * rows + 2 * acc_size; /* a part's floats */
     for (int64_t r = 0; r < rows; r++) {
-        float top = -INFINITY, l = 0.0f, a[LB_MAX_DIM] = {0}, dense[LB_MAX_DIM] = {0};
-        for (int64_t i = 0; i < n; i++) top = parts[i * (2 * rows + 2 * acc_size) + r] > top ? parts[i * (2 * rows + 2 * acc_size) + r] : top;
-        for (int64_t i = 0; i < n; i++) {
-            const float *part = parts + i * (2 * rows + 2 * acc_size);
+        float top = -INFINITY, l = 0.0f, a[LB_MAX_DIM] = {0}, o[LB_MAX_DIM] = {0};
+        for (int64_t i = 0; i < n; i++) top = parts[i * stride + r] > top ? parts[i * stride + r] : top;
+        for (int64_t i = 0; i < n; i++) { /* the pages' sums into a, the fp runs' into o */
+            const float *part = parts + i * stride;
             const float w = n == 1 ? 1.0f : lb_exp(part[r] - top);
             l += w * part[rows + r];
             for (int64_t j = 0; j < dim; j++) {
                 a[j] += w * part[2 * rows + r * dim + j];
-                dense[j] += w * part[2 * rows + acc_size + r * dim + j];
+                o[j] += w * part[2 * rows + acc_size + r * dim + j];
             }
         }
         if (l == 0.0f) l = 1.0f;
-        float o[LB_MAX_DIM];
-        for (int64_t j = 0; j < dim; j++) {
-            float v = a[j];
-            if (value_rotation) {
-                v = 0.0f;
-                for (int64_t i = 0; i < dim; i++) v += a[i] * value_rotation[j * dim + i];
-            }
-            o[j] = (v + dense[j]) / l;
-        }
+        if (turn) /* o += a R^T: the pages' sum in the model's basis */
+            for (int64_t i = 0; i < dim; i++)
+                for (int64_t j = 0; j < dim; j++) o[j] += a[i] * turn[i * dim + j];
+        else
+            for (int64_t j = 0; j < dim; j++) o[j] += a[j];
+        for (int64_t j = 0; j < dim; j++) o[j] /= l;
         lb_store_floats(o, dim, io_dtype, (char *)out + r * dim * (io_dtype == LB_F32 ? 4 : 2));
     }
+    free(turn);
     free(scores), free(qr), free(parts);
     return 0;
 }
