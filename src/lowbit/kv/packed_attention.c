@@ -1328,15 +1328,13 @@ typedef struct {
     float *scores;
 } lb_step;
 
-static void lb_attend_part(const lb_step *x, int64_t s0, int64_t s1, float *m, float *l, float *acc, float *acc_dense) {
-    const int64_t G = x->groups, d = x->dim, rows = x->batch * x->heads * G;
-    lb_table_cache tables = {.b = -1, .tables = NULL};
-    lb_job job = {x->keys->pages, x->keys->starts, x->keys->n_pages, x->rope, x->q, NULL, x->scores, NULL, G,
-                  x->total, lb_tokens_before(x->keys, s0), lb_tokens_before(x->keys, s1), x->scaling, &tables};
-    lb_each_page(&job, lb_scores_page);
+/* The fp runs of a stream inside slots s0..s1: the keys' scores into x->scores (acc NULL), or
+   the values' sums weighted by the row's e^(s - m) into acc [rows][dim]. */
+static void lb_dense_part(const lb_step *x, const lb_stream *stream, int64_t s0, int64_t s1, float *acc) {
+    const int64_t G = x->groups, d = x->dim;
     float row[LB_MAX_DIM];
-    for (int64_t i = 0; i < x->keys->n_dense; i++) {
-        const lb_dense *run = &x->keys->dense[i];
+    for (int64_t i = 0; i < stream->n_dense; i++) {
+        const lb_dense *run = &stream->dense[i];
         const int64_t a = s0 > run->start ? s0 - run->start : 0;
         const int64_t e = s1 - run->start < run->tokens ? s1 - run->start : run->tokens;
         for (int64_t b = 0; b < x->batch; b++)
@@ -1345,10 +1343,24 @@ static void lb_attend_part(const lb_step *x, int64_t s0, int64_t s1, float *m, f
                     lb_dense_row(run, b, h, t, d, row);
                     for (int64_t g = 0; g < G; g++) {
                         const int64_t r = (b * x->heads + h) * G + g;
-                        x->scores[r * x->total + run->start + t] = lb_dot(x->q + r * d, row, d) * x->scaling;
+                        float *score = x->scores + r * x->total + run->start + t;
+                        if (!acc) {
+                            *score = lb_dot(x->q + r * d, row, d) * x->scaling;
+                            continue;
+                        }
+                        for (int64_t j = 0; j < d; j++) acc[r * d + j] += *score * row[j];
                     }
                 }
     }
+}
+
+static void lb_attend_part(const lb_step *x, int64_t s0, int64_t s1, float *m, float *l, float *acc, float *acc_dense) {
+    const int64_t G = x->groups, rows = x->batch * x->heads * G;
+    lb_table_cache tables = {.b = -1, .tables = NULL};
+    lb_job job = {x->keys->pages, x->keys->starts, x->keys->n_pages, x->rope, x->q, NULL, x->scores, NULL, G,
+                  x->total, lb_tokens_before(x->keys, s0), lb_tokens_before(x->keys, s1), x->scaling, &tables};
+    lb_each_page(&job, lb_scores_page);
+    lb_dense_part(x, x->keys, s0, s1, NULL);
     for (int64_t r = 0; r < rows; r++) {
         float *s = x->scores + r * x->total + s0;
         if (x->mask) {
@@ -1363,21 +1375,7 @@ static void lb_attend_part(const lb_step *x, int64_t s0, int64_t s1, float *m, f
                    x->total, lb_tokens_before(x->values, s0), lb_tokens_before(x->values, s1), 1.0f, &tables};
     lb_each_page(&job, lb_accumulate_page);
     free(tables.tables);
-    for (int64_t i = 0; i < x->values->n_dense; i++) {
-        const lb_dense *run = &x->values->dense[i];
-        const int64_t a = s0 > run->start ? s0 - run->start : 0;
-        const int64_t e = s1 - run->start < run->tokens ? s1 - run->start : run->tokens;
-        for (int64_t b = 0; b < x->batch; b++)
-            for (int64_t h = 0; h < x->heads; h++)
-                for (int64_t t = a; t < e; t++) {
-                    lb_dense_row(run, b, h, t, d, row);
-                    for (int64_t g = 0; g < G; g++) {
-                        const int64_t r = (b * x->heads + h) * G + g;
-                        const float w = x->scores[r * x->total + run->start + t];
-                        for (int64_t j = 0; j < d; j++) acc_dense[r * d + j] += w * row[j];
-                    }
-                }
-    }
+    lb_dense_part(x, x->values, s0, s1, acc_dense);
 }
 
 /* q: [batch, heads, groups, dim] in io_dtype (LB_F32, LB_F16 or LB_BF16), already rotated to its
