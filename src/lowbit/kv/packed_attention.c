@@ -34,7 +34,9 @@
    accumulator split the same way.
 
    Threads: a call's tokens, over all its pages, are split into one contiguous range per thread;
-   accumulation gives each thread its own accumulator, summed in thread order. The threads are
+   accumulation gives each thread its own accumulator, summed in thread order. In lb_attend each
+   thread's range of slots is a whole flash-decoding split (its scores, its own softmax maximum
+   and sum, its weighted sums), the splits merged at the end. The threads are
    OpenMP's: loaded into a process that has torch, the library binds to torch's own OpenMP
    runtime (the same soname), so its threads are torch's pool and the two never compete. */
 
