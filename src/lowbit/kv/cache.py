@@ -9,7 +9,9 @@ Per layer and per stream (K, V) the layer stores, in token order:
    page, never the whole cache);
 3. an fp residual: tokens not yet quantized. After each update the oldest tokens leave the
    residual in whole ``token_group``s as long as at least ``fp_window`` tokens stay behind
-   (KIVI's last 128 tokens; 0 for per-token formats, so then the residual is empty).
+   (KIVI's last 128 tokens; 0 for per-token formats, so then the residual is empty). The
+   residual grows in place in a buffer of its own, written only past its end, so earlier views
+   of it never change and a decode step does not copy the window.
 
 lowbit's attention (:mod:`lowbit.kv.attention`) stores with ``store`` and reads the pages a
 chunk at a time (``chunks``, :func:`lowbit.kv.decode.chunked_attention`); transformers'
@@ -100,6 +102,11 @@ class _Stream:
         self.pinned_rows: Tensor | None = None  # [P] int32 batch row of each pinned token
         self.pinned_slots: Tensor | None = None  # [P] int32 cache slot
         self.pinned: Tensor | None = None  # [P, H, D] fp values
+        # the residual's buffer [B, H, capacity, D] while it is ``residual_view`` (None: none),
+        # and the first slot of the buffer never written
+        self.residual_room: Tensor | None = None
+        self.residual_view: Tensor | None = None
+        self.residual_end = 0
 
     def append(
         self, x: Tensor, sink_room: int, fp_dtype: torch.dtype, start: int, pin: Tensor | None
@@ -123,10 +130,14 @@ class _Stream:
             self.sink = head.contiguous() if self.sink is None else torch.cat([self.sink, head], 2)
         if x.shape[2] == 0:
             return
-        self.residual = x if self.residual is None else torch.cat([self.residual, x], 2)
+        group = 1 if self.quantizer is None else self.quantizer.token_group
+        packed_now = self.quantizer is not None and self.fp_window == 0 and x.shape[2] % group == 0
+        if self.residual is None and packed_now:
+            self.residual = x  # every token is packed below: no buffer (per-token formats)
+        else:
+            self._grow_residual(x, group)
         if self.quantizer is None:
             return
-        group = self.quantizer.token_group
         page = self.page_tokens
         n = max(self.residual.shape[2] - self.fp_window, 0) // group * group
         if n == 0:
@@ -150,7 +161,42 @@ class _Stream:
             self.chunks.append(packed if packed is not None else self.quantizer.quantize(tokens))
             done += take
         rest = None if n == self.residual.shape[2] else self.residual[:, :, n:]
-        self.residual = rest.contiguous() if rest is not None else None
+        self.residual = rest
+        self.residual_view = rest if rest is not None and self.residual_room is not None else None
+        if rest is None or self.residual_view is None:
+            self.residual_room = self.residual_view = None
+        elif self.residual_room.shape[2] > 2 * self._steady_room(group):  # after a long prompt
+            self.residual = self.residual_room = None
+            self._grow_residual(rest, group)
+
+    def _steady_room(self, group: int) -> int:
+        """Tokens of a residual buffer for decode steps: the window, two groups and a tile."""
+        return self.fp_window + 2 * group + 16
+
+    def _grow_residual(self, x: Tensor, group: int) -> None:
+        """``residual`` followed by ``x`` [B, H, S, D], written in place past the end of the
+        residual's buffer where it has room (else in a new one, the residual copied once)."""
+        b, h, s, d = x.shape
+        held = 0 if self.residual is None else self.residual.shape[2]
+        room = self.residual_room
+        usable = (
+            room is not None
+            and self.residual is self.residual_view
+            and self.residual_end + s <= room.shape[2]
+            and (room.shape[0], room.shape[1], room.shape[3]) == (b, h, d)
+            and room.dtype == x.dtype
+            and room.device == x.device
+        )
+        if not usable:
+            capacity = max(self._steady_room(group), 2 * (held + s))
+            room = self.residual_room = x.new_empty(b, h, capacity, d)
+            if held:
+                room[:, :, :held] = self.residual
+            self.residual_end = held
+        end = self.residual_end
+        room[:, :, end : end + s] = x
+        self.residual_end = end + s
+        self.residual = self.residual_view = room[:, :, end - held : end + s]
 
     @property
     def page_tokens(self) -> int:
@@ -161,18 +207,22 @@ class _Stream:
     def layout_key(self) -> tuple:
         """What a description of :meth:`regions` depends on, in one cheap tuple: the identity of
         the sink, of every page (a page's tokens never change) and of the residual, and for an
-        open page of a room (written in place from step to step) the room and its layout
-        instead, the page's token count alone moving. A caller keying descriptions by this keeps
-        those objects alive (:meth:`layout_objects`), so that their ids are not reused."""
+        open page of a room and a residual growing in its buffer (both written in place from
+        step to step) the room or buffer and where it starts instead, the token count alone
+        moving. A caller keying descriptions by this keeps those objects alive
+        (:meth:`layout_objects`), so that their ids are not reused."""
         chunks = self.chunks
         room = chunks[-1].room if chunks else None
         closed = chunks[:-1] if room is not None else chunks
         open_page = None if room is None else (id(room), room.layout())
-        return id(self.sink), id(self.residual), tuple(map(id, closed)), open_page
+        residual = id(self.residual)
+        if self.residual is not None and self.residual is self.residual_view:  # grows in place
+            residual = (id(self.residual_room), self.residual_end - self.residual.shape[2])
+        return id(self.sink), residual, tuple(map(id, closed)), open_page
 
     def layout_objects(self) -> tuple:
         """The objects whose ids :meth:`layout_key` holds."""
-        return self.sink, self.residual, tuple(self.chunks)
+        return self.sink, self.residual, self.residual_room, tuple(self.chunks)
 
     def heads(self) -> int:
         """The number of KV heads of the stored tokens (0 when none are stored)."""
@@ -333,7 +383,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _reset_storage(self) -> None:
         self.k = _Stream(self.key_quantizer, self.fp_window)
         self.v = _Stream(self.value_quantizer, self.fp_window)
-        #: decode attention's fp keys rotated to their positions, by first slot: (weak reference
+        #: the Triton decode's fp keys rotated to their positions, by first slot: (weak reference
         #: to the stored tensor, its version and last slot, the rotated keys); a sink's never change
         self.rotated_fp_keys: dict[int, tuple] = {}
         #: decode attention's library structures of the keys and values, kept between steps

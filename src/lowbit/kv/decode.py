@@ -288,14 +288,8 @@ def compiled_decode_attention(
         rope = native.Rope(cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), positions.stride(0),
                            cos_b.data_ptr(), sin_b.data_ptr(), cos_b.shape[1])  # fmt: skip
     keep: list = []  # everything the library's structures point into
-    rotated = None
-    if key_rope is not None:
-
-        def rotated(r0: int, r1: int, data: Tensor) -> Tensor:
-            return _rotated_fp_keys(layer, r0, r1, data, key_rope)
-
-    keys = _stream(layer.k, keep, rotated, layer.decode_streams, "k")
-    values = _stream(layer.v, keep, None, layer.decode_streams, "v")
+    keys = _stream(layer.k, keep, key_rope is not None, layer.decode_streams, "k")
+    values = _stream(layer.v, keep, False, layer.decode_streams, "v")
     if keys is None or values is None or keys[1] is not None:
         return None  # a page the kernels do not read, or keys in a rotated basis
     row = None
@@ -325,42 +319,45 @@ def compiled_decode_attention(
 def _stream(
     stream: kv_cache._Stream,
     keep: list,
-    rotated: Callable[[int, int, Tensor], Tensor] | None = None,
+    pre_rope: bool = False,
     plans: dict | None = None,
     name: str = "",
 ) -> tuple[native.Stream, Tensor | None] | None:
     """The keys or values of a layer (its ``stream``'s :meth:`~lowbit.kv.cache._Stream.regions`)
     as the library's ``lb_stream``, and the rotation of its pages' stored basis (or None);
-    None where a page is not one the kernels read, or the pages differ in basis. ``rotated``:
-    ``(first slot, last slot + 1, fp keys) -> the keys rotated to their positions`` for
-    pre-RoPE keys. The structures and the tensors they point into are appended to ``keep``.
+    None where a page is not one the kernels read, or the pages differ in basis. ``pre_rope``:
+    the fp runs are pre-RoPE keys, rotated by the library. The structures and the tensors they
+    point into are appended to ``keep``.
 
     ``plans`` (a layer's ``decode_streams``) keeps the result under ``name`` between decode
     steps: while the stream's :meth:`~lowbit.kv.cache._Stream.layout_key` is unchanged (every
-    region the same object as last step, but for the open page of a room that grew in place),
-    the kept structures are reused with that page's token count updated, not described anew."""
+    region the same object as last step, but for the open page of a room and the residual,
+    both grown in place), the kept structures are reused with their token counts updated, not
+    described anew."""
     key = stream.layout_key()
     kept = None if plans is None else plans.get(name)
     if kept is not None and kept[0] == key:
-        _, result, page_array, room_page, held = kept
+        _, result, page_array, room_page, dense_array, residual_run, held = kept
         if room_page is not None:  # the open page's tokens, written since
             page_array[room_page].tokens = stream.chunks[-1].num_tokens
+        if residual_run is not None:  # and the residual's
+            dense_array[residual_run].tokens = stream.residual.shape[2]
         keep.append(held)
         return result
-    parts = []
-    for r0, r1, data in stream.regions():
-        if isinstance(data, Tensor):
-            if rotated is not None:
-                data = rotated(r0, r1, data)
-            if data.dtype not in native.FLOAT_DTYPES or data.stride(-1) != 1:
-                data = data.float().contiguous()
-        parts.append((r0, r1, data))
     pages, starts, dense, rotations, held = [], [], [], set(), [stream.layout_objects()]
-    rotation = room_page = None
-    for r0, r1, data in parts:
+    rotation = room_page = residual_run = None
+    keepable = plans is not None
+    for r0, r1, data in stream.regions():
         held.append(data)
         if isinstance(data, Tensor):
-            part = native.Dense(data.data_ptr(), native.FLOAT_DTYPES[data.dtype], 0, r0, r1 - r0)
+            if data is stream.residual and data is stream.residual_view:
+                residual_run = len(dense)  # grows in place: its token count moves
+            if data.dtype not in native.FLOAT_DTYPES or data.stride(-1) != 1:
+                data = data.float().contiguous()
+                held.append(data)
+                residual_run, keepable = None, False  # a copy: described anew every step
+            part = native.Dense(data.data_ptr(), native.FLOAT_DTYPES[data.dtype], int(pre_rope),
+                                r0, r1 - r0)  # fmt: skip
             part.stride[:] = list(data.stride()[:3])
             dense.append(part)
             continue
@@ -384,8 +381,11 @@ def _stream(
         len(pages), ctypes.cast(dense_array, ctypes.c_void_p), len(dense),
     )  # fmt: skip
     keep.append(held)
-    if plans is not None:
-        plans[name] = (key, (described_stream, rotation), page_array, room_page, held)
+    if keepable:
+        result = (described_stream, rotation)
+        plans[name] = (key, result, page_array, room_page, dense_array, residual_run, held)
+    elif plans is not None:
+        plans.pop(name, None)
     return described_stream, rotation
 
 

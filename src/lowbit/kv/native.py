@@ -99,12 +99,13 @@ class Rope(ctypes.Structure):
 
 class Dense(ctypes.Structure):
     """``lb_dense``: a run of fp tokens beside the pages (a sink, the fp residual), ``[B, H, n,
-    D]`` rows with contiguous channels in float32, float16 or bfloat16, and its first slot."""
+    D]`` rows with contiguous channels in float32, float16 or bfloat16, its first slot, and
+    whether they are pre-RoPE keys (rotated by the library at their positions)."""
 
     _fields_ = [
         ("data", ctypes.c_void_p),
         ("dtype", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
+        ("rotate", ctypes.c_int32),
         ("start", ctypes.c_int64),
         ("tokens", ctypes.c_int64),
         ("stride", ctypes.c_int64 * 3),

@@ -1194,7 +1194,7 @@ int lb_accumulate(const lb_page *pages, const int64_t *starts, int64_t n_pages, 
 typedef struct {
     const void *data; /* [batch, heads, tokens, dim] rows, channels contiguous */
     int32_t dtype;    /* LB_F32, LB_F16 or LB_BF16 */
-    int32_t pad;
+    int32_t rotate;   /* 1: pre-RoPE keys, rotated here at their slots' positions (the call's tables) */
     int64_t start, tokens; /* the slot of the first token, how many */
     int64_t stride[3];     /* elements: batch row, head, token */
 } lb_dense;
@@ -1330,11 +1330,12 @@ typedef struct {
     float *scores;
 } lb_step;
 
-/* The fp runs of a stream inside slots s0..s1: the keys' scores into x->scores (acc NULL), or
-   the values' sums weighted by the row's e^(s - m) into acc [rows][dim]. */
+/* The fp runs of a stream inside slots s0..s1: the keys' scores into x->scores (acc NULL; a
+   run of pre-RoPE keys rotated first), or the values' sums weighted by the row's e^(s - m) into
+   acc [rows][dim]. */
 static void lb_dense_part(const lb_step *x, const lb_stream *stream, int64_t s0, int64_t s1, float *acc) {
     const int64_t G = x->groups, d = x->dim;
-    float row[LB_MAX_DIM];
+    float row[LB_MAX_DIM], turned[LB_MAX_DIM];
     for (int64_t i = 0; i < stream->n_dense; i++) {
         const lb_dense *run = &stream->dense[i];
         const int64_t a = s0 > run->start ? s0 - run->start : 0;
@@ -1343,6 +1344,10 @@ static void lb_dense_part(const lb_step *x, const lb_stream *stream, int64_t s0,
             for (int64_t h = 0; h < x->heads; h++)
                 for (int64_t t = a; t < e; t++) {
                     lb_dense_row(run, b, h, t, d, row);
+                    if (run->rotate) {
+                        lb_rotate(x->rope, b, run->start + t, d, row, turned);
+                        memcpy(row, turned, (size_t)d * sizeof(float));
+                    }
                     for (int64_t g = 0; g < G; g++) {
                         const int64_t r = (b * x->heads + h) * G + g;
                         float *score = x->scores + r * x->total + run->start + t;
@@ -1401,6 +1406,11 @@ int lb_attend(const lb_stream *keys, const lb_stream *values, const lb_rope *rop
         lb_check_dense(keys->dense, keys->n_dense, total) || lb_check_dense(values->dense, values->n_dense, total))
         return -1;
     if (rotate_query && (!rope || !rope->cos || dim % 2)) return -1;
+    for (int64_t i = 0; i < keys->n_dense + values->n_dense; i++) { /* runs rotated: keys', with tables */
+        const int value = i >= keys->n_dense;
+        const lb_dense *run = value ? &values->dense[i - keys->n_dense] : &keys->dense[i];
+        if (run->rotate && (value || !rope || !rope->cos || dim % 2)) return -1;
+    }
     if (io_dtype != LB_F32 && io_dtype != LB_F16 && io_dtype != LB_BF16) return -1;
     const int64_t rows = batch * heads * groups, acc_size = rows * dim;
     int64_t n = threads < 1 ? 1 : (threads > LB_MAX_THREADS ? LB_MAX_THREADS : threads);

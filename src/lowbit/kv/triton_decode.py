@@ -114,6 +114,10 @@ def _pages(stream, device: torch.device, plans: dict, name: str) -> _Pages | Non
     kept = plans.get(name)
     if kept is not None and kept[0] == key:
         pages = kept[1]
+        if stream.residual is not None:  # it may have grown in place: the fp runs as they are
+            pages.dense = [
+                (r0, r1, data) for r0, r1, data in stream.regions() if isinstance(data, Tensor)
+            ]
         if pages.room is not None:
             row, tokens = pages.room, stream.chunks[-1].num_tokens
             if pages.tokens[row] != tokens:
