@@ -459,7 +459,7 @@ def test_fp_keys_are_rotated_by_the_library(monkeypatch):
         assert (got - expected).abs().max() < 1e-5
 
 
-def test_the_fp_residual_grows_in_place_and_its_structures_are_kept(monkeypatch):
+def test_the_fp_residual_grows_in_place_and_its_structures_are_kept():
     """A window of fp tokens (KIVI's residual) grows in its buffer from step to step: an earlier
     view of it never changes, the library's structures are kept while no token leaves the
     window (described anew when a group does), and every step's attention equals torch's."""
