@@ -293,28 +293,59 @@ static float lb_dot(const float *a, const float *b, int64_t d) {
 #define LB_TILE 16
 #define LB_MAX_WORDS (LB_MAX_DIM * 4 / 32)
 
+/* Statistics that change from token group to token group but not inside a 16-token tile, per
+   channel or channel group (KIVI's keys: per channel over 32 tokens): each channel's values are
+   tabulated once a token group, for every head (lb_group_tables). */
+static int lb_group_tables_page(const lb_page *pg) {
+    return lb_token_stats(pg) && pg->channel_group != pg->dim && pg->token_group % LB_TILE == 0 &&
+           !pg->levels_per_channel;
+}
+
 /* The tile road applies: codes of at most 4 bits, and either a codebook with statistics shared
-   by every token (lb_load_stats' value table) or one group of statistics a token over a shared
-   codebook or integer levels (KVQuant's values, kv-int's per-token rows). */
+   by every token (lb_load_stats' value table), statistics constant over a tile
+   (lb_group_tables_page), or statistics a token (or token group) over a shared codebook or
+   integer levels, one set a channel group (KVQuant's values, kv-int's per-token rows, KIVI's
+   values in groups of channels). */
 static int lb_tile_page(const lb_page *pg) {
     if (pg->bits > 4) return 0;
     const int token_stats = lb_token_stats(pg);
     if (!token_stats) return pg->levels && pg->dim * ((int64_t)1 << pg->bits) <= LB_TABLE;
-    return pg->channel_group == pg->dim && !pg->levels_per_channel;
+    return !pg->levels_per_channel;
 }
 
-/* Statistic s of tokens t..t+15 of row (b, h), one a token (channel group 0): a vector load
+/* Statistic s of tokens t..t+15 of row (b, h) in channel group cg, one a token: a vector load
    where they lie one a token side by side in fp16 or fp32, else one by one. */
-static __m512 lb_tile_stat(const lb_stat *s, const lb_page *pg, int64_t b, int64_t h, int64_t t, float absent) {
+static __m512 lb_tile_stat(const lb_stat *s, const lb_page *pg, int64_t b, int64_t h, int64_t t, int64_t cg,
+                           float absent) {
     if (!s->data) return _mm512_set1_ps(absent);
     if (pg->token_group == 1 && s->stride[2] == 1 && s->dtype != LB_U8) {
-        const int64_t at = b * s->stride[0] + h * s->stride[1] + t;
+        const int64_t at = b * s->stride[0] + h * s->stride[1] + t + cg * s->stride[3];
         if (s->dtype == LB_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s->data + at)));
         return _mm512_loadu_ps((const float *)s->data + at);
     }
     float v[LB_TILE];
-    for (int j = 0; j < LB_TILE; j++) v[j] = lb_stat_at(s, b, h, (t + j) / pg->token_group, 0, absent);
+    for (int j = 0; j < LB_TILE; j++) v[j] = lb_stat_at(s, b, h, (t + j) / pg->token_group, cg, absent);
     return _mm512_loadu_ps(v);
+}
+
+/* Every head's value tables [head][channel][16] of batch row b in token group tg (pages of
+   lb_group_tables_page): lb_decode_row's value of each code, level l -> l mod 2^bits. */
+static void lb_group_tables(const lb_page *pg, int64_t b, int64_t tg, float *tables) {
+    const int64_t d = pg->dim, n = (int64_t)1 << pg->bits;
+    for (int64_t h = 0; h < pg->heads; h++)
+        for (int64_t i = 0; i < d; i++) {
+            const int64_t g = i / pg->channel_group;
+            const float z = lb_stat_at(&pg->zero, b, h, tg, g, 0.0f), sc = lb_stat_at(&pg->scale, b, h, tg, g, 1.0f);
+            const float o = lb_stat_at(&pg->offset, b, h, tg, g, 0.0f);
+            float *row = tables + (h * d + i) * 16;
+            for (int64_t l = 0; l < 16; l++) { /* lb_affine's operations, in its order */
+                float v = lb_level(pg, h, i, (int)(l & (n - 1)));
+                if (pg->zero.data) v -= z;
+                if (pg->scale.data || pg->zero.data) v *= sc;
+                if (pg->offset.data) v += o;
+                row[l] = v;
+            }
+        }
 }
 
 /* The code words of tokens t..t+15 of row (b, h) transposed: words[w][j] is word w of token t+j's
@@ -393,11 +424,14 @@ static void lb_decode_tile(const lb_page *pg, int64_t b, int64_t h, int64_t t, c
         float lv[16];
         for (int64_t l = 0; l < 16; l++) lv[l] = lb_level(pg, 0, 0, (int)(l & (n - 1))); /* or code + bias */
         levels = _mm512_loadu_ps(lv);
-        zero = lb_tile_stat(&pg->zero, pg, b, h, t, 0.0f);
-        scale = lb_tile_stat(&pg->scale, pg, b, h, t, 1.0f);
-        offset = lb_tile_stat(&pg->offset, pg, b, h, t, 0.0f);
     }
     for (int64_t i = 0; i < d; i++) {
+        if (!table16 && i % pg->channel_group == 0) { /* the statistics of channel group i / cg */
+            const int64_t g = i / pg->channel_group;
+            zero = lb_tile_stat(&pg->zero, pg, b, h, t, g, 0.0f);
+            scale = lb_tile_stat(&pg->scale, pg, b, h, t, g, 1.0f);
+            offset = lb_tile_stat(&pg->offset, pg, b, h, t, g, 0.0f);
+        }
         /* codes above `bits` are the next channels': the permute reads 4 bits, and a table of
            fewer levels repeats them (level l -> l mod 2^bits) */
         const int64_t bit = i * bits, w = bit >> 5, shift = bit & 31;
@@ -553,6 +587,7 @@ static void lb_accumulate_tile_run(const float *prow, int64_t groups, int64_t to
    values) and blended in by a masked load. The values are lb_decode_tile's, bit for bit. The
    dim is a whole number of 16 channels (4 bits) or of 32 (3 bits: whole blocks of three words). */
 static int lb_fused_page(const lb_page *pg) {
+    if (lb_token_stats(pg) && pg->channel_group != pg->dim) return 0; /* one set of statistics a tile */
     return (pg->bits == 4 && pg->dim % 16 == 0) || (pg->bits == 3 && pg->dim % 32 == 0);
 }
 
@@ -595,9 +630,9 @@ static void lb_fused_make(const lb_page *pg, int64_t b, int64_t h, int64_t t, ui
         float lv[16];
         for (int l = 0; l < 16; l++) lv[l] = lb_level(pg, 0, 0, l & ((1 << pg->bits) - 1));
         x->levels = _mm512_loadu_ps(lv);
-        x->zero = lb_tile_stat(&pg->zero, pg, b, h, t, 0.0f);
-        if (pg->scale.data) x->scale = lb_tile_stat(&pg->scale, pg, b, h, t, 1.0f);
-        x->offset = lb_tile_stat(&pg->offset, pg, b, h, t, 0.0f);
+        x->zero = lb_tile_stat(&pg->zero, pg, b, h, t, 0, 0.0f);
+        if (pg->scale.data) x->scale = lb_tile_stat(&pg->scale, pg, b, h, t, 0, 1.0f);
+        x->offset = lb_tile_stat(&pg->offset, pg, b, h, t, 0, 0.0f);
     }
     x->mask = mask ? mask + h * d : NULL;
     x->outlier = mask ? outlier + h * d * LB_TILE : NULL;
@@ -859,7 +894,7 @@ typedef struct {
 
 static int lb_tile_buffers_make(const lb_page *pg, int64_t tiles, int64_t extra, lb_tile_buffers *buf) {
     const int64_t n = pg->heads * pg->dim * LB_TILE;
-    const int token_stats = lb_token_stats(pg);
+    const int token_stats = lb_token_stats(pg) && !lb_group_tables_page(pg);
     buf->kts = malloc((size_t)(tiles * n) * sizeof(float));
     buf->tables = token_stats ? NULL : malloc((size_t)n * sizeof(float));
     buf->extra = extra ? malloc((size_t)extra * sizeof(float)) : NULL;
@@ -870,7 +905,7 @@ static int lb_tile_buffers_make(const lb_page *pg, int64_t tiles, int64_t extra,
 
 /* The heads' value tables of batch row b into buf->tables (nothing for per-token statistics). */
 static void lb_tile_tables(const lb_page *pg, int64_t b, lb_stats *st, lb_tile_buffers *buf, lb_table_cache *cache) {
-    if (!buf->tables) return;
+    if (!buf->tables || lb_group_tables_page(pg)) return; /* those: a token group's at a time */
     const size_t bytes = (size_t)(pg->heads * pg->dim * 16) * sizeof(float);
     if (cache && cache->tables && cache->b == b && lb_same_stats(&cache->of, pg)) {
         memcpy(buf->tables, cache->tables, bytes);
@@ -902,10 +937,14 @@ static int64_t lb_scores_tiles(const lb_job *job, int64_t i, int64_t t0, int64_t
     float *ct = rope ? buf.extra : NULL, *sn = rope ? buf.extra + rope_channels * LB_TILE : NULL; /* [channels][16] */
     uint16_t *mask = pg->row_ptr ? (uint16_t *)(buf.extra + 2 * rope_channels * LB_TILE) : NULL;
     uint32_t words[LB_MAX_WORDS][LB_TILE];
+    const int group_tables = lb_group_tables_page(pg);
     for (int64_t b = 0; b < pg->batch; b++) {
         lb_tile_tables(pg, b, st, &buf, job->tables);
+        int64_t built = -1; /* the token group buf.tables holds (group tables) */
         for (int64_t t = t0; t < end; t += LB_TILE) {
             if (rope) lb_rope_tile(job->rope, b, start + t, ct, sn);
+            if (group_tables && t / pg->token_group != built)
+                lb_group_tables(pg, b, built = t / pg->token_group, buf.tables);
             if (fused && mask) lb_tile_outliers(pg, b, t, mask, buf.kts);
             else if (!fused) lb_decode_tiles(pg, b, t, buf.tables, buf.kts);
             for (int64_t h = 0; h < H; h++) {
@@ -937,13 +976,17 @@ static int64_t lb_accumulate_tiles(const lb_job *job, int64_t i, int64_t t0, int
     if (end == t0 || lb_tile_buffers_make(pg, LB_TILE_RUN, n * LB_TILE + (LB_TILE_RUN * H * d + 1) / 2, &buf)) return t0;
     uint16_t *masks = pg->row_ptr ? (uint16_t *)(buf.extra + n * LB_TILE) : NULL;
     uint32_t words[LB_TILE_RUN][LB_MAX_WORDS][LB_TILE];
+    const int group_tables = lb_group_tables_page(pg);
     for (int64_t b = 0; b < pg->batch; b++) {
         lb_tile_tables(pg, b, st, &buf, job->tables);
         memset(buf.extra, 0, (size_t)(n * LB_TILE) * sizeof(float));
+        int64_t built = -1; /* the token group buf.tables holds (group tables) */
         for (int64_t t = t0; t < end; t += LB_TILE_RUN * LB_TILE) {
             const int64_t left = (end - t) / LB_TILE;
             const int tiles = left < LB_TILE_RUN ? (int)left : LB_TILE_RUN;
             for (int k = 0; k < tiles; k++) {
+                if (group_tables && (t + k * LB_TILE) / pg->token_group != built)
+                    lb_group_tables(pg, b, built = (t + k * LB_TILE) / pg->token_group, buf.tables);
                 if (fused && masks) lb_tile_outliers(pg, b, t + k * LB_TILE, masks + k * H * d, buf.kts + k * tile_stride);
                 else if (!fused) lb_decode_tiles(pg, b, t + k * LB_TILE, buf.tables, buf.kts + k * tile_stride);
             }
