@@ -304,13 +304,14 @@ static int lb_group_tables_page(const lb_page *pg) {
 /* The tile road applies: codes of at most 4 bits, and either a codebook with statistics shared
    by every token (lb_load_stats' value table), statistics constant over a tile
    (lb_group_tables_page), or statistics a token (or token group) over a shared codebook or
-   integer levels, one set a channel group (KVQuant's values, kv-int's per-token rows, KIVI's
-   values in groups of channels). */
+   integer levels, one set a row or a group of at least 16 channels (KVQuant's values, kv-int's
+   per-token rows, KIVI's values in groups of channels; each group's are read for 16 tokens). */
 static int lb_tile_page(const lb_page *pg) {
     if (pg->bits > 4) return 0;
     const int token_stats = lb_token_stats(pg);
     if (!token_stats) return pg->levels && pg->dim * ((int64_t)1 << pg->bits) <= LB_TABLE;
-    return !pg->levels_per_channel;
+    if (pg->levels_per_channel) return 0;
+    return pg->channel_group == pg->dim || pg->channel_group >= 16 || lb_group_tables_page(pg);
 }
 
 /* Statistic s of tokens t..t+15 of row (b, h) in channel group cg, one a token: a vector load
