@@ -596,25 +596,29 @@ def test_compiled_decode_on_embedded_at_2k(embedded, wikitext_path, monkeypatch)
     assert max(differences) < 1e-4
 
 
+@pytest.mark.parametrize("zero", ["int", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits, group, clip", [(4, None, 1.0), (4, 16, 0.95), (3, 24, 1.0),
                                                (2, 8, 0.9), (8, None, 1.0), (5, 48, 0.95)])  # fmt: skip
-def test_compiled_store_equals_torch_quantizer(monkeypatch, bits, group, clip, dtype):
-    """The decode step's store of per-token integer codes: compiled and torch, bit for bit."""
+def test_compiled_store_equals_torch_quantizer(monkeypatch, bits, group, clip, dtype, zero):
+    """The decode step's store of per-token integer codes, with integer zero points (kv-int)
+    or fp16 minimums (KIVI's values): compiled and torch, bit for bit."""
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(B, H, T, D, generator=g) * torch.rand(1, 1, T, D, generator=g) * 4
     x[0, 0, 0] = 0.0  # an all-zero token: scale 1
     x[0, 1, 1] = 1e-3  # a constant one
     x[1, 2, 2] = -torch.rand(D, generator=g)  # all negative: zero point at the top
     x = x.to(dtype)
-    quantizer = IntTokenQuantizer(bits, group_size=group, clip_ratio=clip)
+    quantizer = IntTokenQuantizer(bits, group_size=group, clip_ratio=clip, zero=zero)
     compiled = quantizer.quantize(x)
-    assert native.quantize_int_tokens(x, bits, group or D, clip) is not None  # it ran
+    minimum = zero == "fp16"
+    assert native.quantize_int_tokens(x, bits, group or D, clip, minimum) is not None  # it ran
     monkeypatch.setattr(native, "library", lambda: None)
     reference = quantizer.quantize(x)
+    assert reference.stored_tensors().keys() == compiled.stored_tensors().keys()
     for name, tensor in reference.stored_tensors().items():
         assert torch.equal(compiled.stored_tensors()[name], tensor), name
-    assert native.quantize_int_tokens(x, bits, group or D, clip) is None
+    assert native.quantize_int_tokens(x, bits, group or D, clip, minimum) is None
 
 
 def test_compiled_store_leaves_non_finite_input_to_torch():

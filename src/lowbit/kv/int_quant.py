@@ -133,13 +133,15 @@ class _IntKVQuantizer(KVQuantizer):
         self.check(d)
         tg, cg = self._groups(d)
         group = cg if self._axis == -1 else tg
-        if self._axis == -1 and not self.symmetric and self.zero == "int":
+        if self._axis == -1 and not self.symmetric:
             # the compiled store where it is built (lowbit.kv.native), else torch below
-            compiled = quantize_int_tokens(x, self.bits, cg, self.clip_ratio)
+            minimum = self.zero == "fp16"
+            compiled = quantize_int_tokens(x, self.bits, cg, self.clip_ratio, minimum)
             if compiled is not None:
                 codes, scale, zero = compiled
                 return IntPackedKV(
-                    shape=x.shape, dtype=x.dtype, codes=codes, scale=scale, zero=zero,
+                    shape=x.shape, dtype=x.dtype, codes=codes, scale=scale,
+                    zero=None if minimum else zero, minimum=zero if minimum else None,
                     bits=self.bits, symmetric=False, token_group=tg, channel_group=cg,
                 )  # fmt: skip
         if self.symmetric or self.zero == "int":

@@ -6,7 +6,7 @@ on its torch path (:func:`lowbit.kv.decode.chunked_attention`, the torch quantiz
 gives the same numbers, slower.
 
 :mod:`lowbit.kv.page_descriptors` describes packed pages to the attention kernels.
-:func:`quantize_int_tokens` is the store of per-token integer caches (kv-int, QuaRot's),
+:func:`quantize_int_tokens` is the store of per-token integer caches (kv-int, QuaRot's, KIVI's values),
 :func:`quantize_kvquant_tokens` KVQuant's.
 """
 
@@ -160,7 +160,7 @@ def library() -> ctypes.CDLL | None:
     lib.lb_tile_width.argtypes, lib.lb_tile_width.restype = [], c_int
     lib.lb_attend.argtypes = [pointer, pointer, pointer, pointer, c_int, i64, i64, i64, i64, i64, f32, pointer, i64, pointer, c_int, pointer, c_int]  # fmt: skip
     lib.lb_attend.restype = c_int
-    lib.lb_quantize_int_rows.argtypes = [pointer, c_int, i64, i64, i64, c_int, f32, pointer, i64, pointer, pointer]  # fmt: skip
+    lib.lb_quantize_int_rows.argtypes = [pointer, c_int, i64, i64, i64, c_int, f32, c_int, pointer, i64, pointer, pointer]  # fmt: skip
     lib.lb_quantize_int_rows.restype = c_int
     lib.lb_quantize_kvquant.argtypes = [pointer, i64, i64, i64, i64, c_int, pointer, c_int, pointer, pointer, c_int, i64, pointer, i64, pointer, pointer, i64, pointer, pointer, i64, pointer]  # fmt: skip
     lib.lb_quantize_kvquant.restype = c_int
@@ -168,13 +168,14 @@ def library() -> ctypes.CDLL | None:
 
 
 def quantize_int_tokens(
-    x: Tensor, bits: int, group: int, clip: float
+    x: Tensor, bits: int, group: int, clip: float, minimum: bool = False
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """Per-token asymmetric integer codes of ``x`` ``[B, H, T, D]`` in groups of ``group``
-    channels with integer zero points, computed by the compiled library: ``(codes uint8 [B, H,
-    T, ceil(D * bits / 8)], scale fp16 [B, H, T, D / group], zero uint8 [B, H, T, D / group])``,
-    equal bit for bit to :class:`~lowbit.kv.int_quant.IntTokenQuantizer`'s torch path. None
-    where it cannot (no library, not on the CPU, another dtype, a NaN or an infinity)."""
+    channels, computed by the compiled library: ``(codes uint8 [B, H, T, ceil(D * bits / 8)],
+    scale fp16 [B, H, T, D / group], zero)``, ``zero`` the integer zero points (uint8, same
+    shape) or with ``minimum`` the fp16 minimums of KIVI's form; equal bit for bit to
+    :class:`~lowbit.kv.int_quant.IntTokenQuantizer`'s torch path. None where it cannot (no
+    library, not on the CPU, another dtype, a NaN or an infinity, a statistic beyond fp16)."""
     lib = library()
     if lib is None or x.device.type != "cpu" or x.dtype not in FLOAT_DTYPES:
         return None
@@ -183,9 +184,10 @@ def quantize_int_tokens(
     row_bytes = -(-d * bits // 8)
     codes = torch.empty(b, h, t, row_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(b, h, t, d // group, dtype=torch.float16, device=x.device)
-    zero = torch.empty(b, h, t, d // group, dtype=torch.uint8, device=x.device)
+    zero_dtype = torch.float16 if minimum else torch.uint8
+    zero = torch.empty(b, h, t, d // group, dtype=zero_dtype, device=x.device)
     status = lib.lb_quantize_int_rows(
-        rows.data_ptr(), FLOAT_DTYPES[x.dtype], b * h * t, d, group, bits, clip,
+        rows.data_ptr(), FLOAT_DTYPES[x.dtype], b * h * t, d, group, bits, clip, int(minimum),
         codes.data_ptr(), row_bytes, scale.data_ptr(), zero.data_ptr(),
     )  # fmt: skip
     return None if status else (codes, scale, zero)

@@ -1539,19 +1539,24 @@ static uint16_t lb_to_half(float v) {
     return out;
 }
 
-/* Integer codes of new tokens, per token and channel group, asymmetric with an integer zero
-   point: the decode step's store (lowbit.kv.int_quant.IntTokenQuantizer), the same operations
-   as lowbit.formats.intq in the same order, so the codes and statistics equal torch's bit for
-   bit. Per group of `group` values:
+/* Integer codes of new tokens, per token and channel group, asymmetric: the decode step's store
+   (lowbit.kv.int_quant.IntTokenQuantizer), the same operations as the torch path in the same
+   order, so the codes and statistics equal torch's bit for bit. Per group of `group` values,
+   with an integer zero point (minimum 0; lowbit.formats.intq):
        lo = min(min x, 0) * clip, hi = max(max x, 0) * clip, scale = (hi - lo) / qmax
        (0 -> 1, below the smallest normal -> the smallest normal),
        zero = clamp(round(-(lo / scale)), 0, qmax), code = clamp(round(x * (1 / scale)) + zero, 0, qmax)
+   or with an fp16 minimum (minimum 1; KIVI's form, IntTokenQuantizer._minmax_codes):
+       mid = (lo + hi) / 2 of the group's min and max, lo and hi moved towards mid by clip,
+       scale = (hi - lo) / qmax (0 -> 1) and lo rounded to fp16, code = clamp(round((x - lo) /
+       scale), 0, qmax)
    with round half to even. x: [rows, dim] float32 (dtype 2), float16 (1) or bfloat16 (4);
    codes: [rows, row_bytes] packed as lowbit.formats.packing's plain order; scale: [rows, dim /
-   group] float16 bits; zero: [rows, dim / group] uint8. Returns -1 when x holds a NaN or an
-   infinity (the caller's torch path raises the error). */
+   group] float16 bits; zero: [rows, dim / group] uint8 zero points, or float16 bits of the
+   minimums. Returns -1 when x holds a NaN or an infinity, or a statistic fp16 cannot hold (the
+   caller's torch path decides). */
 int lb_quantize_int_rows(const void *x, int dtype, int64_t rows, int64_t dim, int64_t group, int bits,
-                         float clip, uint8_t *codes, int64_t row_bytes, uint16_t *scale, uint8_t *zero) {
+                         float clip, int minimum, uint8_t *codes, int64_t row_bytes, uint16_t *scale, void *zero) {
     if (dim <= 0 || dim > LB_MAX_DIM || group <= 0 || dim % group || bits < 1 || bits > 8) return -1;
     const float qmax = (float)((1 << bits) - 1), tiny = 1.17549435e-38f;
     const int64_t ng = dim / group;
@@ -1578,6 +1583,22 @@ int lb_quantize_int_rows(const void *x, int dtype, int64_t rows, int64_t dim, in
                 lo = xg[i] < lo ? xg[i] : lo;
                 hi = xg[i] > hi ? xg[i] : hi;
             }
+            if (minimum) {
+                const float mid = 0.5f * (lo + hi);
+                lo = mid + (lo - mid) * clip, hi = mid + (hi - mid) * clip;
+                const float s = (hi - lo) / qmax;
+                const uint16_t s16 = lb_to_half(s == 0.0f ? 1.0f : s), lo16 = lb_to_half(lo);
+                const float sf = lb_half(s16), lf = lb_half(lo16);
+                if (!(sf > 0.0f && sf - sf == 0.0f && lf - lf == 0.0f)) return -1; /* fp16 under- or overflow */
+                scale[r * ng + g] = s16;
+                ((uint16_t *)zero)[r * ng + g] = lo16;
+                for (int64_t i = 0; i < group; i++) {
+                    float q = nearbyintf((xg[i] - lf) / sf);
+                    q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
+                    lb_put_code(row, g * group + i, bits, (unsigned)q);
+                }
+                continue;
+            }
             lo = lo < 0.0f ? lo : 0.0f;
             hi = hi > 0.0f ? hi : 0.0f;
             if (clip != 1.0f) lo = lo * clip, hi = hi * clip;
@@ -1588,7 +1609,7 @@ int lb_quantize_int_rows(const void *x, int dtype, int64_t rows, int64_t dim, in
             z = z < 0.0f ? 0.0f : (z > qmax ? qmax : z);
             const float inv = 1.0f / s;
             scale[r * ng + g] = lb_to_half(s);
-            zero[r * ng + g] = (uint8_t)z;
+            ((uint8_t *)zero)[r * ng + g] = (uint8_t)z;
             for (int64_t i = 0; i < group; i++) {
                 float q = nearbyintf(xg[i] * inv) + z;
                 q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
