@@ -1272,13 +1272,19 @@ static void lb_load_floats(const void *x, int dtype, int64_t n, float *out) {
     lb_dense_row(&run, 0, 0, 0, n, out);
 }
 
+static uint16_t lb_to_half(float v) {
+    _Float16 h = (_Float16)v;
+    uint16_t out;
+    memcpy(&out, &h, 2);
+    return out;
+}
+
 static void lb_store_floats(const float *x, int64_t n, int dtype, void *out) {
     for (int64_t i = 0; i < n; i++) {
         if (dtype == LB_F32) {
             ((float *)out)[i] = x[i];
         } else if (dtype == LB_F16) {
-            const _Float16 h = (_Float16)x[i];
-            memcpy((uint16_t *)out + i, &h, 2);
+            ((uint16_t *)out)[i] = lb_to_half(x[i]);
         } else {
             uint32_t u;
             memcpy(&u, &x[i], 4);
@@ -1530,13 +1536,6 @@ static void lb_put_code(uint8_t *row, int64_t i, int bits, unsigned code) {
     const int64_t bit = i * bits, byte = bit >> 3;
     row[byte] |= (uint8_t)(code << (bit & 7));
     if ((bit & 7) + bits > 8) row[byte + 1] |= (uint8_t)(code >> (8 - (bit & 7)));
-}
-
-static uint16_t lb_to_half(float v) {
-    _Float16 h = (_Float16)v;
-    uint16_t out;
-    memcpy(&out, &h, 2);
-    return out;
 }
 
 /* Integer codes of new tokens, per token and channel group, asymmetric: the decode step's store
